@@ -1,0 +1,94 @@
+"""The backend contract.
+
+A backend turns a :class:`~flashoverlap_core.plan.Plan` into device work. It provides four
+pieces: a signaling GEMM that writes the packed layout, a device-side wait on a group's
+counter, the collective on a group's contiguous region (normally through
+:class:`~flashoverlap_core.collectives.RegionExchange`, i.e. torch.distributed on the caller's
+group) and the post-communication reorder. Backends are found through the
+``flashoverlap.backends`` entry-point group; an entry point names a zero-argument callable (the
+class) returning a :class:`Backend`. Importing a backend module must stay cheap: no device
+context, no compilation.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .tiles import Schedule
+
+
+@dataclass(frozen=True)
+class OverlapSpec:
+    """What a call asks for, known before any device work."""
+
+    m: int
+    n: int
+    k: int
+    op: str  # one of plan.PLAN_OPS ("custom" for a callable)
+    world_size: int
+    dtype: str
+    device_type: str
+    b_layout: str = "row"  # "row" (contiguous [K, N]), "col" ([N, K] transposed) or "strided"
+    send_splits: tuple[int, ...] | None = None
+
+
+@dataclass
+class OverlapCall:
+    """Everything a backend needs to run one overlapped call (already validated)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    plan: "object"  # flashoverlap_core.plan.Plan
+    op: str | Callable
+    group: "object | None"  # torch.distributed ProcessGroup, or None when not initialised
+    rank: int
+    world_size: int
+    out: torch.Tensor
+    recv_splits: tuple[int, ...] | None = None
+    options: dict = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """Base class of every backend. Subclasses set ``name`` and ``device_type``."""
+
+    name: str = ""
+    device_type: str | None = None  # None: runs on any torch device
+    priority: int = 0  # auto-selection prefers higher priorities for a device type
+
+    def probe(self) -> str | None:
+        """``None`` when usable here, else why not. Must not create a device context."""
+        return None
+
+    def unsupported_reasons(self, spec: OverlapSpec) -> list[str]:
+        """Why this backend cannot run ``spec`` (empty list: it can)."""
+        return []
+
+    def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
+        return (128, 128)
+
+    def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
+        """Tiles finished at once (resident CTAs of a persistent kernel)."""
+        return 4
+
+    def schedule(self, spec: OverlapSpec) -> Schedule:
+        """The order in which this backend's kernel visits the tiles of one block."""
+        return Schedule()
+
+    def plan_reasons(self, plan) -> list[str]:
+        """Why this backend cannot execute ``plan`` (a tile it has no kernel for, say)."""
+        return []
+
+    def device_count(self) -> int:
+        """Devices this backend can use (0 for host-only backends)."""
+        return 0
+
+    def versions(self) -> dict[str, str]:
+        """Versions of what the backend runs on (collective library, compiler, ...)."""
+        return {}
+
+    @abc.abstractmethod
+    def run(self, call: OverlapCall) -> torch.Tensor:
+        """Run the overlapped call; the result goes to (and is) ``call.out``."""

@@ -1,0 +1,161 @@
+"""The communication side of an overlapped call, through torch.distributed.
+
+One :class:`RegionExchange` per call: ``start(g)`` hands group g's contiguous region to the
+collective of the caller's process group (NCCL, HCCL, gloo or whatever it uses) as soon as the
+backend knows the group's tiles are in the packed buffer; ``wait()`` joins them; ``finish()``
+runs the post-communication reorder into the call's output. Collectives are launched with
+``async_op=True`` on the current stream, so a backend that sets its communication stream
+current before ``start`` gets them ordered after its device-side wait.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .backend import OverlapCall
+from .reorder import unpack_block
+from .tiles import RASTERS
+
+
+def resolve_group(group) -> tuple[object | None, int, int]:
+    """(group, rank, world size); (None, 0, 1) when torch.distributed is not initialised."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if group is not None:
+        if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, "
+                            f"got {type(group).__name__}")
+        if not initialised:
+            raise ValueError("group was given but torch.distributed is not initialised")
+    if not initialised:
+        return None, 0, 1
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return group, rank, dist.get_world_size(group)
+
+
+class RegionExchange:
+    """Collectives of one call, one per group, on regions of the packed buffer."""
+
+    def __init__(self, call: OverlapCall, packed: torch.Tensor):
+        self.call, self.plan, self.packed = call, call.plan, packed
+        self.works: list = []
+        self.started = 0
+        plan, op = self.plan, call.op
+        self.kind = op if isinstance(op, str) else "custom"
+        self.num_collectives = plan.num_groups
+        if self.kind == "reduce_scatter" and call.group is not None:
+            self.staging = packed.new_empty(plan.m // call.world_size * plan.n)
+            self.recv_offsets = self._offsets([r.dest_numels[call.rank] for r in plan.regions])
+        elif self.kind == "all_to_all" and call.group is not None:
+            self._exchange_counts()
+        else:
+            self.staging = packed
+
+    @staticmethod
+    def _offsets(sizes):
+        out, acc = [], 0
+        for s in sizes:
+            out.append(acc)
+            acc += s
+        return out
+
+    # ---- all_to_all bookkeeping: what each rank sends me in each group -------------------
+    def _exchange_counts(self):
+        call, plan, w = self.call, self.plan, self.call.world_size
+        device = self.packed.device
+        given = call.recv_splits
+        header = [plan.num_groups, plan.tile[0], plan.tile[1], RASTERS.index(plan.schedule.raster),
+                  plan.schedule.swizzle, plan.n, *plan.block_rows,
+                  int(given is not None), *(given if given is not None else [0] * w)]
+        mine = torch.tensor(header, dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(w)]
+        dist.all_gather(gathered, mine, group=call.group)
+        headers = torch.stack(gathered).tolist()
+        self._check_headers(headers)
+        g_max = max(h[0] for h in headers)
+        counts = torch.zeros(w, g_max, dtype=torch.int64)
+        for g, region in enumerate(plan.regions):
+            counts[:, g] = torch.tensor(region.dest_numels)
+        recv = torch.empty(w * g_max, dtype=torch.int64, device=device)
+        dist.all_to_all_single(recv, counts.flatten().to(device), group=call.group)
+        self.recv_counts = recv.view(w, g_max).t().tolist()  # [group][source]
+        self.num_collectives = g_max
+        self.recv_rows = [h[6 + call.rank] for h in headers]
+        self.staging = self.packed.new_empty(sum(self.recv_rows) * plan.n)
+        self.recv_offsets = self._offsets([sum(c) for c in self.recv_counts])
+
+    def _check_headers(self, headers):
+        w, me = self.call.world_size, self.call.rank
+        layout = [tuple(h[1:6]) for h in headers]
+        if len(set(layout)) != 1:
+            raise ValueError("all_to_all plans differ across ranks in (tile BM, BN, raster, "
+                             f"swizzle, N): {layout}; every rank must use the same tile and order")
+        for q, h in enumerate(headers):
+            if h[6 + w]:
+                expected = [headers[s][6 + q] for s in range(w)]
+                if h[7 + w:7 + 2 * w] != expected:
+                    who = "this rank" if q == me else f"rank {q}"
+                    raise ValueError(f"recv_splits of {who} are {h[7 + w:7 + 2 * w]}, but the "
+                                     f"ranks send it {expected} rows (their send_splits)")
+
+    # ---- the collectives --------------------------------------------------------------------
+    def region(self, g: int) -> torch.Tensor:
+        r = self.plan.regions[g]
+        return self.packed[r.offset:r.offset + r.numel]
+
+    def start(self, g: int) -> None:
+        """Launch group g's collective (its tiles must be in the packed buffer)."""
+        if g != self.started:
+            raise RuntimeError(f"groups must start in order: expected {self.started}, got {g}")
+        self.started += 1
+        if self.kind == "custom":
+            self.call.op(self.region(g), g)
+            return
+        group = self.call.group
+        if group is None:
+            return  # world size 1 without torch.distributed: the collective is the identity
+        region = self.region(g) if g < self.plan.num_groups else self.packed[:0]
+        if self.kind == "allreduce":
+            work = dist.all_reduce(region, group=group, async_op=True)
+        elif self.kind == "reduce_scatter":
+            off = self.recv_offsets[g]
+            part = self.staging[off:off + region.numel() // self.call.world_size]
+            work = dist.reduce_scatter_tensor(part, region, group=group, async_op=True)
+        else:
+            off, counts = self.recv_offsets[g], self.recv_counts[g]
+            sends = list(self.plan.regions[g].dest_numels) if g < self.plan.num_groups else [0] * len(counts)
+            work = dist.all_to_all_single(self.staging[off:off + sum(counts)], region,
+                                          output_split_sizes=counts, input_split_sizes=sends,
+                                          group=group, async_op=True)
+        self.works.append(work)
+
+    def wait(self) -> None:
+        """Launch any trailing (empty) collectives, then make the current stream wait for all."""
+        while self.started < self.num_collectives:
+            self.start(self.started)
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+    # ---- post-communication reorder ----------------------------------------------------------
+    def block_streams(self):
+        """(output rows view, flat stream of that block's tiles) for every received block."""
+        out, plan = self.call.out, self.plan
+        if self.kind != "all_to_all" or self.call.group is None:
+            yield out, self.staging
+            return
+        row = 0
+        for s, rows in enumerate(self.recv_rows):
+            pieces = []
+            for g, counts in enumerate(self.recv_counts):
+                start = self.recv_offsets[g] + sum(counts[:s])
+                pieces.append(self.staging[start:start + counts[s]])
+            yield out[row:row + rows], torch.cat(pieces) if pieces else self.staging[:0]
+            row += rows
+
+    def finish(self) -> torch.Tensor:
+        for rows_view, stream in self.block_streams():
+            unpack_block(stream, rows_view, self.plan.tile, self.plan.schedule)
+        return self.call.out

@@ -1,0 +1,37 @@
+"""Default wave grouping, used until a tuned plan exists for a shape.
+
+Group g's collective overlaps the computation of the groups after it; the last group's
+collective is always exposed. Equal groups of whole waves keep each collective about as long as
+the computation it hides behind, and a few groups keep each collective large enough to run near
+its bandwidth. So: up to ``max_groups`` groups of whole waves, each at least
+``min_group_bytes`` of output, group boundaries on multiples of ``unit`` tiles (the world size
+for reduce_scatter, so each group holds the same rows for every rank).
+"""
+from __future__ import annotations
+
+MAX_GROUPS = 4
+MIN_GROUP_BYTES = 1 << 20
+
+
+def wave_group_sizes(num_tiles: int, wave_size: int, *, unit: int = 1, bytes_per_tile: int = 0,
+                     max_groups: int = MAX_GROUPS, min_group_bytes: int = MIN_GROUP_BYTES
+                     ) -> tuple[int, ...]:
+    """Tiles per group: up to ``max_groups`` near-equal runs of whole waves."""
+    if num_tiles % unit:
+        raise ValueError(f"{num_tiles} tiles cannot be grouped in units of {unit}")
+    waves = -(-num_tiles // wave_size)
+    groups = min(max_groups, waves)
+    if bytes_per_tile:
+        groups = min(groups, max(1, num_tiles * bytes_per_tile // min_group_bytes))
+    groups = max(groups, 1)
+    bounds = []
+    for g in range(1, groups):
+        tile = (g * waves // groups) * wave_size
+        bounds.append(min(num_tiles, tile // unit * unit))
+    edges = sorted(set([0] + bounds + [num_tiles]))
+    return tuple(b - a for a, b in zip(edges, edges[1:]) if b > a)
+
+
+def one_group(num_tiles: int) -> tuple[int, ...]:
+    """No overlap: every tile in one group (the collective runs after the whole GEMM)."""
+    return (num_tiles,)

@@ -1,0 +1,299 @@
+"""The overlap plan: which tiles form each wave group and where they sit in the packed buffer.
+
+A plan is backend-neutral and inspectable. It fixes:
+
+* the tile grid over the [M, N] output (:mod:`flashoverlap_core.tiles`), including the
+  destination blocks of ``reduce_scatter`` / ``all_to_all`` and the partial edge tiles;
+* the execution order (the kernel's tile order) and the wave size P (tiles finished at once);
+* ``group_sizes``: how many tiles, in execution order, each group holds;
+* the packed layout: group g occupies one contiguous *region*; inside it, the tiles are laid
+  out destination by destination, each destination's tiles in its block's schedule order, each
+  tile row-major at its real (possibly partial) size. So a region splits into one contiguous
+  part per destination, which is what ``reduce_scatter`` and ``all_to_all`` hand to the
+  collective, and the parts a rank receives, concatenated over groups, are its block's tiles in
+  schedule order: the post-communication reorder needs nothing but the block's shape.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from .tiles import Schedule, TileGrid, TileRect
+
+OPS = ("allreduce", "reduce_scatter", "all_to_all")
+CUSTOM_OP = "custom"  # a callable op: one block, laid out like allreduce
+PLAN_OPS = OPS + (CUSTOM_OP,)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FORMAT = "flashoverlap.plan/1"
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of a supported dtype (accepts torch.dtype or its name)."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in DTYPES.items():
+            if value == dtype:
+                return name
+        raise TypeError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in DTYPES:
+            return name
+        raise TypeError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_splits(name: str, splits, world_size: int, total: int | None) -> tuple[int, ...]:
+    """Validate per-rank row counts: W non-negative ints, summing to ``total`` if given."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if not isinstance(splits, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {world_size} ints, got {type(splits).__name__}")
+    if len(splits) != world_size:
+        raise ValueError(f"{name} must have one entry per rank ({world_size}), got {len(splits)}")
+    out = tuple(_check_int(f"{name}[{i}]", s, 0) for i, s in enumerate(splits))
+    if total is not None and sum(out) != total:
+        raise ValueError(f"{name} must sum to the rows of a ({total}), got sum {sum(out)}")
+    return out
+
+
+def block_rows_for(op: str, m: int, world_size: int, send_splits) -> tuple[int, ...]:
+    """Rows of c sent to each destination (one block for allreduce / custom ops)."""
+    if op == "reduce_scatter":
+        return (m // world_size,) * world_size
+    if op == "all_to_all" and send_splits is not None:
+        return tuple(send_splits)
+    return (m,)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Group ``index``'s contiguous slice of the packed buffer."""
+
+    index: int
+    offset: int  # elements from the start of the packed buffer
+    numel: int
+    dest_numels: tuple[int, ...]  # contiguous part per destination block, in rank order
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated overlap plan. Build one with :func:`flashoverlap_core.plan`."""
+
+    m: int
+    n: int
+    k: int
+    op: str
+    world_size: int
+    dtype: str
+    tile: tuple[int, int]
+    wave_size: int
+    group_sizes: tuple[int, ...]
+    schedule: Schedule = field(default_factory=Schedule)
+    send_splits: tuple[int, ...] | None = None
+    backend: str | None = None
+
+    def __post_init__(self):
+        for name in ("m", "n", "k"):
+            _check_int(name.upper(), getattr(self, name), 1)
+        _check_int("world_size", self.world_size, 1)
+        _check_int("wave_size", self.wave_size, 1)
+        if self.op not in PLAN_OPS:
+            raise ValueError(f"plan op must be one of {PLAN_OPS}, got {self.op!r}")
+        dtype_name(self.dtype)
+        if not isinstance(self.tile, tuple) or len(self.tile) != 2:
+            raise TypeError(f"tile must be a pair (BM, BN) of ints, got {self.tile!r}")
+        _check_int("tile BM", self.tile[0], 1)
+        _check_int("tile BN", self.tile[1], 1)
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule, got {type(self.schedule).__name__}")
+        if self.op == "reduce_scatter" and self.m % self.world_size:
+            raise ValueError(
+                f"reduce_scatter needs M divisible by the world size: M={self.m}, W={self.world_size}")
+        if self.send_splits is not None:
+            if self.op != "all_to_all":
+                raise ValueError(f"send_splits only applies to all_to_all, not {self.op!r}")
+            check_splits("send_splits", self.send_splits, self.world_size, self.m)
+        elif self.op == "all_to_all" and self.world_size > 1:
+            raise ValueError("an all_to_all plan needs send_splits (rows sent to each rank)")
+        self._check_groups()
+
+    def _check_groups(self):
+        sizes = self.group_sizes
+        if not isinstance(sizes, tuple) or not sizes:
+            raise TypeError(f"group_sizes must be a non-empty sequence of ints, got {sizes!r}")
+        for i, s in enumerate(sizes):
+            _check_int(f"group_sizes[{i}]", s, 1)
+        total = self.grid.num_tiles
+        if sum(sizes) != total:
+            raise ValueError(
+                f"group_sizes must sum to the tile count {total} "
+                f"({self.describe_grid()}), got sum {sum(sizes)}")
+        if self.op == "reduce_scatter":
+            for region in self.regions:
+                if len(set(region.dest_numels)) != 1:
+                    raise ValueError(
+                        f"reduce_scatter group {region.index} is unbalanced across ranks "
+                        f"(elements per rank {list(region.dest_numels)}): with this tile order "
+                        f"group sizes must be multiples of the world size {self.world_size}")
+
+    # ---- derived layout -------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def block_rows(self) -> tuple[int, ...]:
+        """Rows of c sent to each destination (one block for allreduce / custom ops)."""
+        return block_rows_for(self.op, self.m, self.world_size, self.send_splits)
+
+    @cached_property
+    def grid(self) -> TileGrid:
+        return TileGrid(self.block_rows, self.n, self.tile[0], self.tile[1], self.schedule)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.grid.num_tiles
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_sizes)
+
+    @property
+    def num_waves(self) -> int:
+        return -(-self.num_tiles // self.wave_size)
+
+    @cached_property
+    def groups(self) -> tuple[tuple[TileRect, ...], ...]:
+        """Tiles of each group, in execution order."""
+        order, out, start = self.grid.execution_order, [], 0
+        for size in self.group_sizes:
+            out.append(order[start:start + size])
+            start += size
+        return tuple(out)
+
+    @cached_property
+    def packed_tiles(self) -> tuple[tuple[TileRect, int, int], ...]:
+        """(tile, group, packed offset) for every tile, in packed-buffer order."""
+        out, offset = [], 0
+        for g, tiles in enumerate(self.groups):
+            for t in sorted(tiles, key=lambda t: (t.block, t.local)):
+                out.append((t, g, offset))
+                offset += t.numel
+        return tuple(out)
+
+    @cached_property
+    def regions(self) -> tuple[Region, ...]:
+        out, offset = [], 0
+        blocks = len(self.block_rows)
+        for g, tiles in enumerate(self.groups):
+            per_dest = [0] * blocks
+            for t in tiles:
+                per_dest[t.block] += t.numel
+            numel = sum(per_dest)
+            out.append(Region(g, offset, numel, tuple(per_dest)))
+            offset += numel
+        return tuple(out)
+
+    @property
+    def packed_numel(self) -> int:
+        return self.m * self.n
+
+    def wave_of_group(self, g: int) -> tuple[int, int]:
+        """First and last wave (inclusive) that group g's tiles come from."""
+        start = sum(self.group_sizes[:g])
+        end = start + self.group_sizes[g] - 1
+        return start // self.wave_size, end // self.wave_size
+
+    def packed_index(self) -> torch.Tensor:
+        """Flat index into row-major c of every packed element (packed = c.flatten()[index])."""
+        parts = []
+        for t, _, _ in self.packed_tiles:
+            rows = torch.arange(t.row0, t.row0 + t.rows).unsqueeze(1) * self.n
+            parts.append((rows + torch.arange(t.col0, t.col0 + t.cols)).flatten())
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    # ---- checking against a call ----------------------------------------------------------
+    def mismatches(self, *, m, n, k, op, world_size, dtype, send_splits=None) -> list[str]:
+        """What about a call this plan does not fit (empty when it fits)."""
+        want = {"M": m, "N": n, "K": k, "op": op, "world_size": world_size,
+                "dtype": dtype_name(dtype)}
+        have = {"M": self.m, "N": self.n, "K": self.k, "op": self.op,
+                "world_size": self.world_size, "dtype": self.dtype}
+        if op == "all_to_all":
+            want["send_splits"] = tuple(send_splits) if send_splits is not None else None
+            have["send_splits"] = self.send_splits
+            if world_size == 1 and want["send_splits"] in (None, (m,)):
+                want["send_splits"] = have["send_splits"]
+        return [f"{key}: plan has {have[key]!r}, call has {want[key]!r}"
+                for key in want if want[key] != have[key]]
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "M": self.m, "N": self.n, "K": self.k, "op": self.op,
+            "world_size": self.world_size, "dtype": self.dtype, "tile": list(self.tile),
+            "wave_size": self.wave_size, "schedule": self.schedule.to_dict(),
+            "group_sizes": list(self.group_sizes),
+            "send_splits": list(self.send_splits) if self.send_splits is not None else None,
+            "backend": self.backend,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not a plan in format {FORMAT!r}: {str(d)[:200]}")
+        try:
+            return cls(
+                m=d["M"], n=d["N"], k=d["K"], op=d["op"], world_size=d["world_size"],
+                dtype=d["dtype"], tile=tuple(d["tile"]), wave_size=d["wave_size"],
+                schedule=Schedule(**d["schedule"]), group_sizes=tuple(d["group_sizes"]),
+                send_splits=tuple(d["send_splits"]) if d.get("send_splits") is not None else None,
+                backend=d.get("backend"))
+        except KeyError as e:
+            raise ValueError(f"plan JSON lacks field {e}") from None
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    # ---- for humans ------------------------------------------------------------------------
+    def describe_grid(self) -> str:
+        bm, bn = self.tile
+        return (f"{len(self.block_rows)} block(s) of rows {list(self.block_rows)}, "
+                f"tile {bm}x{bn}, {self.num_tiles} tiles")
+
+    def describe(self) -> str:
+        itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
+        lines = [
+            f"Plan {self.op} of [{self.m}x{self.k}] @ [{self.k}x{self.n}] {self.dtype}, "
+            f"world size {self.world_size}, backend {self.backend or 'any'}",
+            f"  grid: {self.describe_grid()}; schedule raster={self.schedule.raster} "
+            f"swizzle={self.schedule.swizzle}",
+            f"  waves: {self.num_waves} of {self.wave_size} tiles; {self.num_groups} group(s)",
+        ]
+        for r in self.regions:
+            w0, w1 = self.wave_of_group(r.index)
+            per_dest = f", per rank {list(r.dest_numels)}" if len(r.dest_numels) > 1 else ""
+            lines.append(
+                f"  group {r.index}: {self.group_sizes[r.index]} tiles (waves {w0}-{w1}), "
+                f"elements [{r.offset}, {r.offset + r.numel}) = {r.numel * itemsize / 2**20:.3f} MiB"
+                f"{per_dest}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Plan(op={self.op!r}, M={self.m}, N={self.n}, K={self.k}, W={self.world_size}, "
+                f"dtype={self.dtype}, tile={self.tile}, groups={list(self.group_sizes)})")
