@@ -215,6 +215,19 @@ class Plan:
         end = start + self.group_sizes[g] - 1
         return start // self.wave_size, end // self.wave_size
 
+    def item_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Execution-order work items for a kernel: int64 [T, 4] rows of
+        (block, band within block, column tile, packed offset) and int32 [T] group ids."""
+        offsets = {tile: (g, off) for tile, g, off in self.packed_tiles}
+        starts, (bm, bn) = self.grid.block_starts, self.tile
+        rows, groups = [], []
+        for t in self.grid.execution_order:
+            g, off = offsets[t]
+            rows.append((t.block, (t.row0 - starts[t.block]) // bm, t.col0 // bn, off))
+            groups.append(g)
+        return (torch.tensor(rows, dtype=torch.int64).view(-1, 4),
+                torch.tensor(groups, dtype=torch.int32))
+
     def packed_index(self) -> torch.Tensor:
         """Flat index into row-major c of every packed element (packed = c.flatten()[index])."""
         parts = []

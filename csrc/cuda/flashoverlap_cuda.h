@@ -1,0 +1,85 @@
+// C ABI of FlashOverlap's CUDA kernels. The fo_gemm_* functions and fo_load_kernels live in
+// one shared object per GEMM configuration; fo_wait_counter, fo_reset_counters and
+// fo_unpack_tiles (and their own fo_load_kernels) in one runtime object.
+//
+// Each kernel library (one shared object per GEMM configuration, built by the JIT in
+// backends/cuda/build.py) exports these symbols with C linkage, so that Python loads it with
+// ctypes: no dependency on the ABI of a particular torch or Python build, and the same object
+// runs under any torch that shares the CUDA driver. Every function returns a cudaError_t
+// (0 = success) and never synchronizes the device; fo_last_error() describes the last failure.
+//
+// Work items. A persistent GEMM of G CTAs processes work items i = cta, cta + G, ... in the
+// plan's execution order. Item i is described by the host-built table `items` (int64, 4 per
+// item): {block l, band m_blk (within block l), column tile n_blk, packed element offset}, and
+// `item_group` (int32, 1 per item): its wave group. The tile covers rows
+// [l * block_rows + m_blk * BM, + min(BM, block_rows - m_blk * BM)) of A (and of c = A @ B)
+// and columns [n_blk * BN, + min(BN, N - n_blk * BN)); it is stored row-major at its real size
+// (row stride = its real column count) at `packed + offset`. After the tile's stores are
+// complete and visible device-wide (release), the kernel adds 1 to counters[item_group[i]].
+// A counter never becomes visible before its tiles' data.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Static description of the GEMM configuration compiled into this library.
+typedef struct {
+  int abi_version;   // FO_CUDA_ABI_VERSION
+  int arch;          // 90 for sm_90a, 80 for sm_80 (runs on sm80/86/89/90)
+  int tile_m, tile_n, tile_k;
+  int cluster_m, cluster_n;
+  int dtype;         // 0 = bf16, 1 = fp16 (A, B, packed output); accumulation is fp32
+  int b_col_major;   // 1: B is [N, K] row-major (weight.t() of an nn.Linear); 0: [K, N] row-major
+  int cta_multiple;  // the grid size must be a multiple of this (cluster size)
+} fo_gemm_config;
+
+#define FO_CUDA_ABI_VERSION 1
+
+const fo_gemm_config* fo_gemm_describe(void);
+
+// Maximum CTAs resident at once for this configuration on `device` (the wave size cap).
+cudaError_t fo_gemm_max_ctas(int device, int* max_ctas);
+
+// Force-load every kernel of this library (cudaFuncGetAttributes on each), so that no first
+// launch waits for an idle device under CUDA's lazy module loading.
+cudaError_t fo_load_kernels(void);
+
+// Run the signaling GEMM.
+//   a: [L * block_rows, K] row-major, lda elements between rows (>= K)
+//   b: b_col_major ? [N, K] with ldb between rows : [K, N] with ldb between rows
+//   packed: M * N elements (M = L * block_rows), written in the packed layout above
+//   num_ctas: persistent grid size (<= fo_gemm_max_ctas; leaves the other SMs to the collective)
+//   counters: one int32 per group, must be 0 at launch; each gets += 1 per finished tile
+//   monitor: nullptr, or 2 uint64 per item: {%globaltimer at the tile's signal, (smid << 32) | cta}
+//   workspace: device scratch of fo_gemm_workspace_size bytes (may be nullptr when that is 0)
+cudaError_t fo_gemm_run(const void* a, const void* b, void* packed,
+                        int L, int block_rows, int N, int K, int64_t lda, int64_t ldb,
+                        const int64_t* items, const int32_t* item_group, int num_items,
+                        int32_t* counters, int num_ctas, uint64_t* monitor,
+                        void* workspace, cudaStream_t stream);
+size_t fo_gemm_workspace_size(int L, int block_rows, int N, int K, int num_ctas);
+
+// Device-side wait: `stream` waits until *counter >= value.
+//   mode 0: cuStreamWaitValue32 (GEQ), through the driver entry point
+//   mode 1: a one-thread spin kernel (volatile load + nanosleep), acquire on exit
+cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream);
+
+// Zero `n` counters on `stream` (orders the reset after that stream's earlier work).
+cudaError_t fo_reset_counters(int32_t* counters, int n, cudaStream_t stream);
+
+// Post-communication reorder of one block: `src` holds the block's tiles back to back (in the
+// order of `tiles`, each row-major at its real size); write them row-major into dst
+// (row stride ldd elements). tiles: int32, 4 per tile {row0, rows, col0, cols} relative to the
+// block; src_offsets: int64 element offset of each tile in src. elem_size: 2 (bf16/fp16) or 4.
+cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
+                            const int64_t* src_offsets, int num_tiles, int elem_size,
+                            cudaStream_t stream);
+
+const char* fo_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif

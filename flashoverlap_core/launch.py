@@ -1,0 +1,147 @@
+"""A pool of spawned ranks joined in one process group, for tests and benchmarks.
+
+``RankPool(world_size, device_type)`` starts one process per rank (rank r on device r for an
+accelerator), initialises torch.distributed with torch's default collective library for that
+device type, and runs module-level functions on every rank at once. Nothing can hang the
+caller: every call has a timeout, after which the pool is killed and ``RankTimeout`` raised;
+an exception on a rank comes back as ``RankError`` with that rank's traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+
+class RankTimeout(TimeoutError):
+    """Ranks did not answer in time (a hang, or a rank that died); the pool was killed."""
+
+
+def _worker(rank, world_size, device_type, init_file, env, pg_timeout, inbox, outbox):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if device_type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            device_id = None
+        else:
+            torch.get_device_module(device_type).set_device(rank)
+            device_id = torch.device(device_type, rank)
+        collective = dist.Backend.default_device_backend_map[device_type]
+        dist.init_process_group(collective, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout),
+                                device_id=device_id)
+        outbox.put(("ready", rank, collective))
+    except BaseException:
+        outbox.put(("err", rank, traceback.format_exc()))
+        return
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            outbox.put(("ok", rank, fn(*args, **kwargs)))
+        except BaseException:
+            outbox.put(("err", rank, traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """``world_size`` ranks in one process group; see the module docstring."""
+
+    def __init__(self, world_size: int, device_type: str = "cpu", *, env: dict | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 60.0):
+        self.world_size, self.device_type, self.timeout = world_size, device_type, timeout
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="flashoverlap-pool-")
+        init_file = os.path.join(self._dir.name, "init")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, world_size, device_type, init_file, dict(env or {}), pg_timeout,
+                              self._inboxes[r], self._outbox))
+            for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self.collective = self._collect(timeout, "start")[0]
+
+    def _collect(self, timeout: float, what: str) -> list:
+        results, errors = [None] * self.world_size, {}
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        while pending:
+            left = deadline - time.monotonic()
+            if errors and left > 10:  # the others may be stuck in a collective: don't wait long
+                deadline, left = time.monotonic() + 10, 10
+            try:
+                kind, rank, value = self._outbox.get(timeout=max(0.05, min(left, 1.0)))
+            except queue.Empty:
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead or time.monotonic() >= deadline:
+                    self.close(kill=True)
+                    if errors:
+                        break
+                    why = f"ranks {sorted(dead)} died" if dead else f"no answer in {timeout:.0f} s"
+                    raise RankTimeout(f"{what} on {self.world_size} rank(s): {why}; "
+                                      f"still pending: ranks {sorted(pending)}")
+                continue
+            pending.discard(rank)
+            if kind == "err":
+                errors[rank] = value
+            else:
+                results[rank] = value
+        if errors:
+            if pending:
+                self.close(kill=True)
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankError(f"{what} failed on ranks {sorted(errors)}"
+                            f"{' (others did not answer: ' + str(sorted(pending)) + ')' if pending else ''}"
+                            f":\n{detail}")
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank at once; the per-rank results, in rank order."""
+        if not self.alive:
+            raise RankError("the rank pool is closed (an earlier call failed or timed out)")
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        return self._collect(timeout or self.timeout, getattr(fn, "__name__", str(fn)))
+
+    def close(self, kill: bool = False) -> None:
+        for p, inbox in zip(self._procs, self._inboxes):
+            if p.is_alive() and not kill:
+                inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._dir.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
