@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import OverlapCall
-from .reorder import unpack_block
+from .reorder import block_tiles, stream_offsets, unpack_tiles
 from .tiles import RASTERS
 
 
@@ -140,22 +140,28 @@ class RegionExchange:
         self.works.clear()
 
     # ---- post-communication reorder ----------------------------------------------------------
-    def block_streams(self):
-        """(output rows view, flat stream of that block's tiles) for every received block."""
+    def block_layouts(self):
+        """For every received block: (its rows of the output, its tiles in schedule order, the
+        staging offset of each tile). all_to_all blocks arrive in one segment per group."""
         out, plan = self.call.out, self.plan
         if self.kind != "all_to_all" or self.call.group is None:
-            yield out, self.staging
+            tiles = block_tiles(out.shape[0], plan.n, plan.tile, plan.schedule)
+            yield out, tiles, stream_offsets(tiles)
             return
         row = 0
         for s, rows in enumerate(self.recv_rows):
-            pieces = []
-            for g, counts in enumerate(self.recv_counts):
-                start = self.recv_offsets[g] + sum(counts[:s])
-                pieces.append(self.staging[start:start + counts[s]])
-            yield out[row:row + rows], torch.cat(pieces) if pieces else self.staging[:0]
+            tiles = block_tiles(rows, plan.n, plan.tile, plan.schedule)
+            segments = [(self.recv_offsets[g] + sum(c[:s]), c[s]) for g, c in enumerate(self.recv_counts)]
+            offsets, g, used = [], 0, 0
+            for t in tiles:
+                while used == segments[g][1]:
+                    g, used = g + 1, 0
+                offsets.append(segments[g][0] + used)
+                used += t.numel
+            yield out[row:row + rows], tiles, offsets
             row += rows
 
     def finish(self) -> torch.Tensor:
-        for rows_view, stream in self.block_streams():
-            unpack_block(stream, rows_view, self.plan.tile, self.plan.schedule)
+        for rows_view, tiles, offsets in self.block_layouts():
+            unpack_tiles(self.staging, offsets, tiles, rows_view)
         return self.call.out

@@ -22,15 +22,29 @@ def block_tiles(rows: int, n: int, tile: tuple[int, int], schedule: Schedule) ->
     return TileGrid((rows,), n, tile[0], tile[1], schedule).block_tiles(0)
 
 
+def stream_offsets(tiles: list[TileRect]) -> list[int]:
+    """Offsets of tiles stored back to back in the given order."""
+    out, acc = [], 0
+    for t in tiles:
+        out.append(acc)
+        acc += t.numel
+    return out
+
+
+def unpack_tiles(src: torch.Tensor, offsets: list[int], tiles: list[TileRect],
+                 out: torch.Tensor) -> torch.Tensor:
+    """Post-communication reorder: tile i, row-major at ``src[offsets[i]:]``, into ``out``."""
+    for t, o in zip(tiles, offsets):
+        out[t.row0:t.row0 + t.rows, t.col0:t.col0 + t.cols].copy_(
+            src[o:o + t.numel].view(t.rows, t.cols))
+    return out
+
+
 def unpack_block(stream: torch.Tensor, out: torch.Tensor, tile: tuple[int, int],
                  schedule: Schedule) -> torch.Tensor:
     """Post-communication reorder of one block: ``stream`` (flat) into ``out`` ([rows, N])."""
     rows, n = out.shape
     if stream.numel() != rows * n:
         raise ValueError(f"a block of {rows}x{n} needs {rows * n} elements, got {stream.numel()}")
-    offset = 0
-    for t in block_tiles(rows, n, tile, schedule):
-        out[t.row0:t.row0 + t.rows, t.col0:t.col0 + t.cols].copy_(
-            stream[offset:offset + t.numel].view(t.rows, t.cols))
-        offset += t.numel
-    return out
+    tiles = block_tiles(rows, n, tile, schedule)
+    return unpack_tiles(stream, stream_offsets(tiles), tiles, out)
