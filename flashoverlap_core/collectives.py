@@ -131,10 +131,15 @@ class RegionExchange:
                                           group=group, async_op=True)
         self.works.append(work)
 
-    def wait(self) -> None:
-        """Launch any trailing (empty) collectives, then make the current stream wait for all."""
+    def launch_remaining(self) -> None:
+        """Launch the trailing empty collectives an all_to_all has when other ranks have more
+        groups (every rank must take part in each group's collective)."""
         while self.started < self.num_collectives:
             self.start(self.started)
+
+    def wait(self) -> None:
+        """Launch any trailing collectives, then make the current stream wait for all."""
+        self.launch_remaining()
         for work in self.works:
             work.wait()
         self.works.clear()

@@ -1,0 +1,239 @@
+"""The ``cuda`` backend: CUTLASS signaling GEMM, device-side waits, NCCL via torch.distributed.
+
+One call, on the caller's (compute) stream and a high-priority communication stream:
+
+1. the signaling GEMM is launched on the compute stream; it writes each finished tile to its
+   packed slot and bumps its group's counter;
+2. on the communication stream, per group: a device-side wait until the counter reaches the
+   group's tile count, then the group's collective on its contiguous region (launched through
+   torch.distributed, which orders it after the wait);
+3. the communication stream resets the counters (so back-to-back calls and graph replays need
+   no host sync), the compute stream waits for all communication, and the post-reorder kernel
+   writes the row-major result.
+
+The first call of a plan on a process group runs its phases one after the other with host
+syncs, so every kernel it uses (GEMM, waiter, the collective's, reorder, torch's own) is loaded
+before any call overlaps: under CUDA's lazy loading a kernel's first launch waits for an idle
+device, which would serialise or deadlock an overlapped call (GPU-FACTS.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from flashoverlap_core.backend import Backend, OverlapCall, OverlapSpec
+from flashoverlap_core.collectives import RegionExchange
+from flashoverlap_core.tiles import Schedule
+
+from . import kernels
+
+log = logging.getLogger("flashoverlap")
+
+ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
+ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
+DEFAULT_RESERVED_SMS = 2
+DEFAULT_WAIT = "stream_wait_value"
+ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned
+
+
+def reserved_sms() -> int:
+    value = os.environ.get(ENV_RESERVED_SMS, str(DEFAULT_RESERVED_SMS))
+    if not value.isdigit():
+        raise ValueError(f"{ENV_RESERVED_SMS} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def wait_mode() -> str:
+    mode = os.environ.get(ENV_WAIT, DEFAULT_WAIT)
+    if mode not in kernels.WAIT_MODES:
+        raise ValueError(f"{ENV_WAIT} must be one of {sorted(kernels.WAIT_MODES)}, got {mode!r}")
+    return mode
+
+
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (row-major rows) with a 16-byte aligned row stride and base; copies if needed."""
+    step = ALIGN_BYTES // t.element_size()
+    if t.stride(1) == 1 and t.stride(0) % step == 0 and t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    rows, cols = t.shape
+    buf = torch.empty((rows, -(-cols // step) * step), dtype=t.dtype, device=t.device)
+    buf[:, :cols].copy_(t)
+    return buf[:, :cols]
+
+
+@dataclass
+class PlanState:
+    """Device-resident tables of one plan on one device, and which groups it has warmed up."""
+
+    items: torch.Tensor
+    item_group: torch.Tensor
+    counters: torch.Tensor
+    group_sizes: list[int]
+    unpack: dict = field(default_factory=dict)  # block shape -> (tiles int32, offsets int64)
+    warmed: set = field(default_factory=set)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    device_type = "cuda"
+    priority = 100
+
+    def __init__(self):
+        self._states: dict = {}
+        self._streams: dict = {}
+        self._lock = threading.Lock()
+
+    # ---- discovery ---------------------------------------------------------------------------
+    def probe(self) -> str | None:
+        if torch.version.cuda is None:
+            return "this torch build has no CUDA support (torch.version.cuda is None)"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible (torch.cuda.is_available() is False)"
+        return kernels.toolchain_problem()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.version.cuda else 0
+
+    def versions(self) -> dict[str, str]:
+        out = {"cuda (torch)": str(torch.version.cuda)}
+        if torch.version.cuda and hasattr(torch.cuda, "nccl"):
+            try:
+                out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception as e:  # noqa: BLE001 - report, don't fail
+                out["nccl"] = f"unknown ({e})"
+        out.update(kernels.toolchain_versions())
+        return out
+
+    # ---- capabilities ------------------------------------------------------------------------
+    def unsupported_reasons(self, spec: OverlapSpec) -> list[str]:
+        reasons = []
+        if spec.dtype not in kernels.DTYPES:
+            reasons.append(f"the signaling GEMM takes {sorted(kernels.DTYPES)}, not {spec.dtype} "
+                           "(use backend='decomposition' or 'reference')")
+        if spec.op == "all_to_all" and spec.send_splits and len(set(spec.send_splits)) > 1:
+            reasons.append("all_to_all with unequal send_splits needs a grouped GEMM, which this "
+                           "backend does not have yet (use backend='decomposition')")
+        if spec.device_type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            if major < 8:
+                reasons.append(f"compute capability {major}.{minor} < 8.0 (needs Ampere or newer)")
+        return reasons
+
+    def _arch(self) -> int:
+        major, _ = torch.cuda.get_device_capability()
+        return 90 if major == 9 else 80
+
+    def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
+        return kernels.default_tile(self._arch())
+
+    def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        multiple = kernels.cta_multiple(self._arch(), tile)
+        return max(multiple, (sms - reserved_sms()) // multiple * multiple)
+
+    def schedule(self, spec: OverlapSpec) -> Schedule:
+        # Chunks of 8 bands, column by column: a wave reads a few bands of A and sweeps B.
+        return Schedule("n", 8)
+
+    def plan_reasons(self, plan) -> list[str]:
+        reasons = []
+        tiles = kernels.supported_tiles(self._arch())
+        if tuple(plan.tile) not in tiles:
+            reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{self._arch()}; "
+                           f"available: {sorted(tiles)}")
+        if len(set(plan.block_rows)) > 1:
+            reasons.append("destination blocks of unequal rows need a grouped GEMM")
+        return reasons
+
+    # ---- per-device state --------------------------------------------------------------------
+    def _comm_stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            if device not in self._streams:
+                low, high = torch.cuda.Stream.priority_range()
+                self._streams[device] = torch.cuda.Stream(device=device, priority=high)
+            return self._streams[device]
+
+    def _state(self, plan, device) -> PlanState:
+        key = (plan, device)
+        with self._lock:
+            state = self._states.get(key)
+            if state is None:
+                items, groups = plan.item_table()
+                state = PlanState(items.to(device), groups.to(device),
+                                  torch.zeros(plan.num_groups, dtype=torch.int32, device=device),
+                                  list(plan.group_sizes))
+                self._states[key] = state
+            return state
+
+    # ---- the call ----------------------------------------------------------------------------
+    def run(self, call: OverlapCall) -> torch.Tensor:
+        plan, a, b = call.plan, call.a, call.b
+        device = a.device
+        with torch.cuda.device(device):
+            gemm = kernels.gemm_library(self._arch(), plan.tile, plan.dtype, b_col_major(b))
+            runtime = kernels.runtime_library()
+            state = self._state(plan, device)
+            a_op = aligned_rows(a)
+            b_op = aligned_rows(b.t() if b_col_major(b) else b)
+            compute, comm = torch.cuda.current_stream(device), self._comm_stream(device)
+            packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=device)
+            exchange = RegionExchange(call, packed)
+            monitor = call.options.get("monitor")
+            warm_key = id(call.group) if call.group is not None else None
+            first = warm_key not in state.warmed
+
+            comm.wait_stream(compute)
+            blocks = len(plan.block_rows)
+            gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks,
+                     plan.block_rows[0], plan.n, plan.k, a_op.stride(0), b_op.stride(0),
+                     state.items.data_ptr(), state.item_group.data_ptr(), plan.num_tiles,
+                     state.counters.data_ptr(), plan.wave_size,
+                     monitor.data_ptr() if monitor is not None else None, None,
+                     compute.cuda_stream)
+            if first:
+                compute.synchronize()
+            mode = wait_mode()
+            with torch.cuda.stream(comm):
+                for g, size in enumerate(state.group_sizes):
+                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, mode,
+                                         comm.cuda_stream)
+                    exchange.start(g)
+                exchange.launch_remaining()
+            if first:
+                torch.cuda.synchronize(device)
+            exchange.wait()  # the compute stream waits for every collective
+            with torch.cuda.stream(comm):
+                runtime.reset_counters(state.counters.data_ptr(), plan.num_groups, comm.cuda_stream)
+            compute.wait_stream(comm)
+            self._unpack(runtime, exchange, state, plan, compute)
+            if first:
+                torch.cuda.synchronize(device)
+                state.warmed.add(warm_key)
+            return call.out
+
+    def _unpack(self, runtime, exchange, state, plan, stream) -> None:
+        for rows_view, tiles, offsets in exchange.block_layouts():
+            if not tiles:
+                continue
+            key = (rows_view.shape[0], tuple(offsets[:1]), len(offsets))
+            cached = state.unpack.get(key) if exchange.kind != "all_to_all" else None
+            if cached is None:
+                rects = torch.tensor([(t.row0, t.rows, t.col0, t.cols) for t in tiles],
+                                     dtype=torch.int32).to(rows_view.device)
+                offs = torch.tensor(offsets, dtype=torch.int64).to(rows_view.device)
+                cached = (rects, offs)
+                if exchange.kind != "all_to_all":
+                    state.unpack[key] = cached
+            rects, offs = cached
+            runtime.unpack_tiles(exchange.staging.data_ptr(), rows_view.data_ptr(),
+                                 rows_view.stride(0), rects.data_ptr(), offs.data_ptr(),
+                                 len(tiles), rows_view.element_size(), stream.cuda_stream)
+
+
+def b_col_major(b: torch.Tensor) -> bool:
+    """True when b is the transpose of a row-major [N, K] (``weight.t()``)."""
+    return b.stride(0) == 1 and b.stride(1) != 1 or (b.shape[1] == 1 and b.stride(0) == 1)

@@ -1,0 +1,104 @@
+"""ctypes bindings of the kernel libraries (C ABI in csrc/cuda/flashoverlap_cuda.h).
+
+The shared objects depend on neither torch's nor Python's ABI: they take raw device pointers
+and ``cudaStream_t`` handles, so one build serves any torch on the same driver.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
+
+ABI_VERSION = 1
+WAIT_MODES = {"stream_wait_value": 0, "spin_kernel": 1}
+
+
+class GemmDescription(ctypes.Structure):
+    _fields_ = [(name, c_int) for name in (
+        "abi_version", "arch", "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "dtype",
+        "b_col_major", "cta_multiple")]
+
+
+class KernelError(RuntimeError):
+    """A CUDA call inside a kernel library failed."""
+
+
+class _Library:
+    def __init__(self, path: str):
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.lib.fo_last_error.restype = ctypes.c_char_p
+        self.lib.fo_load_kernels.restype = c_int
+
+    def check(self, err: int, what: str) -> None:
+        if err:
+            detail = self.lib.fo_last_error()
+            raise KernelError(f"{what} failed (cudaError {err}): "
+                              f"{detail.decode() if detail else 'no detail'} [{self.path}]")
+
+    def load_kernels(self) -> None:
+        self.check(self.lib.fo_load_kernels(), "fo_load_kernels")
+
+
+class GemmLibrary(_Library):
+    """One compiled signaling-GEMM configuration."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        lib = self.lib
+        lib.fo_gemm_describe.restype = POINTER(GemmDescription)
+        lib.fo_gemm_max_ctas.argtypes = [c_int, POINTER(c_int)]
+        lib.fo_gemm_max_ctas.restype = c_int
+        lib.fo_gemm_workspace_size.argtypes = [c_int, c_int, c_int, c_int, c_int]
+        lib.fo_gemm_workspace_size.restype = c_size_t
+        lib.fo_gemm_run.argtypes = [
+            c_void_p, c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_int64, c_int64,
+            c_void_p, c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p]
+        lib.fo_gemm_run.restype = c_int
+        self.description = lib.fo_gemm_describe().contents
+        if self.description.abi_version != ABI_VERSION:
+            raise KernelError(f"{path} has ABI version {self.description.abi_version}, "
+                              f"expected {ABI_VERSION}: rebuild it (flashoverlap build)")
+
+    def max_ctas(self, device: int) -> int:
+        out = c_int(0)
+        self.check(self.lib.fo_gemm_max_ctas(device, ctypes.byref(out)), "fo_gemm_max_ctas")
+        return out.value
+
+    def workspace_size(self, blocks: int, block_rows: int, n: int, k: int, ctas: int) -> int:
+        return self.lib.fo_gemm_workspace_size(blocks, block_rows, n, k, ctas)
+
+    def run(self, a, b, packed, blocks, block_rows, n, k, lda, ldb, items, item_group,
+            num_items, counters, ctas, monitor, workspace, stream) -> None:
+        self.check(self.lib.fo_gemm_run(
+            a, b, packed, blocks, block_rows, n, k, lda, ldb, items, item_group, num_items,
+            counters, ctas, monitor, workspace, stream), "fo_gemm_run")
+
+
+class RuntimeLibrary(_Library):
+    """Device-side waits, counter resets and the post-communication reorder."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        lib = self.lib
+        lib.fo_wait_counter.argtypes = [c_void_p, c_int32, c_int, c_void_p]
+        lib.fo_wait_counter.restype = c_int
+        lib.fo_reset_counters.argtypes = [c_void_p, c_int, c_void_p]
+        lib.fo_reset_counters.restype = c_int
+        lib.fo_unpack_tiles.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int,
+                                        c_int, c_void_p]
+        lib.fo_unpack_tiles.restype = c_int
+
+    def wait_counter(self, counter_ptr: int, value: int, mode: str, stream: int) -> None:
+        self.check(self.lib.fo_wait_counter(counter_ptr, value, WAIT_MODES[mode], stream),
+                   "fo_wait_counter")
+
+    def reset_counters(self, ptr: int, n: int, stream: int) -> None:
+        self.check(self.lib.fo_reset_counters(ptr, n, stream), "fo_reset_counters")
+
+    def unpack_tiles(self, src: int, dst: int, ldd: int, tiles: int, offsets: int, count: int,
+                     elem_size: int, stream: int) -> None:
+        self.check(self.lib.fo_unpack_tiles(src, dst, ldd, tiles, offsets, count, elem_size,
+                                            stream), "fo_unpack_tiles")
+
+
+__all__ = ["GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES", "c_uint64"]
