@@ -52,7 +52,8 @@ cudaError_t fo_load_kernels(void);
 //   b: b_col_major ? [N, K] with ldb between rows : [K, N] with ldb between rows
 //   packed: M * N elements (M = L * block_rows), written in the packed layout above
 //   num_ctas: persistent grid size (<= fo_gemm_max_ctas; leaves the other SMs to the collective)
-//   counters: one int32 per group, must be 0 at launch; each gets += 1 per finished tile
+//   counters: one int32 per group, must be 0 at launch; each gets += 1 per finished tile;
+//             nullptr: no signaling (the same kernel without it, for measuring its cost)
 //   monitor: nullptr, or 2 uint64 per item: {%globaltimer at the tile's signal, (smid << 32) | cta}
 //   workspace: device scratch of fo_gemm_workspace_size bytes (may be nullptr when that is 0)
 cudaError_t fo_gemm_run(const void* a, const void* b, void* packed,
