@@ -1,0 +1,71 @@
+"""The ``flashoverlap`` command, run as a user runs it: in a subprocess, under a timeout."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TIMEOUT = 240
+
+
+def flashoverlap(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashoverlap_core.cli", *args],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_report_lists_the_reference_backend():
+    done = flashoverlap("report")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert ["reference", "any", "yes"] in [row[:3] for row in rows], done.stdout
+    assert "torch" in done.stdout
+
+
+def test_report_json_names_every_backend():
+    done = flashoverlap("report", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    reference = [b for b in report["backends"] if b["name"] == "reference"]
+    assert reference and reference[0]["available"], report["backends"]
+    assert report["torch"]
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_bench_on_two_cpu_ranks_agrees_and_writes_json(tmp_path):
+    out = tmp_path / "results" / "bench.json"
+    done = flashoverlap("bench", "--backend", "reference", "--world-size", "2",
+                        "--shapes", "64x48x32,30x17x9", "--iters", "2", "--warmup", "1",
+                        "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    header = next(line for line in done.stdout.splitlines() if line.startswith("shape"))
+    for column in ("op", "baseline ms", "overlapped ms", "speedup", "max error", "backend", "ok"):
+        assert column in header
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.startswith(("64x48x32 ", "30x17x9 "))]
+    # reduce_scatter of 30 rows on 2 ranks is fine; every op on both shapes ran and agreed
+    assert len(rows) == 6, done.stdout
+    assert all(row[-1] == "yes" and row[-2] == "reference" for row in rows), done.stdout
+
+    record = json.loads(out.read_text())
+    hardware = record["hardware"]
+    assert (hardware["backend"], hardware["device_type"], hardware["world_size"]) == \
+        ("reference", "cpu", 2)
+    for key in ("device", "date", "commit", "command", "environment"):
+        assert key in record
+    assert record["environment"]["torch"]
+    results = record["results"]
+    assert {r["op"] for r in results} == {"allreduce", "reduce_scatter", "all_to_all"}
+    assert all(r["status"] == "ok" and r["max_error"] <= r["bound"] for r in results)
+    assert all(len(r["overlapped_ms_per_iter"]) == 2 for r in results)
+
+
+def test_bench_skips_what_cannot_run_and_rejects_bad_shapes():
+    done = flashoverlap("bench", "--backend", "reference", "--world-size", "2",
+                        "--shapes", "7x8x9", "--ops", "reduce_scatter", "--iters", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SKIPPED" in done.stdout and "divisible" in done.stdout
+
+    bad = flashoverlap("bench", "--shapes", "12x12")
+    assert bad.returncode != 0 and "MxNxK" in bad.stderr
