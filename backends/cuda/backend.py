@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -67,14 +68,13 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PlanState:
-    """Device-resident tables of one plan on one device, and which groups it has warmed up."""
+    """Device-resident tables of one plan on one device."""
 
     items: torch.Tensor
     item_group: torch.Tensor
     counters: torch.Tensor
     group_sizes: list[int]
     unpack: dict = field(default_factory=dict)  # block shape -> (tiles int32, offsets int64)
-    warmed: set = field(default_factory=set)
 
 
 class CudaBackend(Backend):
@@ -82,9 +82,12 @@ class CudaBackend(Backend):
     device_type = "cuda"
     priority = 100
 
+    MAX_PLANS = 64  # device tables kept for this many recent (plan, device) pairs
+
     def __init__(self):
-        self._states: dict = {}
+        self._states: OrderedDict = OrderedDict()
         self._streams: dict = {}
+        self._warmed: set = set()  # (device, group, op, dtype) that ran once with host syncs
         self._lock = threading.Lock()
 
     # ---- discovery ---------------------------------------------------------------------------
@@ -167,34 +170,52 @@ class CudaBackend(Backend):
                                   torch.zeros(plan.num_groups, dtype=torch.int32, device=device),
                                   list(plan.group_sizes))
                 self._states[key] = state
+                while len(self._states) > self.MAX_PLANS:
+                    self._states.popitem(last=False)
+            self._states.move_to_end(key)
             return state
+
+    # ---- the pieces ---------------------------------------------------------------------------
+    def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
+                    signal: bool = True, monitor: torch.Tensor | None = None,
+                    stream: torch.cuda.Stream | None = None) -> PlanState:
+        """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
+
+        ``signal=False`` runs the same kernel without touching the counters (for measuring
+        what signaling costs); ``monitor`` (uint64 [T, 2]) records each tile's completion.
+        """
+        device = a.device
+        col = b_col_major(b)
+        gemm = kernels.gemm_library(self._arch(), plan.tile, plan.dtype, col)
+        state = self._state(plan, device)
+        a_op = aligned_rows(a)
+        b_op = aligned_rows(b.t() if col else b)
+        blocks, rows = len(plan.block_rows), plan.block_rows[0]
+        size = gemm.workspace_size(blocks, rows, plan.n, plan.k, plan.wave_size)
+        workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+        stream = stream or torch.cuda.current_stream(device)
+        gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks, rows, plan.n,
+                 plan.k, a_op.stride(0), b_op.stride(0), state.items.data_ptr(),
+                 state.item_group.data_ptr(), plan.num_tiles,
+                 state.counters.data_ptr() if signal else None, plan.wave_size,
+                 monitor.data_ptr() if monitor is not None else None,
+                 workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
+        return state
 
     # ---- the call ----------------------------------------------------------------------------
     def run(self, call: OverlapCall) -> torch.Tensor:
-        plan, a, b = call.plan, call.a, call.b
-        device = a.device
+        plan, a, device = call.plan, call.a, call.a.device
         with torch.cuda.device(device):
-            gemm = kernels.gemm_library(self._arch(), plan.tile, plan.dtype, b_col_major(b))
             runtime = kernels.runtime_library()
-            state = self._state(plan, device)
-            a_op = aligned_rows(a)
-            b_op = aligned_rows(b.t() if b_col_major(b) else b)
             compute, comm = torch.cuda.current_stream(device), self._comm_stream(device)
             packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=device)
-            exchange = RegionExchange(call, packed)
-            monitor = call.options.get("monitor")
-            warm_key = id(call.group) if call.group is not None else None
-            first = warm_key not in state.warmed
-
+            exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
-            blocks = len(plan.block_rows)
-            gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks,
-                     plan.block_rows[0], plan.n, plan.k, a_op.stride(0), b_op.stride(0),
-                     state.items.data_ptr(), state.item_group.data_ptr(), plan.num_tiles,
-                     state.counters.data_ptr(), plan.wave_size,
-                     monitor.data_ptr() if monitor is not None else None, None,
-                     compute.cuda_stream)
-            if first:
+            state = self.launch_gemm(plan, a, call.b, packed, monitor=call.options.get("monitor"),
+                                     stream=compute)
+            warm_key = (device, id(call.group), exchange.kind, plan.dtype)
+            first = warm_key not in self._warmed
+            if first:  # load every kernel of the call on an idle device (see module doc)
                 compute.synchronize()
             mode = wait_mode()
             with torch.cuda.stream(comm):
@@ -209,13 +230,13 @@ class CudaBackend(Backend):
             with torch.cuda.stream(comm):
                 runtime.reset_counters(state.counters.data_ptr(), plan.num_groups, comm.cuda_stream)
             compute.wait_stream(comm)
-            self._unpack(runtime, exchange, state, plan, compute)
+            self._unpack(runtime, exchange, state, compute)
             if first:
                 torch.cuda.synchronize(device)
-                state.warmed.add(warm_key)
+                self._warmed.add(warm_key)
             return call.out
 
-    def _unpack(self, runtime, exchange, state, plan, stream) -> None:
+    def _unpack(self, runtime, exchange, state, stream) -> None:
         for rows_view, tiles, offsets in exchange.block_layouts():
             if not tiles:
                 continue
@@ -236,4 +257,4 @@ class CudaBackend(Backend):
 
 def b_col_major(b: torch.Tensor) -> bool:
     """True when b is the transpose of a row-major [N, K] (``weight.t()``)."""
-    return b.stride(0) == 1 and b.stride(1) != 1 or (b.shape[1] == 1 and b.stride(0) == 1)
+    return b.stride(0) == 1 and b.stride(1) != 1

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything the GPU machine does, in one call: install, build (or reuse carried prebuilt
+# kernels), GPU tests, the conformance suite against `cuda`, and the benchmarks. Logs and
+# result JSON go to $OUT (the device tool brings them back). Every step runs under `timeout`.
+#
+#   bash ci/gpu.sh [report] [tests] [conformance] [gemm] [reorder] [offload]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/flashoverlap-gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu-log.txt"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export FO_RESULTS_DIR="$OUT"
+export FLASHOVERLAP_CACHE_DIR=${FLASHOVERLAP_CACHE_DIR:-$PWD/.fo_build/cache}
+PY=${PYTHON:-python3}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+timeout 300 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 \
+  || { echo "install FAILED" | tee -a "$SUMMARY"; tail -20 "$LOG"; exit 1; }
+
+stage() {  # stage NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG" | tail -40
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc (${rc/124/TIMEOUT}) $((SECONDS - t0))s" | tee -a "$SUMMARY"
+  return 0
+}
+
+want() { [ $# -eq 0 ] && return 0; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(report tests conformance gemm reorder offload)
+
+want report && stage report 120 flashoverlap report
+want tests && stage tests 420 $PY -m pytest -x -q -p no:cacheprovider tests/gpu
+want conformance && stage conformance 420 $PY -m pytest -q -p no:cacheprovider --pyargs \
+  flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1
+want gemm && stage gemm 300 $PY bench/gemm.py
+want reorder && stage reorder 120 $PY bench/reorder.py
+want offload && stage offload 240 $PY bench/offload.py --timeline "$OUT/timeline.png"
+cat "$SUMMARY"
+grep -q "rc=[1-9]" "$SUMMARY" && exit 1 || exit 0

@@ -1,0 +1,181 @@
+"""GPU tests of the cuda backend: signal ordering, back-to-back calls, graph replays, offload,
+and lazy module loading in a fresh process. Run by ci/gpu.sh on a machine with a GPU; every
+test skips with its reason elsewhere (and fails under FLASHOVERLAP_REQUIRE_HW=1)."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flashoverlap_core as fo
+from flashoverlap_core.ops import HostOffload
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _cuda_reason() -> str | None:
+    status = {s.name: s for s in fo.backends()}.get("cuda")
+    if status is None:
+        return "the cuda backend is not installed"
+    return None if status.available else f"cuda backend unavailable: {status.reason}"
+
+
+REASON = _cuda_reason()
+if REASON and os.environ.get("FLASHOVERLAP_REQUIRE_HW") == "1":
+    raise RuntimeError(f"FLASHOVERLAP_REQUIRE_HW=1 but {REASON}")
+needs_cuda = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def _inputs(m, n, k, dtype, col_major=True, seed=None):
+    g = torch.Generator(device="cuda").manual_seed(seed if seed is not None else random.randrange(2**31))
+    a = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+    if col_major:
+        b = torch.randn(n, k, device="cuda", dtype=dtype, generator=g).t()
+    else:
+        b = torch.randn(k, n, device="cuda", dtype=dtype, generator=g)
+    return a, b
+
+
+def _check(out, a, b):
+    ref = a.double() @ b.double()
+    bound = a.double().abs() @ b.double().abs()
+    eps = torch.finfo(a.dtype).eps
+    err = (out.double() - ref).abs()
+    assert not torch.isnan(out).any()
+    assert (err <= 4 * eps * bound + 1e-6).all(), f"max err {err.max().item()}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("col_major", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 127, 33), (1000, 1000, 1000), (4097, 384, 72),
+                                   (256, 8192, 64)])
+def test_allreduce_world1_matches_float64(dtype, col_major, shape):
+    a, b = _inputs(*shape, dtype, col_major)
+    out = torch.full((shape[0], shape[1]), float("nan"), device="cuda", dtype=dtype)
+    res = fo.overlap(a, b, "allreduce", out=out, backend="cuda")
+    torch.cuda.synchronize()
+    assert res is out
+    _check(out, a, b)
+
+
+class RegionSnapshots:
+    """A consumer: copies each region the moment its group's counter has fired."""
+
+    def __init__(self):
+        self.copies = []
+
+    def __call__(self, region, index):
+        self.copies.append(region.clone())
+
+
+@needs_cuda
+def test_signal_ordering_stress():
+    """Each region copied right after its device-side wait must equal the final result."""
+    runs = int(os.environ.get("FO_STRESS_RUNS", "1000"))
+    rng = random.Random()
+    for run in range(runs):
+        m, n, k = rng.randint(1, 1500), rng.randint(1, 1500), rng.choice([8, 64, 200, 512])
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        a, b = _inputs(m, n, k, dtype, rng.random() < 0.5)
+        base = fo.plan(m, n, k, op="custom", dtype=dtype, backend="cuda")
+        cuts = sorted(rng.sample(range(1, base.num_tiles), min(3, base.num_tiles - 1)))
+        sizes = [y - x for x, y in zip([0] + cuts, cuts + [base.num_tiles])]
+        plan = fo.plan(m, n, k, op="custom", dtype=dtype, backend="cuda", group_sizes=sizes)
+        snap = RegionSnapshots()
+        out = fo.overlap(a, b, snap, plan=plan)
+        torch.cuda.synchronize()
+        packed = out.flatten()[plan.packed_index().cuda()]
+        got = torch.cat(snap.copies)
+        assert torch.equal(got.view(torch.int16), packed.view(torch.int16)), \
+            f"run {run}: a region was read before its tiles were written ({m}x{n}x{k}, {sizes})"
+
+
+@needs_cuda
+def test_back_to_back_bitwise_stable_memory_flat():
+    calls = int(os.environ.get("FO_REPEAT_CALLS", "10000"))
+    a, b = _inputs(2048, 2048, 512, torch.bfloat16)
+    first = fo.overlap(a, b, backend="cuda").clone()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(calls):
+        out = fo.overlap(a, b, backend="cuda")
+        if i % 1000 == 999:
+            assert torch.equal(out, first), f"call {i} differs"
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+
+
+@needs_cuda
+@pytest.mark.parametrize("wait", ["stream_wait_value", "spin_kernel"])
+def test_graph_replays_bitwise_stable(wait, monkeypatch):
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_WAIT", wait)
+    replays = int(os.environ.get("FO_GRAPH_REPLAYS", "10000"))
+    a, b = _inputs(1024, 3072, 256, torch.bfloat16)
+    plan = fo.plan(1024, 3072, 256, dtype=torch.bfloat16, backend="cuda")
+    out = torch.empty(1024, 3072, device="cuda", dtype=torch.bfloat16)
+    fo.overlap(a, b, plan=plan, out=out)  # warm-up (loads every kernel)
+    torch.cuda.synchronize()
+    expected = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            fo.overlap(a, b, plan=plan, out=out)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(replays):
+        out.fill_(float("nan")) if i % 2500 == 0 else None
+        graph.replay()
+        if i % 2500 == 0:
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"replay {i} differs"
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+
+
+@needs_cuda
+def test_host_offload_gets_packed_result():
+    m, n, k = 3000, 2048, 1024
+    a, b = _inputs(m, n, k, torch.bfloat16)
+    plan = fo.plan(m, n, k, op="custom", dtype=torch.bfloat16, backend="cuda")
+    offload = HostOffload.for_plan(plan)
+    out = fo.overlap(a, b, offload, plan=plan)
+    torch.cuda.synchronize()
+    assert torch.equal(offload.host, out.flatten()[plan.packed_index().cuda()].cpu())
+    _check(out, a, b)
+
+
+LAZY_SCRIPT = textwrap.dedent("""
+    import os, tempfile, torch, torch.distributed as dist
+    import flashoverlap_core as fo
+    assert os.environ.get("CUDA_MODULE_LOADING", "LAZY") == "LAZY"
+    store = tempfile.mktemp()
+    dist.init_process_group("nccl", init_method="file://" + store, rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16).t()
+    for op in ("allreduce", "reduce_scatter", "all_to_all"):
+        for _ in range(3):
+            out = fo.overlap(a, b, op, backend="cuda")
+        torch.cuda.synchronize()
+        err = ((out.float() - (a.float() @ b.float())).abs().max() / (a.float() @ b.float()).abs().max()).item()
+        assert err < 2e-2, (op, err)
+    dist.destroy_process_group()
+    print("LAZY_OK")
+""")
+
+
+@needs_cuda
+def test_fresh_process_with_lazy_loading_does_not_hang():
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MODULE_LOADING"}
+    proc = subprocess.run([sys.executable, "-c", LAZY_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "LAZY_OK" in proc.stdout, proc.stdout + proc.stderr
