@@ -5,6 +5,7 @@ or ``ValueError`` saying what was given and what is accepted.
 """
 from __future__ import annotations
 
+import importlib
 from functools import lru_cache
 from typing import Callable
 
@@ -20,7 +21,7 @@ from .tiles import Schedule, TileGrid
 
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor (or a DLPack array), got {type(t).__name__}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
@@ -87,7 +88,32 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
             plan: Plan | None = None, out: torch.Tensor | None = None, send_splits=None,
             recv_splits=None, backend: str | None = None) -> torch.Tensor:
     """The collective ``op`` applied to ``a @ b`` (see DESIGN.md for the exact semantics),
-    with the communication overlapped with the GEMM that produces it."""
+    with the communication overlapped with the GEMM that produces it.
+
+    ``a``, ``b`` and ``out`` may also be any DLPack arrays (e.g. CuPy's): they are viewed as
+    torch tensors without a copy, and the result comes back in ``a``'s array type.
+    """
+    a, a_type = _from_dlpack(a)
+    b, _ = _from_dlpack(b)
+    if out is not None:
+        out, _ = _from_dlpack(out)
+    result = _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend)
+    return result if a_type is None else _to_array_type(result, a_type)
+
+
+def _from_dlpack(x):
+    """(torch view of x, x's type) for a DLPack array that is not a torch tensor."""
+    if isinstance(x, torch.Tensor) or not hasattr(x, "__dlpack__"):
+        return x, None
+    return torch.from_dlpack(x), type(x)
+
+
+def _to_array_type(t: torch.Tensor, kind: type):
+    library = importlib.import_module(kind.__module__.split(".")[0])
+    return library.from_dlpack(t)
+
+
+def _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend):
     _check_tensor("a", a)
     _check_tensor("b", b)
     (m, k), (kb, n) = a.shape, b.shape
