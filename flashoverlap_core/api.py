@@ -62,15 +62,15 @@ def _check_splits_use(op: str, world_size: int, m: int, send_splits, recv_splits
     return send, recv
 
 
-def _check_out(out, shape, like: torch.Tensor) -> None:
+def _check_out(out, shape, like: torch.Tensor, n: int) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if out.dtype != like.dtype or out.device != like.device:
         raise ValueError(f"out must be {like.dtype} on {like.device}, got {out.dtype} on {out.device}")
     if shape is not None and tuple(out.shape) != shape:
         raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
-    if out.dim() != 2 or out.shape[1] != like.shape[1] or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [rows, {like.shape[1]}] tensor, "
+    if out.dim() != 2 or out.shape[1] != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [rows, {n}] tensor, "
                          f"got shape {tuple(out.shape)} strides {out.stride()}")
 
 
@@ -135,7 +135,7 @@ def _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend):
         raise TypeError(f"plan must be a flashoverlap_core.Plan or None, got {type(plan).__name__}")
     rows = _output_rows(op_name, m, world, recv)
     if out is not None:
-        _check_out(out, (rows, n) if rows is not None else None, a)
+        _check_out(out, (rows, n) if rows is not None else None, a, n)
 
     spec = OverlapSpec(m, n, k, op_name, world, dtype, a.device.type, b_layout(b), send)
     chosen = registry.select(spec, backend, plan.backend if plan is not None else None)
