@@ -21,7 +21,7 @@ log = logging.getLogger("flashoverlap")
 
 ENTRY_POINT_GROUP = "flashoverlap.backends"
 ENV_BACKEND = "FLASHOVERLAP_BACKEND"
-BUILTIN = {"reference": "flashoverlap_core.reference:ReferenceBackend"}
+BUILTIN = {"reference": "flashoverlap_core.reference:ReferenceBackend", "decomposition": "flashoverlap_core.decomposition:DecompositionBackend"}
 
 
 class BackendError(ValueError):

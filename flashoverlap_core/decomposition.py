@@ -1,0 +1,250 @@
+"""The decomposition strategy: the GEMM cut into sub-GEMMs, one set per wave group, joined by events.
+
+It is the baseline every signaling backend is measured against, and the fallback wherever no
+signaling kernel exists; it runs on any torch device. Per group g, in group order:
+
+1. compute stream: the group's tiles with the device's own matmul, stored in the packed layout
+   (one matmul per rectangle of alike tiles, then one strided copy into their packed slots);
+2. compute stream: ``signal(g)``, an event recorded after those stores;
+3. communication stream: ``wait(g)`` (the device-side wait), then the group's collective
+   through :class:`~flashoverlap_core.collectives.RegionExchange`;
+
+then the compute stream waits for the communication stream and the packed result is put back
+in row-major order. Device-specific backends reuse the stream plumbing (:class:`DeviceStreams`)
+and may replace the events with their own group signals (see :meth:`signals`).
+
+The host has no streams: :class:`HostStreams` runs the same code with no-op stream operations,
+and the overlap comes from the collectives being asynchronous.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .backend import Backend, OverlapCall, OverlapSpec
+from .collectives import RegionExchange
+from .plan import Plan
+
+DEFAULT_BAND_ROWS = 128
+
+
+class HostStreams:
+    """The stream interface of the strategy, as a device without streams runs it: no-ops.
+
+    ``compute`` is the caller's stream (GEMM, post-reorder), ``comm`` the communication
+    stream; ``record()`` marks the compute stream's progress, ``wait_event`` makes the
+    communication stream wait for a mark, ``communicating()`` makes the communication stream
+    current, ``join()`` makes the compute stream wait for all communication launched so far.
+    """
+
+    compute = None
+    comm = None
+
+    def record(self):
+        return None
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def communicating(self):
+        return contextlib.nullcontext()
+
+    def join(self) -> None:
+        pass
+
+
+class DeviceStreams(HostStreams):
+    """The caller's current stream and a communication stream of one device, through the
+    device's torch module (``torch.get_device_module``)."""
+
+    def __init__(self, device: torch.device):
+        self.module = torch.get_device_module(device.type)
+        index = device.index if device.index is not None else self.module.current_device()
+        self.compute = self.module.current_stream(index)
+        self.comm = communication_stream(device.type, index)
+
+    def record(self):
+        event = self.module.Event()
+        event.record(self.compute)
+        return event
+
+    def wait_event(self, event) -> None:
+        self.comm.wait_event(event)
+
+    def communicating(self):
+        return self.module.stream(self.comm)
+
+    def join(self) -> None:
+        self.compute.wait_stream(self.comm)
+
+
+@lru_cache(maxsize=None)
+def communication_stream(device_type: str, index: int):
+    """One high-priority communication stream per device, made once: the collectives it
+    releases should get the device ahead of queued GEMM work."""
+    module = torch.get_device_module(device_type)
+    return module.Stream(device=torch.device(device_type, index), priority=-1)
+
+
+def streams_for(device: torch.device) -> HostStreams:
+    return HostStreams() if device.type == "cpu" else DeviceStreams(device)
+
+
+class EventSignals:
+    """Group signals as events: ``signal(g)`` on the compute stream after group g's stores,
+    ``wait(g)`` holds the communication stream until then."""
+
+    def __init__(self, streams: HostStreams):
+        self.streams = streams
+        self.events: dict[int, object] = {}
+
+    def signal(self, g: int) -> None:
+        self.events[g] = self.streams.record()
+
+    def wait(self, g: int) -> None:
+        self.streams.wait_event(self.events.pop(g))
+
+
+@dataclass(frozen=True)
+class PackedRect:
+    """Alike tiles covering rows [row0, +bands*tile_rows) x columns [col0, +cols*tile_cols) of
+    c, computed by one matmul. Tile (i, j) (band i, column tile j) sits at packed element
+    ``offset + i*band_stride + j*col_stride``, row-major at its size."""
+
+    row0: int
+    col0: int
+    bands: int
+    cols: int
+    tile_rows: int
+    tile_cols: int
+    offset: int
+    band_stride: int
+    col_stride: int
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.row0, self.row0 + self.bands * self.tile_rows
+
+    @property
+    def columns(self) -> tuple[int, int]:
+        return self.col0, self.col0 + self.cols * self.tile_cols
+
+    @property
+    def row_major(self) -> bool:
+        """Whether the packed slots are the matmul's own [rows, columns] output layout."""
+        numel = self.tile_rows * self.tile_cols
+        return self.cols == 1 and (self.bands == 1 or self.band_stride == numel)
+
+
+def _rectangles(tiles) -> list[PackedRect]:
+    """Cover ``tiles`` ((tile, offset) pairs, in packed order) with rectangles of alike tiles
+    whose packed offsets are affine in (band, column tile): greedily, widest first."""
+    at = {(t.row0, t.col0): (t, off) for t, off in tiles}
+    taken: set = set()
+
+    def tile_at(row0, col0, like):
+        found = at.get((row0, col0))
+        if found is None or (row0, col0) in taken:
+            return None
+        t, off = found
+        return off if (t.rows, t.cols) == (like.rows, like.cols) else None
+
+    out = []
+    for t, off in tiles:
+        if (t.row0, t.col0) in taken:
+            continue
+        cols, col_stride = 1, t.numel
+        nxt = tile_at(t.row0, t.col0 + t.cols, t)
+        if nxt is not None and nxt > off:
+            col_stride = nxt - off
+            while tile_at(t.row0, t.col0 + cols * t.cols, t) == off + cols * col_stride:
+                cols += 1
+        bands, band_stride = 1, t.numel * cols
+        below = tile_at(t.row0 + t.rows, t.col0, t)
+        if below is not None and below > off:
+            band_stride = below - off
+
+            def band_fits(i):
+                return all(tile_at(t.row0 + i * t.rows, t.col0 + j * t.cols, t)
+                           == off + i * band_stride + j * col_stride for j in range(cols))
+
+            while band_fits(bands):
+                bands += 1
+        taken.update((t.row0 + i * t.rows, t.col0 + j * t.cols)
+                     for i in range(bands) for j in range(cols))
+        out.append(PackedRect(t.row0, t.col0, bands, cols, t.rows, t.cols, off,
+                              band_stride, col_stride))
+    return out
+
+
+@lru_cache(maxsize=64)
+def packed_rects(plan: Plan) -> tuple[tuple[PackedRect, ...], ...]:
+    """Each group's tiles as rectangles, one matmul each."""
+    per_group: list[list] = [[] for _ in range(plan.num_groups)]
+    for tile, g, offset in plan.packed_tiles:
+        per_group[g].append((tile, offset))
+    return tuple(tuple(_rectangles(tiles)) for tiles in per_group)
+
+
+def compute_rect(a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, r: PackedRect) -> None:
+    """Store the tiles of ``r`` of a @ b in their packed slots."""
+    (r0, r1), (c0, c1) = r.rows, r.columns
+    a_rows, b_cols = a[r0:r1], b[:, c0:c1]
+    if r.row_major:
+        torch.matmul(a_rows, b_cols, out=packed[r.offset:r.offset + (r1 - r0) * (c1 - c0)]
+                     .view(r1 - r0, c1 - c0))
+        return
+    value = torch.matmul(a_rows, b_cols)
+    slots = packed.as_strided((r.bands, r.cols, r.tile_rows, r.tile_cols),
+                              (r.band_stride, r.col_stride, r.tile_cols, 1),
+                              packed.storage_offset() + r.offset)
+    slots.copy_(value.view(r.bands, r.tile_rows, r.cols, r.tile_cols).transpose(1, 2))
+
+
+class DecompositionBackend(Backend):
+    """Per-group sub-GEMMs on the compute stream, collectives on a communication stream.
+
+    Priority 10: above the reference (0), which computes tile by tile and exists to be
+    read, not run fast; auto-selection already puts every device-specific backend (the
+    signaling kernels) before any generic one, whatever its priority.
+    """
+
+    name = "decomposition"
+    device_type = None
+    priority = 10
+
+    def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
+        # Whole-row tiles: each group is a run of row bands, one matmul and one contiguous
+        # region, and the post-communication reorder is a plain copy.
+        return (DEFAULT_BAND_ROWS, spec.n)
+
+    def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
+        return 1  # sub-GEMMs finish one after the other
+
+    def streams(self, device: torch.device) -> HostStreams:
+        return streams_for(device)
+
+    def signals(self, streams: HostStreams, call: OverlapCall):
+        """How the compute stream tells the communication stream that a group is stored."""
+        return EventSignals(streams)
+
+    def run(self, call: OverlapCall) -> torch.Tensor:
+        a, b, plan = call.a, call.b, call.plan
+        streams = self.streams(a.device)
+        packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=a.device)
+        exchange = RegionExchange(call, packed)
+        signals = self.signals(streams, call)
+        for g, rects in enumerate(packed_rects(plan)):
+            for r in rects:
+                compute_rect(a, b, packed, r)
+            signals.signal(g)
+            with streams.communicating():
+                signals.wait(g)
+                exchange.start(g)
+        with streams.communicating():
+            exchange.wait()
+        streams.join()
+        return exchange.finish()
