@@ -83,6 +83,12 @@ class RegionExchange:
         self.recv_counts = recv.view(w, g_max).t().tolist()  # [group][source]
         self.num_collectives = g_max
         self.recv_rows = [h[6 + call.rank] for h in headers]
+        rows = sum(self.recv_rows)
+        if call.out is None:  # recv_splits were omitted: the output size is known only now
+            call.out = self.packed.new_empty((rows, plan.n))
+        elif call.out.shape[0] != rows:
+            raise ValueError(f"out has {call.out.shape[0]} rows, but the ranks send this rank "
+                             f"{rows} rows (their send_splits)")
         self.staging = self.packed.new_empty(sum(self.recv_rows) * plan.n)
         self.recv_offsets = self._offsets([sum(c) for c in self.recv_counts])
 
