@@ -1,4 +1,4 @@
-"""The decomposition strategy: the GEMM cut into sub-GEMMs, one set per wave group, joined by events.
+"""The decomposition strategy: per wave group, sub-GEMMs, then the group's collective.
 
 It is the baseline every signaling backend is measured against, and the fallback wherever no
 signaling kernel exists; it runs on any torch device. Per group g, in group order:

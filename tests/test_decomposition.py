@@ -97,7 +97,8 @@ def check_call(op, m, n, k, dtype, group_sizes=None, tile=None, send=None):
     if op == "all_to_all":
         kw = {"send_splits": send, "recv_splits": [send[rank]] * world}
     got = fo.overlap(a, b, op, plan=plan, **kw)
-    want = reference(op, a, b, world, rank, send) if isinstance(op, str) else a.double() @ b.double()
+    want = (reference(op, a, b, world, rank, send) if isinstance(op, str)
+            else a.double() @ b.double())
     assert got.dtype == dtype and got.shape == want.shape
     if want.numel() == 0:
         return 0.0
