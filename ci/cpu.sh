@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The CPU test run, as on a fresh machine: a virtual environment, torch==2.13.0 (the CPU build;
+# installed first so that nothing pulls a multi-GB accelerator build), the package with its test
+# extras, then exactly the README's test command. "No tests collected" (pytest exit code 5) is a
+# failure, not a pass.
+#   VENV   where the environment goes (default: .venv in the repository)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TEST_COMMAND="pytest"
+if ! grep -qxF "$TEST_COMMAND" README.md; then
+    echo "ci/cpu.sh: README.md no longer shows the test command '$TEST_COMMAND' on a line of its own;" \
+         "update TEST_COMMAND here to match it" >&2
+    exit 1
+fi
+
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e '.[test]'
+
+echo "+ $TEST_COMMAND"
+set +e
+$TEST_COMMAND
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+    echo "ci/cpu.sh: pytest collected no tests: that is a failure" >&2
+    exit 1
+fi
+exit "$status"
