@@ -45,6 +45,8 @@ ROUNDING_UNITS = 4  # output-dtype epsilons (times the largest |value|) always a
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="backend to run (default: FLASHOVERLAP_BACKEND, else "
                         "the best available accelerator backend with devices, else reference)")
+    parser.add_argument("--device", metavar="TYPE", help="device type for a backend that runs "
+                        "on any device, such as reference or decomposition (default: cpu)")
     parser.add_argument("--world-size", type=int, help="ranks (default: every device of the "
                         "backend; 2 on the CPU)")
     parser.add_argument("--shapes", help="comma-separated per-rank MxNxK shapes of a [M,K] @ "
@@ -76,13 +78,15 @@ class Hardware:
     reason: str
 
 
-def pick_hardware(backend: str | None, world_size: int | None) -> Hardware:
+def pick_hardware(backend: str | None, world_size: int | None,
+                  device_type: str | None = None) -> Hardware:
     """The explicit backend (``--backend``, else FLASHOVERLAP_BACKEND), else the most preferred
-    available accelerator backend that has devices, else the reference backend on the CPU."""
+    available accelerator backend that has devices, else the reference backend on the CPU.
+    A backend that runs on any device (reference, decomposition) runs on ``device_type``."""
     choice = registry.explicit_choice(backend)
     if choice is not None:
         chosen, reason = registry.get(choice[0]), choice[1]
-    else:
+    elif device_type is None:
         with_devices = [registry.get(s.name) for s in registry.backends()
                         if s.available and s.device_type not in (None, "cpu")]
         with_devices = [b for b in with_devices if b.device_count() > 0]
@@ -92,14 +96,27 @@ def pick_hardware(backend: str | None, world_size: int | None) -> Hardware:
         else:
             chosen = registry.get("reference")
             reason = "auto detect: no accelerator backend with devices here"
-    device_type = chosen.device_type or "cpu"
-    devices = chosen.device_count() if device_type != "cpu" else None
+    else:
+        chosen = registry.get("reference")
+        reason = f"--device {device_type} without --backend"
+    if chosen.device_type not in (None, device_type or chosen.device_type):
+        raise SystemExit(f"flashoverlap bench: backend {chosen.name!r} runs on "
+                         f"{chosen.device_type}, not on --device {device_type}")
+    device_type = chosen.device_type or device_type or "cpu"
+    if device_type == "cpu":
+        devices = None  # ranks share the host
+    elif chosen.device_type is None:
+        devices = torch.get_device_module(device_type).device_count()
+    else:
+        devices = chosen.device_count()
+    if devices == 0:
+        raise SystemExit(f"flashoverlap bench: no {device_type} device here")
     if world_size is None:
         world_size = devices if devices is not None else 2
     if world_size < 1 or (devices is not None and world_size > devices):
         raise SystemExit(f"flashoverlap bench: --world-size must be between 1 and "
-                         f"{devices if devices is not None else 'any'} for backend {chosen.name!r}, "
-                         f"got {world_size}")
+                         f"{devices if devices is not None else 'any'} for backend {chosen.name!r} "
+                         f"on {device_type}, got {world_size}")
     return Hardware(chosen.name, device_type, world_size, reason)
 
 
@@ -352,7 +369,11 @@ def write_json(path: str, hw: Hardware, device: str | None, results: list[Result
 
 
 def run(args: argparse.Namespace) -> int:
-    hw = pick_hardware(args.backend, args.world_size)
+    try:
+        hw = pick_hardware(args.backend, args.world_size, args.device)
+    except registry.BackendError as e:
+        print(f"flashoverlap bench: {e}", file=sys.stderr)
+        return 2
     on_cpu = hw.device_type == "cpu"
     shapes = parse_shapes(args.shapes or (CPU_SHAPES if on_cpu else ACCELERATOR_SHAPES))
     ops = parse_ops(args.ops)
