@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .tiles import Schedule
+
+if TYPE_CHECKING:
+    from .tuning.trace import TileTrace
 
 
 @dataclass(frozen=True)
@@ -92,3 +95,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run(self, call: OverlapCall) -> torch.Tensor:
         """Run the overlapped call; the result goes to (and is) ``call.out``."""
+
+    def trace(self, call: OverlapCall) -> "TileTrace":
+        """Run the call like :meth:`run` (the result goes to ``call.out``) and report when each
+        tile was finished, by which worker, and when each group's transfer ran: a
+        :class:`flashoverlap_core.tuning.trace.TileTrace`. Optional; the tuner and
+        ``flashoverlap trace`` need it."""
+        raise NotImplementedError(
+            f"backend {self.name!r} cannot trace a call: it does not implement Backend.trace(), "
+            "which the tuner and `flashoverlap trace` need (they run on backends that do, e.g. "
+            "'reference')")

@@ -12,6 +12,7 @@ import torch
 from .backend import Backend, OverlapCall
 from .collectives import RegionExchange
 from .reorder import pack_tile
+from .tuning.trace import HostRecorder, NoRecorder, TileTrace
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -24,6 +25,18 @@ class ReferenceBackend(Backend):
     priority = 0
 
     def run(self, call: OverlapCall) -> torch.Tensor:
+        return self._execute(call, NoRecorder())
+
+    def trace(self, call: OverlapCall) -> TileTrace:
+        """Run the call, stamping each tile and each group's collective on the host clock
+        (the device is synchronised before every stamp when the tensors are not on the CPU)."""
+        device = call.a.device.type
+        sync = torch.get_device_module(device).synchronize if device != "cpu" else None
+        recorder = HostRecorder(call.plan, sync)
+        self._execute(call, recorder)
+        return recorder.trace()
+
+    def _execute(self, call: OverlapCall, recorder) -> torch.Tensor:
         plan = call.plan
         acc = accumulation_dtype(call.a.dtype)
         a, b = call.a.to(acc), call.b.to(acc)
@@ -34,6 +47,11 @@ class ReferenceBackend(Backend):
             for t in tiles:
                 value = a[t.row0:t.row0 + t.rows] @ b[:, t.col0:t.col0 + t.cols]
                 pack_tile(packed, offsets[t], t, value)
+                recorder.tile_done()
+            recorder.transfer_started(g)
+            launched = len(exchange.works)
             exchange.start(g)
+            recorder.transfer_launched(g, exchange.works[launched:])
+        recorder.join()
         exchange.wait()
         return exchange.finish()

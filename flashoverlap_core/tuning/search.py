@@ -1,0 +1,118 @@
+"""Choosing the grouping: dynamic programming over wave boundaries, and the candidate sets of
+the measured (exhaustive) search.
+
+Groups are runs of whole waves (``OverlapModel.boundaries``). Under the model, what happens
+after a group's transfer depends on the groups before it only through when that transfer
+ended and how far the GEMM had got by then, and ending earlier with the GEMM further along is
+never worse. So the best groupings of the first j boundaries extend best groupings of some
+first i by one group from i to j: a dynamic program over n boundaries in O(n^2), vectorised
+over i, keeping per boundary the histories that no other beats on both counts (one, unless the
+transfers slow the GEMM down). One group (no overlap) wins whenever overlap is not predicted to
+pay.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import OverlapModel, advance_transfer
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The grouping chosen for a model, with its predicted and the sequential duration."""
+
+    group_sizes: tuple[int, ...]
+    predicted_s: float
+    sequential_s: float
+    search_s: float  # how long the search took
+    fell_back: bool  # overlap predicted not to pay: one group
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.sequential_s / self.predicted_s if self.predicted_s > 0 else 1.0
+
+
+def sizes_from_ends(ends) -> tuple[int, ...]:
+    """Group sizes from increasing group ends (tile counts)."""
+    ends = [int(e) for e in ends]
+    return tuple(b - a for a, b in zip([0] + ends, ends))
+
+
+def best_ends(model: OverlapModel, max_states: int = 32) -> list[int]:
+    """The group ends that finish the last transfer earliest (dynamic program, see the module
+    docstring).
+
+    A state is a history ending a transfer at a boundary: (when the transfer ended, how far
+    the GEMM had got). Per boundary only the states no other state beats on both counts are
+    kept (earlier and further is never worse), at most ``max_states`` of them, the
+    earliest-ending first; with no GEMM slowdown there is only ever one.
+    """
+    ends = model.boundaries()
+    ready = model.timing.ready(ends)
+    sent = model.prefix_bytes[np.concatenate([[0], ends])]
+    # Every kept state, in boundary order: its boundary (0: nothing sent yet), when its
+    # transfer ended, the GEMM's progress then, and the state it came from. State 0 is the start.
+    room = len(ends) * max_states + 1
+    at, parent = np.zeros(room, np.int64), np.full(room, -1, np.int64)
+    finish, progress = np.zeros(room), np.zeros(room)
+    count = 1
+    for j in range(1, len(ends) + 1):
+        work = model.cost(sent[j] - sent[at[:count]])
+        _, end, done = advance_transfer(finish[:count], progress[:count], ready[j - 1], work,
+                                        model.timing.end, model.contention)
+        order = np.lexsort((-done, end))
+        further = done[order][1:] > np.maximum.accumulate(done[order])[:-1]
+        front = order[np.concatenate([[True], further])][:max_states]
+        new = slice(count, count + len(front))
+        at[new], finish[new], progress[new], parent[new] = j, end[front], done[front], front
+        count += len(front)
+    state = int(np.flatnonzero(at[:count] == len(ends))[np.argmin(finish[new])])
+    chosen = []
+    while state > 0:
+        chosen.append(int(ends[at[state] - 1]))
+        state = int(parent[state])
+    return chosen[::-1]
+
+
+def search(model: OverlapModel, min_gain: float = 0.0) -> Choice:
+    """The predicted-best grouping; one group unless overlap is predicted to be faster than the
+    sequential call by more than the fraction ``min_gain``."""
+    began = time.perf_counter()
+    sequential = model.sequential()
+    best = sizes_from_ends(best_ends(model))
+    predicted = model.predict(best)
+    fell_back = not predicted < sequential * (1.0 - min_gain)
+    if fell_back:
+        best, predicted = (model.num_tiles,), sequential
+    return Choice(best, predicted, sequential, time.perf_counter() - began, fell_back)
+
+
+def all_groupings(model: OverlapModel, boundaries=None):
+    """Every grouping whose group ends are among ``boundaries`` (default: every wave boundary);
+    2^(n-1) of them for n boundaries."""
+    ends = list(model.boundaries() if boundaries is None else boundaries)
+    inner, last = ends[:-1], ends[-1]
+    for picked in itertools.product((False, True), repeat=len(inner)):
+        yield sizes_from_ends([e for e, keep in zip(inner, picked) if keep] + [last])
+
+
+def measured_candidates(model: OverlapModel, limit: int = 64, extra=()) -> list[tuple[int, ...]]:
+    """Groupings for the measured search: every wave-boundary grouping when there are at most
+    ``limit``, else every grouping over a coarser grid of boundaries (evenly spaced among the
+    wave boundaries) with at most ``limit`` members; plus ``extra`` (e.g. the predicted
+    choice). One group comes first."""
+    ends = model.boundaries()
+    keep = max(1, int(math.log2(max(limit, 1))) + 1)
+    if len(ends) > keep:
+        picks = np.unique(np.round(np.linspace(0, len(ends) - 1, keep)).astype(int))
+        ends = ends[picks]
+    found = sorted(all_groupings(model, ends), key=len)
+    for sizes in extra:
+        if tuple(sizes) not in found:
+            found.append(tuple(sizes))
+    return found
