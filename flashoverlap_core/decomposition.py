@@ -26,7 +26,7 @@ import torch
 
 from .backend import Backend, OverlapCall, OverlapSpec
 from .collectives import RegionExchange
-from .plan import Plan
+from .plan import CUSTOM_OP, Plan
 
 DEFAULT_BAND_ROWS = 128
 
@@ -204,6 +204,13 @@ def compute_rect(a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, r: Pack
     slots.copy_(value.view(r.bands, r.tile_rows, r.cols, r.tile_cols).transpose(1, 2))
 
 
+def rows_in_order(plan: Plan) -> bool:
+    """Whether the packed buffer of ``plan`` is its row-major result, as the collective leaves
+    it: an allreduce or custom op (one block, reduced or transferred in place) with tiles that
+    span all N columns, whose schedule order is then the row order."""
+    return plan.op in ("allreduce", CUSTOM_OP) and plan.tile[1] >= plan.n
+
+
 class DecompositionBackend(Backend):
     """Per-group sub-GEMMs on the compute stream, collectives on a communication stream.
 
@@ -217,8 +224,8 @@ class DecompositionBackend(Backend):
     priority = 10
 
     def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
-        # Whole-row tiles: each group is a run of row bands, one matmul and one contiguous
-        # region, and the post-communication reorder is a plain copy.
+        # Whole-row tiles: each group is a run of row bands, one matmul writing one contiguous
+        # region; for allreduce and custom ops that region is the output's own rows.
         return (DEFAULT_BAND_ROWS, spec.n)
 
     def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
@@ -234,7 +241,11 @@ class DecompositionBackend(Backend):
     def run(self, call: OverlapCall) -> torch.Tensor:
         a, b, plan = call.a, call.b, call.plan
         streams = self.streams(a.device)
-        packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=a.device)
+        in_place = rows_in_order(plan)
+        if in_place:  # the packed layout is the output's: no post-reorder
+            packed = call.out.view(-1)
+        else:
+            packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=a.device)
         exchange = RegionExchange(call, packed)
         signals = self.signals(streams, call)
         for g, rects in enumerate(packed_rects(plan)):
@@ -247,4 +258,31 @@ class DecompositionBackend(Backend):
         with streams.communicating():
             exchange.wait()
         streams.join()
-        return exchange.finish()
+        return call.out if in_place else exchange.finish()
+
+
+class AcceleratorDecomposition(DecompositionBackend):
+    """The decomposition strategy with this machine's accelerator (``torch.accelerator``) as
+    its device type.
+
+    The generic backend runs wherever the tensors are, so the conformance suite and
+    ``flashoverlap bench``, which put a generic backend's tensors on the host, test it there;
+    this one makes them test it on device tensors, e.g.
+    ``--fo-backend flashoverlap_core.decomposition:AcceleratorDecomposition``. It keeps the
+    name ``decomposition``: it is that backend, and spawned ranks that only know the name run
+    the same code.
+    """
+
+    priority = 0  # never chosen automatically: the generic backend covers the same calls
+
+    def __init__(self):
+        found = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        self.device_type = found.type if found is not None else "accelerator"
+
+    def probe(self) -> str | None:
+        if not torch.accelerator.is_available():
+            return "no accelerator is visible (torch.accelerator.is_available() is False)"
+        return None
+
+    def device_count(self) -> int:
+        return torch.accelerator.device_count()

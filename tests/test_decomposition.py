@@ -16,8 +16,9 @@ import torch
 
 import flashoverlap_core as fo
 from flashoverlap_core import registry
-from flashoverlap_core.decomposition import (DecompositionBackend, HostStreams, compute_rect,
-                                             packed_rects, streams_for)
+from flashoverlap_core.decomposition import (AcceleratorDecomposition, DecompositionBackend,
+                                             HostStreams, compute_rect, packed_rects,
+                                             rows_in_order, streams_for)
 from flashoverlap_core.launch import RankPool
 
 SEED = 20261129
@@ -168,3 +169,23 @@ def test_conformance_suite():
                            "--pyargs", "flashoverlap_core.testing", "--fo-backend",
                            "decomposition"], capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_accelerator_variant_names_the_accelerator_or_says_there_is_none():
+    backend = AcceleratorDecomposition()
+    if torch.accelerator.is_available():
+        assert backend.probe() is None
+        assert backend.device_type == torch.accelerator.current_accelerator().type
+    else:
+        assert "no accelerator" in backend.probe() and backend.device_count() == 0
+
+
+def test_whole_row_allreduce_writes_the_output_in_place():
+    a, b = inputs(300, 40, 16, torch.float32, 0)
+    out = torch.full((300, 40), float("nan"))
+    plan = fo.plan(300, 40, 16, "allreduce", 1, torch.float32, backend="decomposition")
+    assert plan.tile == (128, 40) and rows_in_order(plan)
+    assert fo.overlap(a, b, plan=plan, out=out) is out
+    torch.testing.assert_close(out, a @ b)
+    assert not rows_in_order(fo.plan(300, 40, 16, "allreduce", 1, torch.float32, tile=(128, 32),
+                                     backend="decomposition"))
