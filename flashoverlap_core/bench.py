@@ -358,7 +358,7 @@ def write_json(path: str, hw: Hardware, device: str | None, results: list[Result
         "device": device,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "command": shlex.join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": shlex.join(["flashoverlap"] + sys.argv[1:]),
         "hardware": asdict(hw),
         "settings": settings,
         "environment": report.collect(),
