@@ -20,6 +20,10 @@ COMMANDS = {
               "on every device (or 2 CPU ranks) and check that the results agree"),
     "report": ("flashoverlap_core.report",
                "list every backend, whether it is available here and why not, and versions"),
+    "tune": ("flashoverlap_core.tuning.tune_cli",
+             "choose the wave groups of each shape and store them in the tuning cache"),
+    "trace": ("flashoverlap_core.tuning.trace_cli",
+              "run one overlapped call and draw its timeline"),
 }
 
 

@@ -1,0 +1,180 @@
+"""Invalid calls, and a backend that proves they are rejected before any device work.
+
+:class:`Tripwire` wraps the backend under test: it answers every question the API asks before a
+run (availability, support, tiles, schedule, plan checks) exactly as that backend does, but its
+``run`` raises :class:`DeviceWorkStarted`. An invalid call must raise ValueError/TypeError, so a
+call that gets as far as the backend's ``run`` fails the test; a valid call reaching the tripwire
+shows that the tripwire is live.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import flashoverlap_core as fo
+from flashoverlap_core import registry
+from flashoverlap_core.backend import Backend
+
+M, N, K = 8, 6, 5
+
+
+class DeviceWorkStarted(RuntimeError):
+    """The backend's run() was reached: the call was not rejected up front."""
+
+
+class Tripwire(Backend):
+    def __init__(self, inner: Backend):
+        self.inner = inner
+        self.name = f"tripwire-{inner.name}"
+        self.device_type = inner.device_type
+        self.priority = inner.priority - 1000  # never preferred by auto-selection
+
+    def probe(self):
+        return self.inner.probe()
+
+    def unsupported_reasons(self, spec):
+        return self.inner.unsupported_reasons(spec)
+
+    def default_tile(self, spec):
+        return self.inner.default_tile(spec)
+
+    def wave_size(self, spec, tile):
+        return self.inner.wave_size(spec, tile)
+
+    def schedule(self, spec):
+        return self.inner.schedule(spec)
+
+    def plan_reasons(self, plan):
+        return self.inner.plan_reasons(plan)
+
+    def run(self, call):
+        raise DeviceWorkStarted(f"{self.inner.name}.run() was called")
+
+
+def tripwire(backend_name: str) -> str:
+    """Register a tripwire around ``backend_name``; its name, for ``backend=``."""
+    return registry.register(Tripwire(registry.get(backend_name))).name
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What an invalid call is built from: the device and world size it runs with."""
+
+    device: torch.device
+    world_size: int
+    backend: str  # the tripwire's name
+
+    def t(self, *shape, dtype=torch.float32, device=None):
+        return torch.randn(*shape).to(dtype=dtype, device=device or self.device)
+
+    def call(self, **kw) -> dict:
+        """A valid allreduce call's arguments, with ``kw`` replacing some."""
+        args = dict(a=self.t(M, K), b=self.t(K, N), op="allreduce", backend=self.backend)
+        args.update(kw)
+        return args
+
+    def plan(self, **kw):
+        args = dict(m=M, n=N, k=K, op="allreduce", world_size=self.world_size,
+                    dtype=torch.float32, backend=self.backend)
+        args.update(kw)
+        return fo.plan(**args)
+
+
+@dataclass(frozen=True)
+class Invalid:
+    label: str
+    error: type  # TypeError or ValueError (a subclass is fine)
+    match: str  # a word of the message that says what is wrong (case-insensitive)
+    build: Callable[[Ctx], dict]  # fo.overlap keyword arguments
+    world_size: int = 1  # 1: in the test process, no torch.distributed; 2: on two ranks
+
+
+def _a2a(**kw):
+    return lambda c: c.call(op="all_to_all", **kw)
+
+
+INVALID = [
+    Invalid("a-not-tensor", TypeError, "torch.Tensor", lambda c: c.call(a=[[1.0] * K] * M)),
+    Invalid("b-not-tensor", TypeError, "torch.Tensor", lambda c: c.call(b=3.0)),
+    Invalid("a-1d", ValueError, "2-D", lambda c: c.call(a=c.t(M * K))),
+    Invalid("b-3d", ValueError, "2-D", lambda c: c.call(b=c.t(1, K, N))),
+    Invalid("k-mismatch", ValueError, "must equal", lambda c: c.call(b=c.t(K + 1, N))),
+    Invalid("dtype-mismatch", TypeError, "same dtype", lambda c: c.call(b=c.t(K, N, dtype=torch.float16))),
+    Invalid("dtype-float64", TypeError, "not supported",
+            lambda c: c.call(a=c.t(M, K, dtype=torch.float64), b=c.t(K, N, dtype=torch.float64))),
+    Invalid("dtype-int32", TypeError, "not supported",
+            lambda c: c.call(a=c.t(M, K, dtype=torch.int32), b=c.t(K, N, dtype=torch.int32))),
+    Invalid("device-mismatch", ValueError, "same device", lambda c: c.call(b=c.t(K, N, device="meta"))),
+    Invalid("empty-m", ValueError, ">= 1", lambda c: c.call(a=c.t(0, K))),
+    Invalid("empty-n", ValueError, ">= 1", lambda c: c.call(b=c.t(K, 0))),
+    Invalid("empty-k", ValueError, ">= 1", lambda c: c.call(a=c.t(M, 0), b=c.t(0, N))),
+    Invalid("op-unknown", ValueError, "op must be", lambda c: c.call(op="allgather")),
+    Invalid("op-type", TypeError, "op must be", lambda c: c.call(op=3)),
+    Invalid("group-type", TypeError, "group", lambda c: c.call(group="world")),
+    Invalid("backend-type", TypeError, "backend", lambda c: c.call(backend=3)),
+    Invalid("splits-for-allreduce", ValueError, "all_to_all", lambda c: c.call(send_splits=[M])),
+    Invalid("recv-splits-for-reduce-scatter", ValueError, "all_to_all",
+            lambda c: c.call(op="reduce_scatter", recv_splits=[M])),
+    Invalid("splits-type", TypeError, "send_splits", _a2a(send_splits="8")),
+    Invalid("splits-not-int", TypeError, "send_splits", _a2a(send_splits=[8.0])),
+    Invalid("splits-too-long", ValueError, "send_splits", _a2a(send_splits=[M - 1, 1])),
+    Invalid("splits-negative", ValueError, "send_splits", _a2a(send_splits=[-M])),
+    Invalid("splits-sum", ValueError, "sum", _a2a(send_splits=[M + 1])),
+    Invalid("recv-splits-wrong", ValueError, "recv_splits", _a2a(send_splits=[M], recv_splits=[M + 1])),
+    Invalid("plan-type", TypeError, "plan", lambda c: c.call(plan="plan")),
+    Invalid("plan-other-m", ValueError, "does not fit", lambda c: c.call(plan=c.plan(m=M + 1))),
+    Invalid("plan-other-op", ValueError, "does not fit",
+            lambda c: c.call(op="reduce_scatter", plan=c.plan())),
+    Invalid("plan-other-dtype", ValueError, "does not fit", lambda c: c.call(plan=c.plan(dtype=torch.bfloat16))),
+    Invalid("out-type", TypeError, "out", lambda c: c.call(out=[0.0])),
+    Invalid("out-shape", ValueError, "shape", lambda c: c.call(out=c.t(M + 1, N))),
+    Invalid("out-dtype", ValueError, "out", lambda c: c.call(out=c.t(M, N, dtype=torch.float16))),
+    Invalid("out-device", ValueError, "out", lambda c: c.call(out=c.t(M, N, device="meta"))),
+    Invalid("out-not-contiguous", ValueError, "contiguous", lambda c: c.call(out=c.t(N, M).t())),
+    # on two ranks
+    Invalid("reduce-scatter-m-not-divisible", ValueError, "divisible",
+            lambda c: c.call(op="reduce_scatter", a=c.t(M + 1, K)), world_size=2),
+    Invalid("reduce-scatter-out-rows", ValueError, "shape",
+            lambda c: c.call(op="reduce_scatter", out=c.t(M, N)), world_size=2),
+    Invalid("a2a-without-send-splits", ValueError, "send_splits", _a2a(), world_size=2),
+    Invalid("a2a-splits-short", ValueError, "send_splits", _a2a(send_splits=[M]), world_size=2),
+    Invalid("a2a-splits-negative", ValueError, "send_splits", _a2a(send_splits=[M + 1, -1]), world_size=2),
+    Invalid("a2a-splits-sum", ValueError, "sum", _a2a(send_splits=[1, 1]), world_size=2),
+    Invalid("a2a-recv-splits-long", ValueError, "recv_splits",
+            _a2a(send_splits=[4, 4], recv_splits=[4, 4, 0]), world_size=2),
+    Invalid("splits-for-allreduce-2", ValueError, "all_to_all",
+            lambda c: c.call(send_splits=[4, 4]), world_size=2),
+    Invalid("plan-other-world-size", ValueError, "does not fit",
+            lambda c: c.call(plan=c.plan(world_size=1)), world_size=2),
+]
+BY_LABEL = {case.label: case for case in INVALID}
+
+
+def attempt(build: Callable[[Ctx], dict], ctx: Ctx) -> tuple[tuple[str, ...], str]:
+    """(names of the raised exception's classes, its message); ((), "") when it did not raise."""
+    try:
+        fo.overlap(**build(ctx))
+    except Exception as e:  # reported back to the test, which judges it
+        return tuple(cls.__name__ for cls in type(e).__mro__), str(e)
+    return (), ""
+
+
+def attempt_on_rank(target, labels: list[str]) -> dict[str, tuple[tuple[str, ...], str]]:
+    """Run the labelled invalid calls, and a valid one ("valid"), on this rank."""
+    import torch.distributed as dist
+
+    ctx = Ctx(target.device(dist.get_rank()), dist.get_world_size(), tripwire(target.backend_name))
+    results = {label: attempt(BY_LABEL[label].build, ctx) for label in labels}
+    results["valid"] = attempt(lambda c: c.call(), ctx)
+    return results
+
+
+def mismatched_recv_splits_on_rank(target) -> tuple[tuple[str, ...], str]:
+    """An all_to_all on two ranks whose recv_splits disagree with what the other rank sends.
+    Only the ranks together can see it, so it goes to the real backend, not a tripwire."""
+    import torch.distributed as dist
+
+    ctx = Ctx(target.device(dist.get_rank()), dist.get_world_size(), target.backend_name)
+    return attempt(_a2a(send_splits=[M // 2, M // 2], recv_splits=[M // 2 - 1, M // 2 + 1]), ctx)

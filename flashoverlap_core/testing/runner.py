@@ -1,0 +1,160 @@
+"""One case, run on one rank (a spawned rank, or the test process itself at world size 1).
+
+``run_case`` builds the rank's inputs from seeds, makes the plan the case asks for, calls
+``fo.overlap`` with a NaN-poisoned ``out`` and checks the result against the float64 reference
+(:mod:`.checks`). It raises AssertionError saying what is wrong; it returns a short summary.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap_core as fo
+from flashoverlap_core.backend import OverlapSpec
+from flashoverlap_core.grouping import wave_group_sizes
+
+from .cases import Case, rank_input, recv_splits, rank_rows, seed_of
+from .checks import Expected, expected, mismatch
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def op_name(case: Case) -> str:
+    return "custom" if case.op == "custom" else case.op
+
+
+def spec_of(case: Case, seed: int, rank: int, device_type: str) -> OverlapSpec:
+    """What ``rank``'s call asks of the backend (to ask it whether it supports the call)."""
+    m, splits = rank_rows(case, seed, rank)
+    return OverlapSpec(m, case.n, case.k, op_name(case), case.world_size, case.dtype, device_type,
+                       case.layout, splits if case.splits != "none" else None)
+
+
+def explicit_group_sizes(case: Case, base: fo.Plan, rng: random.Random) -> tuple[int, ...] | None:
+    """group_sizes for the case's grouping, over the base plan's tiles (None: plan's default)."""
+    total = base.num_tiles
+    unit = case.world_size if case.op == "reduce_scatter" else 1
+    if case.grouping == "one":
+        return (total,)
+    if case.grouping == "per_wave":
+        return wave_group_sizes(total, base.wave_size, unit=unit, max_groups=total)
+    if case.grouping == "uneven":
+        units = total // unit
+        if units < 2:
+            return (total,)
+        cuts = sorted(rng.sample(range(1, units), min(units - 1, rng.randint(1, 5))))
+        return tuple(unit * (b - a) for a, b in zip([0] + cuts, cuts + [units]))
+    return None
+
+
+def case_plan(case: Case, seed: int, rank: int, backend: str, send_splits) -> tuple[fo.Plan, bool]:
+    """(the plan the call uses, whether the backend refused the case's small tile). With
+    grouping "auto" the call passes no plan; this is the one overlap makes by default."""
+    m, _ = rank_rows(case, seed, rank)
+    kwargs = dict(m=m, n=case.n, k=case.k, op=op_name(case), world_size=case.world_size,
+                  dtype=case.dtype, backend=backend, send_splits=send_splits, b_layout=case.layout)
+    if case.grouping == "auto":
+        return fo.plan(**kwargs), False
+    try:
+        base, refused = fo.plan(tile=case.tile, **kwargs), False
+    except ValueError:  # the backend has no kernel for this tile: use its own
+        base, refused = fo.plan(**kwargs), True
+    rng = random.Random(seed_of(seed, case.id, "groups", rank if case.op == "all_to_all" else 0))
+    sizes = explicit_group_sizes(case, base, rng)
+    if sizes is None:
+        return base, refused
+    return fo.plan(tile=base.tile, group_sizes=sizes, **kwargs), refused
+
+
+class RecordingOp:
+    """A custom op that records each call (index, a copy of the region, where it lies) and
+    then negates the region in place or leaves it alone."""
+
+    def __init__(self, negate: bool):
+        self.negate = negate
+        self.calls: list[tuple[int, torch.Tensor, int, bool]] = []
+
+    def __call__(self, region: torch.Tensor, index: int) -> None:
+        self.calls.append((index, region.clone(), region.data_ptr(), region.is_contiguous()))
+        if self.negate:
+            region.neg_()
+
+
+def check_custom_calls(op: RecordingOp, plan: fo.Plan, want: Expected, dtype) -> list[str]:
+    """The op ran once per group, in group order, on each group's region of one packed buffer,
+    holding exactly that group's finished tiles (the pre-communication reorder)."""
+    indices = [i for i, *_ in op.calls]
+    if indices != list(range(plan.num_groups)):
+        return [f"op(region, index) was called with indices {indices}, expected "
+                f"{list(range(plan.num_groups))} (once per group, in group order)"]
+    problems, index = [], plan.packed_index()
+    base = op.calls[0][2]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for (g, region, ptr, contiguous), r in zip(op.calls, plan.regions):
+        if not contiguous or region.numel() != r.numel or region.dtype != dtype:
+            problems.append(f"group {g}: region has {region.numel()} {region.dtype} elements"
+                            f"{'' if contiguous else ', not contiguous'}; the plan's region is "
+                            f"{r.numel} contiguous {dtype} elements")
+            continue
+        if ptr - base != r.offset * itemsize:
+            problems.append(f"group {g}: region starts {(ptr - base) // itemsize} elements after "
+                            f"group 0's, the plan says {r.offset}")
+        part = index[r.offset:r.offset + r.numel]
+        wrong = mismatch(region, Expected(want.ref.flatten()[part], want.tol.flatten()[part]),
+                         f"group {g}'s region when op was called")
+        if wrong:
+            problems.append(wrong)
+    return problems
+
+
+def run_case(target, case: Case, seed: int) -> dict:
+    """Run ``case`` on this rank and check it (see the module docstring)."""
+    rank, world = rank_and_world()
+    assert world == case.world_size, f"running a W={case.world_size} case on {world} rank(s)"
+    device = target.device(rank)
+    inp = rank_input(case, seed, rank, device)
+    a, b = inp.a, inp.b
+    send = inp.send_splits if case.op == "all_to_all" and case.splits != "none" else None
+    recv = recv_splits(case, seed, rank) if case.op == "all_to_all" and case.splits == "send+recv" else None
+    plan, refused_tile = case_plan(case, seed, rank, target.backend_name, send)
+    op = RecordingOp(case.custom == "negate") if case.op == "custom" else case.op
+    want = expected(case, seed, rank)
+    out = None
+    if case.poison_out:
+        out = torch.full(tuple(want.ref.shape), float("nan"), dtype=case.torch_dtype, device=device)
+    result = fo.overlap(a, b, op, plan=None if case.grouping == "auto" else plan, out=out,
+                        send_splits=send, recv_splits=recv, backend=target.backend_name)
+
+    where = f"case {case.id}, seed {seed}, rank {rank}"
+    problems = []
+    if out is not None and result is not out:
+        problems.append("overlap(out=...) returned a tensor other than out")
+    if result.dtype != case.torch_dtype or result.device != device:
+        problems.append(f"result is {result.dtype} on {result.device}, expected "
+                        f"{case.torch_dtype} on {device}")
+    if isinstance(op, RecordingOp):
+        if device.type != "cpu":
+            torch.accelerator.synchronize()  # the regions were copied on the communication stream
+        problems += check_custom_calls(op, plan, want, case.torch_dtype)
+        if op.negate:
+            want = Expected(-want.ref, want.tol)
+    wrong = mismatch(result, want, "result")
+    if wrong:
+        problems.append(wrong)
+    assert not problems, f"{where} ({plan!r}):\n  " + "\n  ".join(problems)
+    return {"groups": plan.num_groups, "tiles": plan.num_tiles, "refused_tile": refused_tile}
+
+
+def unsupported(backend, case: Case, seed: int, device_type: str) -> str | None:
+    """Why ``backend`` declines the case (its ``unsupported_reasons``), or None."""
+    for rank in range(case.world_size):
+        reasons = backend.unsupported_reasons(spec_of(case, seed, rank, device_type))
+        if reasons:
+            return f"backend {backend.name!r} does not support {case.id} (rank {rank}): " + "; ".join(reasons)
+    return None

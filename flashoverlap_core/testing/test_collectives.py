@@ -1,0 +1,29 @@
+"""The conformance matrix on spawned ranks (one pool per world size)."""
+import warnings
+
+import pytest
+
+from flashoverlap_core.launch import RankError
+
+from .cases import rank_matrix
+from .plugin import settings
+from .runner import run_case, unsupported
+
+
+def pytest_generate_tests(metafunc):
+    if "rank_case" in metafunc.fixturenames:
+        cases = rank_matrix(settings(metafunc.config).world_sizes)
+        metafunc.parametrize("rank_case", cases, ids=[c.id for c in cases])
+
+
+def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_settings):
+    why = unsupported(fo_backend, rank_case, fo_settings.seed, fo_target.device_type)
+    if why:
+        pytest.skip(why)
+    try:
+        results = fo_pools.run(rank_case.world_size, run_case, rank_case, fo_settings.seed)
+    except RankError as e:  # a wrong result, or an exception in the backend, on some rank
+        pytest.fail(str(e), pytrace=False)
+    if any(r["refused_tile"] for r in results):
+        warnings.warn(f"{fo_backend.name!r} refused tile {rank_case.tile}; the case ran with the "
+                      f"backend's default tile (fewer tiles and groups)")

@@ -1,0 +1,156 @@
+"""Property tests of the plan invariants (DESIGN.md, "The plan"), on random plans and on the
+plans the backend under test makes by default."""
+from collections import Counter
+
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import flashoverlap_core as fo
+from flashoverlap_core.plan import PLAN_OPS, Plan, block_rows_for, dtype_name
+from flashoverlap_core.reorder import unpack_block
+from flashoverlap_core.tiles import RASTERS, Schedule, TileGrid
+
+SETTINGS = settings(max_examples=60, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def compositions(draw, total: int, parts: int, min_part: int) -> tuple[int, ...]:
+    """``total`` cut into ``parts`` parts of at least ``min_part`` (0 allowed)."""
+    cuts = sorted(draw(st.lists(st.integers(0, total - parts * min_part), min_size=parts - 1,
+                                max_size=parts - 1)))
+    return tuple(b - a + min_part for a, b in zip([0] + cuts, cuts + [total - parts * min_part]))
+
+
+@st.composite
+def send_splits(draw, m: int, world_size: int):
+    splits = list(compositions(draw, m, world_size, 0))
+    if world_size > 1 and draw(st.booleans()):  # always some all_to_all with a zero split
+        d = draw(st.integers(0, world_size - 1))
+        splits[(d + 1) % world_size] += splits[d]
+        splits[d] = 0
+    return tuple(splits)
+
+
+@st.composite
+def plans(draw) -> Plan:
+    op = draw(st.sampled_from(PLAN_OPS))
+    w = draw(st.integers(1, 5))
+    m = w * draw(st.integers(1, 10)) if op == "reduce_scatter" else draw(st.integers(1, 40))
+    n = draw(st.integers(1, 40))
+    splits = None
+    if op == "all_to_all" and (w > 1 or draw(st.booleans())):
+        splits = draw(send_splits(m, w))
+    tile = (draw(st.integers(1, 16)), draw(st.integers(1, 16)))
+    schedule = Schedule(draw(st.sampled_from(RASTERS)), draw(st.integers(1, 4)))
+    total = TileGrid(block_rows_for(op, m, w, splits), n, *tile, schedule).num_tiles
+    unit = w if op == "reduce_scatter" else 1
+    groups = draw(st.integers(1, min(8, total // unit)))
+    sizes = tuple(unit * s for s in compositions(draw, total // unit, groups, 1))
+    return Plan(m, n, draw(st.integers(1, 64)), op, w, draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+                tile, draw(st.integers(1, 8)), sizes, schedule, splits)
+
+
+def block_bounds(plan: Plan) -> list[tuple[int, int]]:
+    out, row = [], 0
+    for rows in plan.block_rows:
+        out.append((row, row + rows))
+        row += rows
+    return out
+
+
+def check_invariants(plan: Plan) -> None:
+    m, n = plan.m, plan.n
+    index = plan.packed_index()
+    # the packed layout is a permutation of the output's elements
+    assert index.numel() == m * n == plan.packed_numel
+    assert torch.equal(index.sort().values, torch.arange(m * n))
+    # the groups, in execution order, hold every tile exactly once
+    seen = Counter(t for group in plan.groups for t in group)
+    assert set(seen) == set(plan.grid.execution_order) and set(seen.values()) == {1}
+    assert [len(g) for g in plan.groups] == list(plan.group_sizes)
+    # regions are back to back, each exactly its group's tiles, split by destination
+    offset = 0
+    for g, region in enumerate(plan.regions):
+        assert region.index == g and region.offset == offset
+        assert region.numel == sum(t.numel for t in plan.groups[g]) == sum(region.dest_numels)
+        offset += region.numel
+    assert offset == m * n
+    for tile, g, off in plan.packed_tiles:
+        r = plan.regions[g]
+        assert r.offset <= off and off + tile.numel <= r.offset + r.numel
+    # each destination's part of each region holds rows of that destination only
+    bounds = block_bounds(plan)
+    for region in plan.regions:
+        start = region.offset
+        for d, numel in enumerate(region.dest_numels):
+            rows = index[start:start + numel] // n
+            assert numel == 0 or (bounds[d][0] <= rows.min() and rows.max() < bounds[d][1])
+            start += numel
+    if plan.op == "reduce_scatter":
+        for region in plan.regions:
+            assert len(set(region.dest_numels)) == 1, f"group {region.index} unbalanced"
+    if plan.op == "all_to_all" and plan.send_splits is not None:
+        for d, rows in enumerate(plan.send_splits):
+            assert sum(r.dest_numels[d] for r in plan.regions) == rows * n
+
+
+def check_pack_unpack(plan: Plan) -> None:
+    """Packing c, then unpacking what each destination receives (its part of every region,
+    in group order) with unpack_block, gives c back."""
+    c = torch.randn(plan.m, plan.n, dtype=torch.float64)
+    packed = c.flatten()[plan.packed_index()]
+    out = torch.full_like(c, float("nan"))
+    for d, (lo, hi) in enumerate(block_bounds(plan)):
+        parts = []
+        for region in plan.regions:
+            start = region.offset + sum(region.dest_numels[:d])
+            parts.append(packed[start:start + region.dest_numels[d]])
+        unpack_block(torch.cat(parts), out[lo:hi], plan.tile, plan.schedule)
+    assert torch.equal(out, c)
+
+
+@SETTINGS
+@given(plans())
+def test_plan_invariants(plan):
+    check_invariants(plan)
+
+
+@SETTINGS
+@given(plans())
+def test_pack_then_unpack_is_identity(plan):
+    check_pack_unpack(plan)
+
+
+@SETTINGS
+@given(plans())
+def test_json_round_trip(plan):
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.to_dict() == plan.to_dict()
+    assert again.describe() == plan.describe()
+    assert torch.equal(again.packed_index(), plan.packed_index())
+
+
+@st.composite
+def backend_calls(draw):
+    op = draw(st.sampled_from(PLAN_OPS))
+    w = draw(st.integers(1, 4))
+    m = w * draw(st.integers(1, 300)) if op == "reduce_scatter" else draw(st.integers(1, 1200))
+    splits = draw(send_splits(m, w)) if op == "all_to_all" else None
+    return dict(m=m, n=draw(st.integers(1, 1200)), k=draw(st.integers(1, 4097)), op=op,
+                world_size=w, dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                send_splits=splits, b_layout=draw(st.sampled_from(["row", "col"])))
+
+
+@SETTINGS
+@given(call=backend_calls())
+def test_backend_default_plans(call, fo_backend):
+    """The plans the backend under test makes by default satisfy the same invariants."""
+    spec = fo.OverlapSpec(call["m"], call["n"], call["k"], call["op"], call["world_size"],
+                          dtype_name(call["dtype"]), fo_backend.device_type or "cpu",
+                          call["b_layout"], call["send_splits"])
+    assume(not fo_backend.unsupported_reasons(spec))  # declined calls are skips elsewhere
+    plan = fo.plan(backend=fo_backend.name, **call)
+    assert plan.backend == fo_backend.name
+    check_invariants(plan)
+    check_pack_unpack(plan)
