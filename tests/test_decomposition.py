@@ -165,10 +165,11 @@ def test_selection_prefers_decomposition_to_reference():
                     reason="the conformance suite (flashoverlap_core.testing) is not installed")
 @pytest.mark.timeout(900)
 def test_conformance_suite():
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            "--pyargs", "flashoverlap_core.testing", "--fo-backend",
                            "decomposition"], capture_output=True, text=True, timeout=880)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    header = [line for line in done.stdout.splitlines() if "flashoverlap conformance:" in line]
+    assert done.returncode == 0, "\n".join(header + [done.stdout[-6000:], done.stderr[-2000:]])
 
 
 def test_accelerator_variant_names_the_accelerator_or_says_there_is_none():
