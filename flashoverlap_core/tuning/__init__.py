@@ -13,11 +13,12 @@ Only the light modules are imported here: the API imports this package to look p
 """
 from .cache import TuningCache, lookup_plan
 from .model import Contention, CostCurve, GemmTiming, OverlapModel
-from .search import Choice, search
+from .search import Choice, predictive_search
 from .trace import TileTrace
 
 __all__ = ["Choice", "Contention", "CostCurve", "GemmTiming", "OverlapModel", "TileTrace",
-           "TuningCache", "lookup_plan", "search"]
+           "TuningCache", "lookup_plan",
+           "predictive_search"]
 
 
 def tune_main(argv=None) -> int:

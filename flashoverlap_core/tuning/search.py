@@ -43,14 +43,16 @@ def sizes_from_ends(ends) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip([0] + ends, ends))
 
 
-def best_ends(model: OverlapModel, max_states: int = 32) -> list[int]:
+def best_ends(model: OverlapModel, max_states: int = 16) -> list[int]:
     """The group ends that finish the last transfer earliest (dynamic program, see the module
     docstring).
 
     A state is a history ending a transfer at a boundary: (when the transfer ended, how far
     the GEMM had got). Per boundary only the states no other state beats on both counts are
-    kept (earlier and further is never worse), at most ``max_states`` of them, the
-    earliest-ending first; with no GEMM slowdown there is only ever one.
+    kept (earlier and further is never worse); with no GEMM slowdown there is only ever one.
+    Beyond ``max_states`` of them, the earliest, the furthest and states evenly spread between
+    them are kept (exact on every small case tested against brute force; on 500 waves within
+    0.2% of keeping twice as many).
     """
     ends = model.boundaries()
     ready = model.timing.ready(ends)
@@ -61,13 +63,16 @@ def best_ends(model: OverlapModel, max_states: int = 32) -> list[int]:
     at, parent = np.zeros(room, np.int64), np.full(room, -1, np.int64)
     finish, progress = np.zeros(room), np.zeros(room)
     count = 1
+    costs = model.cost(np.maximum(sent[:, None] - sent[None, :], 0))  # [to, from] boundary
     for j in range(1, len(ends) + 1):
-        work = model.cost(sent[j] - sent[at[:count]])
+        work = costs[j, at[:count]]
         _, end, done = advance_transfer(finish[:count], progress[:count], ready[j - 1], work,
                                         model.timing.end, model.contention)
         order = np.lexsort((-done, end))
         further = done[order][1:] > np.maximum.accumulate(done[order])[:-1]
-        front = order[np.concatenate([[True], further])][:max_states]
+        front = order[np.concatenate([[True], further])]
+        if len(front) > max_states:  # keep the extremes and states spread between them
+            front = front[np.unique(np.linspace(0, len(front) - 1, max_states).round().astype(int))]
         new = slice(count, count + len(front))
         at[new], finish[new], progress[new], parent[new] = j, end[front], done[front], front
         count += len(front)
@@ -79,7 +84,10 @@ def best_ends(model: OverlapModel, max_states: int = 32) -> list[int]:
     return chosen[::-1]
 
 
-def search(model: OverlapModel, min_gain: float = 0.0) -> Choice:
+MIN_GAIN = 0.005  # overlap must be predicted to save 0.5%: below that, measurement noise decides
+
+
+def predictive_search(model: OverlapModel, min_gain: float = MIN_GAIN) -> Choice:
     """The predicted-best grouping; one group unless overlap is predicted to be faster than the
     sequential call by more than the fraction ``min_gain``."""
     began = time.perf_counter()

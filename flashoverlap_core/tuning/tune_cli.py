@@ -20,7 +20,7 @@ from ..bench import pick_hardware
 from ..plan import DTYPES, Plan
 from .cache import TuningCache, plan_key
 from .ranks import Progress, Ranks, command_main, require_trace, shapes_arg
-from .search import measured_candidates, search
+from .search import measured_candidates, predictive_search
 from .tuner import TRANSFERS, Job, build_model, measure_groupings
 
 BATCH = 8  # groupings timed per step of the progress bar
@@ -58,7 +58,7 @@ def tune_shape(ranks: Ranks, job: Job, args, progress: Progress) -> dict:
     parts = ranks.run(build_model, job, args.cache, args.refresh)
     progress.end()
     model = parts.model()
-    choice = search(model)
+    choice = predictive_search(model)
     heuristic = tuple(parts.plan["group_sizes"])
     groupings = list(dict.fromkeys([choice.group_sizes, heuristic, (model.num_tiles,)]))
     if args.exhaustive:
