@@ -89,7 +89,7 @@ def timed(fn: Callable[[], object], device: torch.device, group, iters: int = 10
         end = clock.mark()
         clock.sync()
         times.append(clock.seconds(start, end))
-    return list(slowest(times, device, group))
+    return [float(t) for t in slowest(times, device, group)]
 
 
 def median_time(fn, device, group, iters: int = 10, warmup: int = 3) -> float:
