@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 from common import RESULTS, table, write_result
 
-from flashoverlap_core import registry
 from flashoverlap_core.tuning.model import GemmTiming, OverlapModel
 from flashoverlap_core.tuning.plot import plot_timeline
 from flashoverlap_core.tuning.search import measured_candidates, predictive_search
@@ -103,6 +102,7 @@ def main() -> int:
     p.add_argument("--shapes", default=SHAPES, help="comma-separated MxNxK")
     p.add_argument("--backend", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda", help="device type of the tensors")
     p.add_argument("--candidates", type=int, default=32,
                    help="groupings of the measured search per shape (plus the chosen one)")
     p.add_argument("--iters", type=int, default=10)
@@ -112,7 +112,8 @@ def main() -> int:
     args = p.parse_args()
     cache = args.cache or str(Path(tempfile.mkdtemp(prefix="fo-tuning-")) / "tuning.json")
     jobs = [Job(*(int(x) for x in s.split("x")), "offload", args.dtype, args.backend,
-                args.iters, args.warmup) for s in args.shapes.split(",")]
+                args.iters, args.warmup, device_type=args.device)
+            for s in args.shapes.split(",")]
     pairs, shapes, models = [], [], []
     for job in jobs:
         try:
@@ -146,7 +147,7 @@ def main() -> int:
                       and search_500 < 1.0)
     print(summary)
     write_result("tuning", pairs, {"summary": summary, "shapes": shapes},
-                 device_type=registry.get(args.backend).device_type or "cpu")
+                 device_type=args.device)
     timeline(jobs[0], models[0], tuple(shapes[0]["chosen_groups"]), Path(args.timeline))
     return 0
 

@@ -165,3 +165,12 @@ def test_a_broken_cache_is_ignored_with_a_warning(cache, caplog):
 def test_a_missing_cache_means_no_tuned_plan(cache):
     assert not cache.path.exists()
     assert tc.lookup_plan(spec(), REFERENCE) is None
+
+
+def test_tuned_plans_can_be_turned_off(cache, monkeypatch):
+    plan = fo.plan(1024, 256, 64, backend="reference", dtype="float32", group_sizes=[4, 12])
+    store(cache, plan)
+    monkeypatch.setenv(tc.ENV_CACHE, "off")
+    assert tc.cache_path() is None
+    assert tc.lookup_plan(spec(), REFERENCE) is None
+    tc.TuningCache().put("plans", {"a": 1}, {})  # nothing is written anywhere

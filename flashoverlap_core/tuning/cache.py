@@ -1,7 +1,10 @@
 """The tuning cache: tuned plans and the measurements behind them, in one JSON file.
 
 Where: ``$FLASHOVERLAP_TUNING_CACHE`` (a file path) if set, else
-``$XDG_CACHE_HOME/flashoverlap/tuning.json`` (``~/.cache/...`` without XDG_CACHE_HOME).
+``$XDG_CACHE_HOME/flashoverlap/tuning.json`` (``~/.cache/...`` without XDG_CACHE_HOME);
+``FLASHOVERLAP_TUNING_CACHE=off`` turns tuned plans off (``overlap`` uses its heuristic).
+Every rank of a group must see the same file (a shared or copied cache): ranks that chose
+different plans would run mismatched collectives.
 What: sections of entries ``{"key": {...}, "value": {...}}``; a key always starts with the
 :class:`Context` (device name, backend, process-group backend, versions of what the backend
 runs on, torch), so a cache copied to another machine or surviving an upgrade of the collective
@@ -40,7 +43,10 @@ SECTIONS = ("plans", "gemm", "curves", "contention")
 M_RATIO = 2.0  # nearest-M fallback: tuned M within this factor of the call's M
 
 
-def cache_path() -> Path:
+def cache_path() -> Path | None:
+    """The cache file; ``None`` when ``$FLASHOVERLAP_TUNING_CACHE`` is "off"."""
+    if os.environ.get(ENV_CACHE, "").lower() == "off":
+        return None
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -115,8 +121,10 @@ class TuningCache:
         self.path = Path(path) if path is not None else cache_path()
 
     def load(self) -> dict:
-        """Every section (empty ones when the file is missing or unreadable)."""
+        """Every section (empty ones when the file is missing, unreadable or turned off)."""
         empty = {"format": FORMAT, **{s: [] for s in SECTIONS}}
+        if self.path is None:
+            return empty
         try:
             stat = self.path.stat()
         except OSError:
@@ -136,6 +144,8 @@ class TuningCache:
         """Store ``value`` under ``key``, replacing an entry with the same key."""
         if section not in SECTIONS:
             raise ValueError(f"cache section must be one of {SECTIONS}, got {section!r}")
+        if self.path is None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.path) + ".lock"):
             doc = self.load()

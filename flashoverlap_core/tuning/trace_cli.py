@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     require_trace(hw.backend, "trace")
     dtype = args.dtype or ("float32" if hw.device_type == "cpu" else "bfloat16")
     (m, n, k), groups = args.shape, args.groups
-    job = Job(m, n, k, args.op, dtype, hw.backend)
+    job = Job(m, n, k, args.op, dtype, hw.backend, device_type=hw.device_type)
     with Ranks(hw, args.timeout) as ranks:
         if args.tuned and groups is None:
             groups = ranks.run(tuned_groups, job, args.cache)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..bench import pick_hardware
 from ..plan import DTYPES, Plan
-from .cache import TuningCache, plan_key
+from .cache import ENV_CACHE, TuningCache, plan_key
 from .ranks import Progress, Ranks, command_main, require_trace, shapes_arg
 from .search import measured_candidates, predictive_search
 from .tuner import TRANSFERS, Job, build_model, measure_groupings
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     cache = TuningCache(args.cache)
     print(f"flashoverlap tune: backend {hw.backend} on {hw.world_size} {hw.device_type} "
           f"rank(s) ({hw.reason}); {args.op}, {dtype}; cache {cache.path}", flush=True)
-    jobs = [Job(m, n, k, args.op, dtype, hw.backend, args.iters, args.warmup)
-            for m, n, k in shapes]
+    jobs = [Job(m, n, k, args.op, dtype, hw.backend, args.iters, args.warmup,
+                device_type=hw.device_type) for m, n, k in shapes]
     progress = Progress(2 * len(jobs))
     with Ranks(hw, args.timeout) as ranks:
         rows = [tune_shape(ranks, job, args, progress) for job in jobs]
@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"hardware": asdict(hw), "rows": rows}, indent=1))
-    print(f"{len(rows)} tuned plan(s) written to {cache.path}")
+    print(f"{len(rows)} tuned plan(s) written to {cache.path}" if cache.path is not None else
+          f"the tuning cache is off ({ENV_CACHE}=off): nothing was stored")
     return 0
 
 

@@ -45,6 +45,7 @@ class Job:
     warmup: int = 3
     trace_reps: int = 5
     seed: int = 1234
+    device_type: str | None = None  # default: the backend's (the host for backends of any device)
 
     def __post_init__(self):
         if self.op not in TRANSFERS:
@@ -75,7 +76,7 @@ class Workload:
         self.job = job
         self.group, self.rank, self.world = resolve_group(None)
         self.backend = registry.get(job.backend)
-        self.device = current_device(self.backend.device_type or "cpu")
+        self.device = current_device(job.device_type or self.backend.device_type or "cpu")
         dtype = getattr(torch, job.dtype)
         gen = torch.Generator(device=self.device).manual_seed(job.seed + self.rank)
         self.a = torch.randn(job.m, job.k, generator=gen, device=self.device, dtype=dtype)
@@ -135,12 +136,16 @@ class ModelParts:
     cost: CostCurve
     contention: Contention
     sequential_s: float  # measured: the call with one group
-    post_s: float
+    post_s: float  # sequential_s - (GEMM end + one transfer of everything), as measured
     context: Context
 
     def model(self) -> OverlapModel:
+        """The model, calibrated: its one-group prediction is the measured sequential call.
+        What that call takes beyond the GEMM and one transfer is the post-communication
+        reorder and the call's fixed costs; a negative rest (noisy parts, or a trace whose
+        origin is earlier than the call's start) counts as none."""
         return OverlapModel.for_plan(Plan.from_dict(self.plan), self.timing, self.cost,
-                                     self.contention, self.post_s)
+                                     self.contention, max(0.0, self.post_s))
 
 
 def _cached(cache: TuningCache, section: str, key: dict, work: Workload, usable, measure,
@@ -191,9 +196,7 @@ def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) 
                                    job.warmup),
         Contention.to_dict, Contention.from_dict)
     sequential = work.time(lambda: work.run(one_group))
-    # What the sequential call takes beyond the GEMM and one transfer: the post-communication
-    # reorder and the call's fixed costs (never negative, even when the parts were noisy).
-    post = max(0.0, sequential - (timing.end + cost(total)))
+    post = sequential - (timing.end + cost(total))
     return ModelParts(plan.to_dict(), timing, cost, contention, sequential, post, ctx)
 
 
