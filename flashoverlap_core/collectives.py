@@ -1,7 +1,7 @@
 """The communication side of an overlapped call, through torch.distributed.
 
 One :class:`RegionExchange` per call: ``start(g)`` hands group g's contiguous region to the
-collective of the caller's process group (NCCL, HCCL, gloo or whatever it uses) as soon as the
+collective of the caller's process group (whichever collective library it uses) as soon as the
 backend knows the group's tiles are in the packed buffer; ``wait()`` joins them; ``finish()``
 runs the post-communication reorder into the call's output. Collectives are launched with
 ``async_op=True`` on the current stream, so a backend that sets its communication stream
