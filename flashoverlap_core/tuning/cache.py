@@ -70,10 +70,16 @@ class Context:
 def device_name(device_type: str) -> str:
     """The current device's product name (the CPU's model name on the host)."""
     if device_type == "cpu":
+        return _device_name("cpu", 0)
+    return _device_name(device_type, torch.get_device_module(device_type).current_device())
+
+
+@lru_cache(maxsize=16)
+def _device_name(device_type: str, index: int) -> str:
+    if device_type == "cpu":
         from ..bench import device_name as host_name  # bench imports the API: import late
         return host_name("cpu")
-    module = torch.get_device_module(device_type)
-    return module.get_device_name(module.current_device())
+    return torch.get_device_module(device_type).get_device_name(index)
 
 
 def collective_name(group) -> str:

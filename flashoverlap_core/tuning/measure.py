@@ -74,6 +74,13 @@ def agree(flag: bool, device: torch.device, group) -> bool:
     return bool(t.item())
 
 
+def line_up(device: torch.device, group) -> None:
+    """Wait until the device is idle and every rank of ``group`` got here."""
+    if group is not None:
+        dist.barrier(group=group)
+    Clock(device).sync()
+
+
 def timed(fn: Callable[[], object], device: torch.device, group, iters: int = 10,
           warmup: int = 3) -> list[float]:
     """Seconds of ``fn()`` per iteration, the slowest rank's; ranks start each one together."""
@@ -81,9 +88,7 @@ def timed(fn: Callable[[], object], device: torch.device, group, iters: int = 10
         fn()
     clock, times = Clock(device), []
     for _ in range(iters):
-        if group is not None:
-            dist.barrier(group=group)
-        clock.sync()
+        line_up(device, group)
         start = clock.mark()
         fn()
         end = clock.mark()
@@ -145,11 +150,9 @@ def traced_timing(trace_once: Callable[[], object], device: torch.device, group,
     """The GEMM's wave ends from ``reps`` traced calls (``trace_once()`` returns a TileTrace of
     a one-group call, so nothing runs beside the GEMM): per wave the slowest rank, then the
     median over calls. Also returns this rank's traces."""
-    clock, traces = Clock(device), []
+    traces = []
     for _ in range(reps):
-        if group is not None:
-            dist.barrier(group=group)
-        clock.sync()
+        line_up(device, group)
         traces.append(trace_once())
     ends = np.array([t.wave_ends() for t in traces])
     ends = slowest(ends.ravel(), device, group).reshape(ends.shape)
@@ -218,9 +221,7 @@ def measure_contention(gemm: Callable[[], object], send: Callable[[torch.Tensor]
     side = clock.module.Stream(device=device) if clock.module is not None else None
     spans = []
     for i in range(warmup + iters):
-        if group is not None:
-            dist.barrier(group=group)
-        clock.sync()
+        line_up(device, group)
         g0, g1, c0, c1 = _run_together(gemm, transfers, clock, side)
         if i >= warmup:
             spans.append((g1 - g0, c1 - c0, max(0.0, min(g1, c1) - max(g0, c0))))

@@ -3,7 +3,11 @@ timeline plot.
 
 A :class:`TileTrace` is what :meth:`Backend.trace <flashoverlap_core.backend.Backend.trace>`
 returns. All times are seconds from the call's start on one clock; a backend whose tiles and
-transfers are stamped by different clocks must put them on one origin before building it.
+transfers are stamped by different clocks must put them on one origin before building it. On a
+device, the call's start is best stamped on the compute stream just before the GEMM (so that
+it is no earlier than what a device event recorded before the call would show): the tuner
+calibrates a constant offset between the two away, but an origin earlier than the call's start
+as events see it makes the calibration clip at zero and the predictions run long.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from ..ops import HostOffload
 from ..plan import Plan
 from .cache import Context, TuningCache, context_for, kernel_key, transfer_key
 from .measure import (agree, current_device, log_sizes, measure_contention, measure_curve,
-                      median_time, timed, traced_timing, transfer_fn)
+                      line_up, median_time, traced_timing, transfer_fn)
 from .model import Contention, CostCurve, GemmTiming, OverlapModel
 from .trace import TileTrace
 
@@ -148,16 +148,17 @@ class ModelParts:
                                      self.contention, max(0.0, self.post_s))
 
 
-def _cached(cache: TuningCache, section: str, key: dict, work: Workload, usable, measure,
-            encode, decode):
-    """A measurement from the cache when every rank has a usable one, else measured (and
-    stored by rank 0)."""
-    found = cache.get(section, key)
-    if agree(found is not None and usable(decode(found)), work.device, work.group):
-        return decode(found)
+def _cached(cache: TuningCache, section: str, key: dict, kind, work: Workload, refresh: bool,
+            measure, usable=lambda value: True):
+    """A ``kind`` (CostCurve, GemmTiming, Contention) from the cache when every rank has a
+    usable one and ``refresh`` is off, else measured (and stored by rank 0)."""
+    found = None if refresh else cache.get(section, key)
+    found = kind.from_dict(found) if found is not None else None
+    if agree(found is not None and usable(found), work.device, work.group):
+        return found
     value = measure()
     if work.rank == 0:
-        cache.put(section, key, encode(value))
+        cache.put(section, key, value.to_dict())
     return value
 
 
@@ -170,31 +171,28 @@ def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) 
     itemsize, total = work.a.element_size(), work.output_bytes()
     align = itemsize * (work.world if job.op in ("reduce_scatter", "all_to_all") else 1)
     tile_bytes = plan.tile[0] * plan.tile[1] * itemsize
-    fresh = (lambda value: not refresh)
+    transfer = job.transfer or job.op
 
     cost = _cached(
-        cache, "curves", transfer_key(ctx, transfer=job.transfer or job.op,
-                                      world_size=work.world, dtype=job.dtype), work,
-        lambda c: not refresh and (c.max_bytes >= total or send is None),
+        cache, "curves", transfer_key(ctx, transfer=transfer, world_size=work.world,
+                                      dtype=job.dtype), CostCurve, work, refresh,
         lambda: measure_curve(send, log_sizes(min(tile_bytes, total), total, align),
                               work.a.dtype, work.device, work.group, job.iters, job.warmup),
-        CostCurve.to_dict, CostCurve.from_dict)
+        usable=lambda curve: curve.max_bytes >= total or send is None)
     one_group = work.one_group(plan)
     work.run(one_group)  # warm-up: loads every kernel before anything is traced
     timing = _cached(
-        cache, "gemm", kernel_key(ctx, plan), work, fresh,
+        cache, "gemm", kernel_key(ctx, plan), GemmTiming, work, refresh,
         lambda: traced_timing(lambda: work.trace(one_group), work.device, work.group,
-                              job.trace_reps)[0],
-        GemmTiming.to_dict, GemmTiming.from_dict)
+                              job.trace_reps)[0])
     region = torch.zeros(max(align, total // 4 // align * align) // itemsize,
                          dtype=work.a.dtype, device=work.device)
     contention = _cached(
-        cache, "contention", {**kernel_key(ctx, plan), "transfer": job.transfer or job.op,
-                              "world_size": work.world}, work, fresh,
+        cache, "contention", {**kernel_key(ctx, plan), "transfer": transfer,
+                              "world_size": work.world}, Contention, work, refresh,
         lambda: measure_contention(lambda: work.run(work.gemm_plan, noop), send, region,
                                    work.device, work.group, max(3, job.iters // 2),
-                                   job.warmup),
-        Contention.to_dict, Contention.from_dict)
+                                   job.warmup))
     sequential = work.time(lambda: work.run(one_group))
     post = sequential - (timing.end + cost(total))
     return ModelParts(plan.to_dict(), timing, cost, contention, sequential, post, ctx)
@@ -216,5 +214,5 @@ def trace_rank(job: Job, group_sizes=None) -> dict:
     work = Workload(job)
     plan = work.plan(group_sizes) if group_sizes is not None else work.base
     work.run(plan)
-    timed(lambda: None, work.device, work.group, iters=1, warmup=0)  # line the ranks up
+    line_up(work.device, work.group)
     return {"plan": plan.to_dict(), "trace": work.trace(plan).to_dict()}
