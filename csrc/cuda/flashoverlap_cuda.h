@@ -17,9 +17,27 @@
 // (row stride = its real column count) at `packed + offset`. After the tile's stores are
 // complete and visible device-wide (release), the kernel adds 1 to counters[item_group[i]].
 // A counter never becomes visible before its tiles' data.
+//
+// Clusters (sm90 configurations with cluster_m * cluster_n > 1): the CTAs of one cluster share
+// operand tiles through TMA multicast, so the items a cluster takes together (items
+// c*S .. c*S + S-1 of each round, S = cluster size, CTA rank r = rm + rn * cluster_m) must agree:
+// every item of a cluster round has the column tile of the item at rank (0, rn) and the rows of
+// the item at rank (rm, 0). With cluster 2x1 that is "items 2p and 2p+1 have the same n_blk".
+// The kernel checks this and traps on a violation (a malformed table would otherwise give wrong
+// data silently); it also traps on an item outside the matrix or the packed buffer.
+//
+// Alignment (answered by cudaErrorInvalidValue and a message naming the fix): a and b 16-byte
+// aligned, lda and ldb multiples of 8 elements. sm80 configurations also need K % 8 == 0, and
+// N % 8 == 0 when b is row-major (their cp.async vectors are 8 elements wide); pad to meet it.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#if defined(__GNUC__)
+#define FO_API __attribute__((visibility("default")))
+#else
+#define FO_API
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -34,52 +52,58 @@ typedef struct {
   int dtype;         // 0 = bf16, 1 = fp16 (A, B, packed output); accumulation is fp32
   int b_col_major;   // 1: B is [N, K] row-major (weight.t() of an nn.Linear); 0: [K, N] row-major
   int cta_multiple;  // the grid size must be a multiple of this (cluster size)
+  int schedule;      // 0 = sm90 cooperative, 1 = sm90 pingpong, 2 = sm80 multistage
+  int stages;        // shared-memory pipeline stages of the mainloop
+  int signals;       // 1; 0 only in benchmark builds that skip the counter update
 } fo_gemm_config;
 
 #define FO_CUDA_ABI_VERSION 1
 
-const fo_gemm_config* fo_gemm_describe(void);
+FO_API const fo_gemm_config* fo_gemm_describe(void);
 
 // Maximum CTAs resident at once for this configuration on `device` (the wave size cap).
-cudaError_t fo_gemm_max_ctas(int device, int* max_ctas);
+FO_API cudaError_t fo_gemm_max_ctas(int device, int* max_ctas);
 
 // Force-load every kernel of this library (cudaFuncGetAttributes on each), so that no first
 // launch waits for an idle device under CUDA's lazy module loading.
-cudaError_t fo_load_kernels(void);
+FO_API cudaError_t fo_load_kernels(void);
 
 // Run the signaling GEMM.
 //   a: [L * block_rows, K] row-major, lda elements between rows (>= K)
 //   b: b_col_major ? [N, K] with ldb between rows : [K, N] with ldb between rows
 //   packed: M * N elements (M = L * block_rows), written in the packed layout above
-//   num_ctas: persistent grid size (<= fo_gemm_max_ctas; leaves the other SMs to the collective)
-//   counters: one int32 per group, must be 0 at launch; each gets += 1 per finished tile;
+//   num_ctas: persistent grid size (<= fo_gemm_max_ctas, a multiple of cta_multiple; leaves the
+//             other SMs to the collective)
+//   counters: one int32 per group; each gets += 1 per finished tile (the kernel only adds:
+//             reset them with fo_reset_counters, or wait for cumulative targets);
 //             nullptr: no signaling (the same kernel without it, for measuring its cost)
 //   monitor: nullptr, or 2 uint64 per item: {%globaltimer at the tile's signal, (smid << 32) | cta}
 //   workspace: device scratch of fo_gemm_workspace_size bytes (may be nullptr when that is 0)
-cudaError_t fo_gemm_run(const void* a, const void* b, void* packed,
+FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed,
                         int L, int block_rows, int N, int K, int64_t lda, int64_t ldb,
                         const int64_t* items, const int32_t* item_group, int num_items,
                         int32_t* counters, int num_ctas, uint64_t* monitor,
                         void* workspace, cudaStream_t stream);
-size_t fo_gemm_workspace_size(int L, int block_rows, int N, int K, int num_ctas);
+FO_API size_t fo_gemm_workspace_size(int L, int block_rows, int N, int K, int num_ctas);
 
 // Device-side wait: `stream` waits until *counter >= value.
 //   mode 0: cuStreamWaitValue32 (GEQ), through the driver entry point
-//   mode 1: a one-thread spin kernel (volatile load + nanosleep), acquire on exit
-cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream);
+//   mode 1: a one-thread spin kernel (relaxed load + nanosleep), acquire fence on exit
+// Both compare cyclically, like CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*counter - value) >= 0.
+FO_API cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream);
 
 // Zero `n` counters on `stream` (orders the reset after that stream's earlier work).
-cudaError_t fo_reset_counters(int32_t* counters, int n, cudaStream_t stream);
+FO_API cudaError_t fo_reset_counters(int32_t* counters, int n, cudaStream_t stream);
 
 // Post-communication reorder of one block: `src` holds the block's tiles back to back (in the
 // order of `tiles`, each row-major at its real size); write them row-major into dst
 // (row stride ldd elements). tiles: int32, 4 per tile {row0, rows, col0, cols} relative to the
 // block; src_offsets: int64 element offset of each tile in src. elem_size: 2 (bf16/fp16) or 4.
-cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
+FO_API cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
                             const int64_t* src_offsets, int num_tiles, int elem_size,
                             cudaStream_t stream);
 
-const char* fo_last_error(void);
+FO_API const char* fo_last_error(void);
 
 #ifdef __cplusplus
 }

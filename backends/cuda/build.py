@@ -1,0 +1,387 @@
+"""Just-in-time build of FlashOverlap's CUDA kernel libraries.
+
+Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
+compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; the device-side
+wait, counter reset and post-reorder live in one runtime object from ``runtime.cu``. All export
+the C ABI of ``csrc/cuda/flashoverlap_cuda.h`` and link the CUDA runtime statically, so Python
+loads them with ctypes and they do not depend on the ABI of any torch or Python build.
+
+Objects are cached under ``$FLASHOVERLAP_CACHE_DIR`` (default ``~/.cache/flashoverlap``), in
+``cuda/{config name}-{hash of sources and flags}-{hash of nvcc and CUTLASS versions}.so``; a
+build runs under a file lock and is renamed into place atomically, so concurrent processes (one
+per rank) build once. ``FLASHOVERLAP_NO_JIT=1`` forbids compiling, and a machine without nvcc
+uses any object built from the same sources and flags (``flashoverlap build`` elsewhere, cache
+copied): a missing object is then an error that says how to prebuild it.
+
+This module imports no torch and creates no device context.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+DTYPES = {"bf16": 0, "fp16": 1}  # name in a config -> FO_DTYPE
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": "fp16"}
+SCHEDULES = {90: {"cooperative": 0, "pingpong": 1}, 80: {"multistage": 2}}
+
+
+class BuildError(RuntimeError):
+    """A kernel library could not be found or compiled."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One compiled signaling-GEMM configuration."""
+
+    arch: int = 90  # 90: sm_90a (Hopper); 80: sm_80 code that runs on sm_80/86/89/90
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    cluster_m: int = 2
+    cluster_n: int = 1
+    dtype: str = "bf16"  # of a, b and the output ("bf16"/"bfloat16", "fp16"/"float16"); fp32 accumulation
+    b_col_major: bool = True  # b is [N, K] row-major (weight.t() of an nn.Linear)
+    schedule: str = "cooperative"  # sm90: cooperative | pingpong; sm80: multistage
+    stages: int = 0  # mainloop pipeline stages; 0: as many as fit (sm90), 4 (sm80)
+    signal: bool = True  # False only to benchmark the same kernel without counter updates
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        problems = self.problems()
+        if problems:
+            raise ValueError(f"invalid GEMM config {self}: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.arch not in SCHEDULES:
+            return [f"arch must be one of {sorted(SCHEDULES)}, got {self.arch!r}"]
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.schedule not in SCHEDULES[self.arch]:
+            out.append(f"schedule for sm{self.arch} must be one of {sorted(SCHEDULES[self.arch])}, "
+                       f"got {self.schedule!r}")
+        if self.stages != 0 and not 2 <= self.stages <= 12:
+            out.append(f"stages must be 0 (auto) or 2..12, got {self.stages}")
+        if self.arch == 90:
+            min_m = 128 if self.schedule == "cooperative" else 64
+            if self.tile_m % min_m or self.tile_m > 256:
+                out.append(f"{self.schedule} tile_m must be a multiple of {min_m} up to 256, "
+                           f"got {self.tile_m}")
+            if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+                out.append(f"tile_n must be a multiple of 16 in 16..256, got {self.tile_n}")
+            if self.tile_k % 16 or not 16 <= self.tile_k <= 128:
+                out.append(f"tile_k must be a multiple of 16 in 16..128, got {self.tile_k}")
+            if self.cluster_m < 1 or self.cluster_n < 1 or self.cluster_m * self.cluster_n > 8:
+                out.append(f"cluster {self.cluster_m}x{self.cluster_n}: need sizes >= 1, "
+                           "product <= 8")
+        else:
+            if self.tile_m % 64 or self.tile_n % 64 or self.tile_m * self.tile_n > 128 * 256:
+                out.append(f"sm80 tile_m and tile_n must be multiples of 64 (one warp per 64x64), "
+                           f"at most 128x256 in all, got {self.tile_m}x{self.tile_n}")
+            if self.tile_k not in (32, 64):
+                out.append(f"sm80 tile_k must be 32 or 64, got {self.tile_k}")
+            if (self.cluster_m, self.cluster_n) != (1, 1):
+                out.append("sm80 has no clusters: cluster must be 1x1")
+        return out
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return (self.tile_m, self.tile_n)
+
+    @property
+    def cta_multiple(self) -> int:
+        return self.cluster_m * self.cluster_n
+
+
+def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True) -> GemmConfig:
+    """The configuration used when nothing else is asked for."""
+    if arch >= 90:
+        return GemmConfig(arch=90, dtype=dtype, b_col_major=b_col_major)
+    return GemmConfig(arch=80, tile_m=128, tile_n=128, tile_k=32, cluster_m=1, cluster_n=1,
+                      dtype=dtype, b_col_major=b_col_major, schedule="multistage")
+
+
+def config_name(config: GemmConfig) -> str:
+    """A file-name-safe name that identifies the configuration, e.g.
+    ``sm90_bf16_bcol_128x256x64_c2x1_cooperative``."""
+    layout = "bcol" if config.b_col_major else "brow"
+    name = (f"sm{config.arch}_{config.dtype}_{layout}_{config.tile_m}x{config.tile_n}x{config.tile_k}"
+            f"_c{config.cluster_m}x{config.cluster_n}_{config.schedule}")
+    if config.stages:
+        name += f"_s{config.stages}"
+    if not config.signal:
+        name += "_nosignal"
+    return name
+
+
+# ---- tools and paths -------------------------------------------------------------------------
+
+def source_dir() -> Path:
+    """csrc/cuda: from the installed ``flashoverlap_csrc`` package, else beside this repo."""
+    candidates = []
+    spec = importlib.util.find_spec("flashoverlap_csrc")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) / "cuda" for p in spec.submodule_search_locations]
+    candidates.append(Path(__file__).resolve().parents[2] / "csrc" / "cuda")
+    for path in candidates:
+        if (path / "flashoverlap_cuda.h").is_file():
+            return path
+    raise BuildError("FlashOverlap's CUDA sources (csrc/cuda/flashoverlap_cuda.h) were not found in "
+                     + ", ".join(map(str, candidates)) + "; reinstall flashoverlap")
+
+
+def find_nvcc() -> str | None:
+    """nvcc from $CUDA_HOME (or $CUDA_PATH), else from PATH, else /usr/local/cuda; None if none."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            path = Path(os.environ[var]) / "bin" / "nvcc"
+            if path.is_file():
+                return str(path)
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None
+
+
+def nvcc_path() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc was not found: install the CUDA toolkit (12.4 or newer) and set "
+                         "CUDA_HOME or put nvcc on PATH, or prebuild the kernels with "
+                         "`flashoverlap build` on a machine that has it and copy the cache")
+    return nvcc
+
+
+@lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise BuildError(f"{nvcc} --version failed: {e}") from None
+    return out.strip().splitlines()[-1]
+
+
+def cutlass_include_dirs() -> list[Path]:
+    """CUTLASS headers shipped in the ``nvidia-cutlass`` package (module ``cutlass_library``)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or spec.origin is None:
+        raise BuildError("the CUTLASS headers are missing: pip install nvidia-cutlass "
+                         "(or pip install 'flashoverlap[cuda]')")
+    root = Path(spec.origin).parent / "source"
+    dirs = [root / "include", root / "tools" / "util" / "include"]
+    if not (dirs[0] / "cutlass" / "cutlass.h").is_file():
+        raise BuildError(f"the nvidia-cutlass package at {root.parent} has no CUTLASS headers under "
+                         f"{dirs[0]}; reinstall it: pip install --force-reinstall nvidia-cutlass")
+    return dirs
+
+
+def cache_dir() -> Path:
+    """Where built objects live: $FLASHOVERLAP_CACHE_DIR, else ~/.cache/flashoverlap."""
+    if os.environ.get("FLASHOVERLAP_CACHE_DIR"):
+        base = Path(os.environ["FLASHOVERLAP_CACHE_DIR"])
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashoverlap"
+    return base / "cuda"
+
+
+def jit_allowed() -> bool:
+    return os.environ.get("FLASHOVERLAP_NO_JIT", "") in ("", "0")
+
+
+# ---- flags -----------------------------------------------------------------------------------
+
+GENCODE = {
+    "sm90": ["-gencode=arch=compute_90a,code=sm_90a"],
+    # sm_80 machine code runs on sm_80/86/89; sm_90 machine code on Hopper; PTX for later GPUs.
+    "sm80": ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+             "-gencode=arch=compute_80,code=compute_80"],
+    "runtime": ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+                "-gencode=arch=compute_80,code=compute_80"],
+}
+COMMON_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DNDEBUG", "--threads=2",
+                "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
+LINK_FLAGS = ["-shared", "--cudart=static"]
+
+
+def gemm_defines(config: GemmConfig) -> list[str]:
+    return [
+        f"-DFO_TILE_M={config.tile_m}", f"-DFO_TILE_N={config.tile_n}", f"-DFO_TILE_K={config.tile_k}",
+        f"-DFO_CLUSTER_M={config.cluster_m}", f"-DFO_CLUSTER_N={config.cluster_n}",
+        f"-DFO_DTYPE={DTYPES[config.dtype]}", f"-DFO_B_COL_MAJOR={int(config.b_col_major)}",
+        f"-DFO_SCHEDULE={SCHEDULES[config.arch][config.schedule]}", f"-DFO_STAGES={config.stages}",
+        f"-DFO_SIGNAL={int(config.signal)}",
+    ]
+
+
+def _gemm_job(config: GemmConfig) -> tuple[str, list[str], str, bool]:
+    """(name, flags, source file, needs CUTLASS) of one GEMM configuration."""
+    source = "gemm_sm90.cu" if config.arch == 90 else "gemm_sm80.cu"
+    flags = GENCODE[f"sm{config.arch}"] + COMMON_FLAGS + gemm_defines(config) + LINK_FLAGS
+    return config_name(config), flags, source, True
+
+
+RUNTIME_JOB = ("runtime", GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS, "runtime.cu", False)
+
+
+def command(job, output: str | Path) -> list[str]:
+    """The nvcc command line of a job (see gemm_command)."""
+    _, flags, source, needs_cutlass = job
+    src = source_dir()
+    includes = [f"-I{src}"] + ([f"-I{d}" for d in cutlass_include_dirs()] if needs_cutlass else [])
+    return [nvcc_path()] + flags + includes + [str(src / source), "-o", str(output)]
+
+
+def gemm_command(config: GemmConfig, output: str | Path) -> list[str]:
+    """The nvcc command line that builds one GEMM configuration's shared object."""
+    return command(_gemm_job(config), output)
+
+
+# ---- building --------------------------------------------------------------------------------
+
+def _digest(job) -> str:
+    """Hash of every CUDA source and of the job's flags (include paths vary by install)."""
+    _, flags, source, _ = job
+    h = hashlib.sha256()
+    src = source_dir()
+    for path in sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update("\0".join(flags + [source]).encode())
+    return h.hexdigest()[:16]
+
+
+def _toolchain_digest(nvcc: str, needs_cutlass: bool) -> str:
+    text = nvcc_version(nvcc)
+    if needs_cutlass:
+        try:
+            text += "\0cutlass " + importlib.metadata.version("nvidia-cutlass")
+        except importlib.metadata.PackageNotFoundError:
+            text += "\0cutlass at " + str(cutlass_include_dirs()[0])
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _prebuilt(job) -> Path | None:
+    """An object built from these sources and flags by any nvcc (for machines without nvcc)."""
+    found = sorted(cache_dir().glob(f"{job[0]}-{_digest(job)}-*.so"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def _build(job) -> Path:
+    """The cached object of a job, compiled first (under a lock) if needed. Its file is
+    ``{name}-{hash of sources and flags}-{hash of the nvcc and CUTLASS versions}.so``."""
+    name = job[0]
+    nvcc = find_nvcc()
+    if nvcc is None or not jit_allowed():
+        found = _prebuilt(job)
+        if found is not None:
+            return found
+        if nvcc is None:
+            nvcc_path()  # raises the explained error
+        raise BuildError(
+            f"{name} is not built and FLASHOVERLAP_NO_JIT is set: prebuild it with "
+            f"`flashoverlap build` (same FLASHOVERLAP_CACHE_DIR={cache_dir().parent}) "
+            "or unset FLASHOVERLAP_NO_JIT")
+    target = cache_dir() / f"{name}-{_digest(job)}-{_toolchain_digest(nvcc, job[3])}.so"
+    if target.is_file():
+        return target
+    from filelock import FileLock  # only needed when compiling
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if target.is_file():  # built by another process while we waited
+            return target
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = command(job, tmp)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-40:])
+                raise BuildError(f"building {name} failed:\n$ {' '.join(cmd)}\n{tail}")
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def build_gemm(config: GemmConfig) -> Path:
+    """Path of the shared object of one signaling-GEMM configuration (built if needed)."""
+    return _build(_gemm_job(config))
+
+
+def build_runtime() -> Path:
+    """Path of the runtime shared object: wait, counter reset, post-reorder (built if needed)."""
+    return _build(RUNTIME_JOB)
+
+
+def prebuilt_available() -> bool:
+    """Whether the runtime object for these sources is in the cache (built here or copied)."""
+    return _prebuilt(RUNTIME_JOB) is not None
+
+
+def prebuild(configs, jobs: int | None = None) -> list[Path]:
+    """Build the runtime and every configuration in ``configs``, ``jobs`` at a time."""
+    configs = list(dict.fromkeys(configs))
+    jobs = jobs or max(1, min(len(configs) + 1, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(build_runtime)] + [pool.submit(build_gemm, c) for c in configs]
+        return [f.result() for f in futures]
+
+
+# ---- compile check (CI: nvcc, no GPU) ---------------------------------------------------------
+
+CHECK_CONFIGS = (
+    GemmConfig(),  # sm90 cooperative, bf16, b column-major, cluster 2x1
+    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, dtype="fp16", b_col_major=False,
+               schedule="pingpong"),
+    default_config(80),
+    default_config(80, dtype="fp16", b_col_major=False),
+)
+
+
+def compile_check(out_dir: str | Path, jobs: int = 2) -> bool:
+    """Compile every CUDA source to an object (-c) for its architectures, in representative
+    configurations; print one line per job. True when all compiled."""
+    import time
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checks = [_gemm_job(c) for c in CHECK_CONFIGS] + [RUNTIME_JOB]
+
+    def run(job):
+        name, flags, source, needs_cutlass = job
+        flags = [f for f in flags if f not in LINK_FLAGS] + ["-c"]
+        cmd = command((name, flags, source, needs_cutlass), out_dir / f"{name}.o")
+        start = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        return job[0], done, time.monotonic() - start, cmd
+
+    ok = True
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for name, done, seconds, cmd in pool.map(run, checks):
+            print(f"{'ok  ' if done.returncode == 0 else 'FAIL'} {seconds:6.1f}s  {name}", flush=True)
+            if done.returncode != 0:
+                ok = False
+                print("$ " + " ".join(cmd) + "\n" + (done.stderr or done.stdout)[-6000:], flush=True)
+    return ok
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description="Compile-check FlashOverlap's CUDA sources.")
+    parser.add_argument("--out", default=tempfile.mkdtemp(prefix="fo-compile-check-"))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    sys.exit(0 if compile_check(args.out, args.jobs) else 1)

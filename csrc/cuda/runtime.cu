@@ -1,0 +1,175 @@
+// FlashOverlap runtime kernels: the device-side wait on a group counter, the counter reset and
+// the post-communication reorder (unpack of packed tiles into row-major rows). One shared object,
+// loaded with ctypes; C ABI in flashoverlap_cuda.h.
+#include <cuda.h>  // driver types only: the driver is reached through cudaGetDriverEntryPoint
+
+#include <mutex>
+
+#include "common.cuh"
+
+namespace fo::runtime {
+
+// ---- device-side wait --------------------------------------------------------------------
+
+__device__ inline int32_t load_relaxed(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One thread spins until *counter >= value (cyclic comparison, as CU_STREAM_WAIT_VALUE_GEQ).
+// The acquire fence on exit orders the stream's later work after the producer's release.
+__global__ void spin_wait(const int32_t* counter, int32_t value) {
+  while (int32_t(uint32_t(load_relaxed(counter)) - uint32_t(value)) < 0) __nanosleep(256);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+using StreamWaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+cudaError_t stream_wait_value32(StreamWaitValue32* fn) {
+  static StreamWaitValue32 cached = nullptr;
+  static cudaError_t status = cudaSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    status = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &found);
+    if (status == cudaSuccess && found != cudaDriverEntryPointSuccess) status = cudaErrorSymbolNotFound;
+    cached = reinterpret_cast<StreamWaitValue32>(p);
+  });
+  if (status != cudaSuccess)
+    return fail(status, "cuStreamWaitValue32 is not available from the driver: %s",
+                cudaGetErrorString(status));
+  *fn = cached;
+  return cudaSuccess;
+}
+
+// ---- counters ----------------------------------------------------------------------------
+
+__global__ void reset_counters(int32_t* counters, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) counters[i] = 0;
+}
+
+// ---- post-communication reorder ----------------------------------------------------------
+
+constexpr int kUnpackThreads = 256;
+constexpr int kUnroll = 4;
+
+// Copies rows x vpr vectors of type V from a contiguous tile to strided rows. The vectors of
+// this block (part `part` of `parts`) are i = part*T + tid + k*parts*T; (row, col) advance
+// incrementally, so there is no division per vector, and kUnroll loads are in flight at once.
+template <class V>
+__device__ inline void copy_tile(const V* __restrict__ src, V* __restrict__ dst, int64_t ldd_v,
+                                 int rows, int vpr, int part, int parts) {
+  const int64_t total = int64_t(rows) * vpr;
+  const int step = parts * kUnpackThreads;
+  const int step_r = step / vpr, step_c = step % vpr;
+  int64_t i = int64_t(part) * kUnpackThreads + threadIdx.x;
+  if (i >= total) return;
+  int r = int(i / vpr), c = int(i % vpr);
+  for (; i < total; i += int64_t(kUnroll) * step) {
+    V v[kUnroll];
+    int rr[kUnroll], cc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      rr[u] = r, cc[u] = c;
+      if (i + int64_t(u) * step < total) v[u] = src[i + int64_t(u) * step];
+      c += step_c, r += step_r;
+      if (c >= vpr) c -= vpr, ++r;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + int64_t(u) * step < total) dst[rr[u] * ldd_v + cc[u]] = v[u];
+  }
+}
+
+// Block (t, part): part `part` of tile t. The widest vector that divides the tile's source and
+// destination addresses, its row length and the destination stride is used.
+__global__ void __launch_bounds__(kUnpackThreads) unpack_tiles(const char* __restrict__ src,
+                                                               char* __restrict__ dst, int64_t ldd,
+                                                               const int32_t* __restrict__ tiles,
+                                                               const int64_t* __restrict__ src_offsets,
+                                                               int elem_size) {
+  const int t = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
+  const int row0 = tiles[4 * t], rows = tiles[4 * t + 1], col0 = tiles[4 * t + 2], cols = tiles[4 * t + 3];
+  const char* s = src + src_offsets[t] * elem_size;
+  char* d = dst + (int64_t(row0) * ldd + col0) * elem_size;
+  const int64_t row_bytes = int64_t(cols) * elem_size, ldd_bytes = ldd * elem_size;
+  const uint64_t bits = reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d) |
+                        uint64_t(row_bytes) | uint64_t(ldd_bytes);
+  if ((bits & 15) == 0)
+    copy_tile(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), ldd_bytes / 16, rows, int(row_bytes / 16), part, parts);
+  else if ((bits & 7) == 0)
+    copy_tile(reinterpret_cast<const uint2*>(s), reinterpret_cast<uint2*>(d), ldd_bytes / 8, rows, int(row_bytes / 8), part, parts);
+  else if ((bits & 3) == 0)
+    copy_tile(reinterpret_cast<const uint32_t*>(s), reinterpret_cast<uint32_t*>(d), ldd_bytes / 4, rows, int(row_bytes / 4), part, parts);
+  else
+    copy_tile(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint16_t*>(d), ldd_bytes / 2, rows, int(row_bytes / 2), part, parts);
+}
+
+}  // namespace fo::runtime
+
+using namespace fo::runtime;
+
+extern "C" {
+
+FO_API cudaError_t fo_load_kernels(void) {
+  cudaFuncAttributes attr;
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, spin_wait));
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, reset_counters));
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_tiles));
+  StreamWaitValue32 fn;
+  return stream_wait_value32(&fn);
+}
+
+FO_API cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
+  if (!counter) return fo::fail(cudaErrorInvalidValue, "fo_wait_counter: counter is null");
+  if (mode == 0) {
+    StreamWaitValue32 fn;
+    cudaError_t err = stream_wait_value32(&fn);
+    if (err != cudaSuccess) return err;
+    CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter),
+                    cuuint32_t(value), CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS)
+      return fo::fail(cudaErrorUnknown, "fo_wait_counter: cuStreamWaitValue32 failed with CUresult %d", int(r));
+    return cudaSuccess;
+  }
+  if (mode == 1) {
+    spin_wait<<<1, 1, 0, stream>>>(counter, value);
+    FO_CUDA_CHECK(cudaGetLastError());
+    return cudaSuccess;
+  }
+  return fo::fail(cudaErrorInvalidValue, "fo_wait_counter: mode %d is not 0 (stream wait) or 1 (spin kernel)", mode);
+}
+
+FO_API cudaError_t fo_reset_counters(int32_t* counters, int n, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && !counters))
+    return fo::fail(cudaErrorInvalidValue, "fo_reset_counters: need n >= 0 counters at a non-null address");
+  if (n == 0) return cudaSuccess;
+  reset_counters<<<(n + 255) / 256 < 64 ? (n + 255) / 256 : 64, 256, 0, stream>>>(counters, n);
+  FO_CUDA_CHECK(cudaGetLastError());
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
+                                   const int64_t* src_offsets, int num_tiles, int elem_size,
+                                   cudaStream_t stream) {
+  if (num_tiles < 0 || (elem_size != 2 && elem_size != 4))
+    return fo::fail(cudaErrorInvalidValue, "fo_unpack_tiles: num_tiles=%d must be >= 0 and elem_size=%d 2 or 4",
+                    num_tiles, elem_size);
+  if (num_tiles == 0) return cudaSuccess;
+  if (!src || !dst || !tiles || !src_offsets || ldd < 1)
+    return fo::fail(cudaErrorInvalidValue, "fo_unpack_tiles: src, dst, tiles and src_offsets must be non-null, ldd >= 1");
+  if (num_tiles > 0x7fffffff / 2)
+    return fo::fail(cudaErrorInvalidValue, "fo_unpack_tiles: too many tiles (%d)", num_tiles);
+  // Split each tile over `parts` blocks so that small tile counts still fill the device.
+  const int parts = num_tiles >= 1024 ? 1 : (1024 + num_tiles - 1) / num_tiles < 8 ? (1024 + num_tiles - 1) / num_tiles : 8;
+  unpack_tiles<<<dim3(num_tiles, parts), kUnpackThreads, 0, stream>>>(
+      static_cast<const char*>(src), static_cast<char*>(dst), ldd, tiles, src_offsets, elem_size);
+  FO_CUDA_CHECK(cudaGetLastError());
+  return cudaSuccess;
+}
+
+FO_API const char* fo_last_error(void) { return fo::last_error_text().c_str(); }
+
+}  // extern "C"
