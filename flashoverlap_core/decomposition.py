@@ -29,6 +29,11 @@ from .collectives import RegionExchange
 from .plan import CUSTOM_OP, Plan
 
 DEFAULT_BAND_ROWS = 128
+# Sub-GEMMs with at most this many outputs get an fp32 result (see fp32_output). Larger ones
+# fill the device without splitting K, and an fp32 result would cost them more than the GEMM
+# (with out_dtype for every sub-GEMM, `flashoverlap bench` calls of 4096-8192 x 8192 x
+# 3584-8192 took 1.3-2.9x longer on an H200, torch 2.11).
+WIDE_MAX_OUTPUT = 1 << 22
 
 
 class HostStreams:
@@ -189,15 +194,39 @@ def packed_rects(plan: Plan) -> tuple[tuple[PackedRect, ...], ...]:
     return tuple(tuple(_rectangles(tiles)) for tiles in per_group)
 
 
+@lru_cache(maxsize=None)
+def fp32_output(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm`` on ``device`` returns fp32 from ``dtype`` inputs (``out_dtype``).
+
+    Then small sub-GEMMs accumulate in fp32 and round once, as the design asks: a device's
+    own half-precision GEMM may split K when the output is too small to fill the device and
+    add the partial sums in half precision (on an H200, [16, 129] @ [129, 257] in bf16 came out
+    4 ulps off). Where ``out_dtype`` is missing (the host, whose half-precision GEMMs
+    accumulate in fp32) the plain matmul is used.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    one = torch.ones(1, 1, dtype=dtype, device=device)
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return False
+    return True
+
+
 def compute_rect(a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, r: PackedRect) -> None:
     """Store the tiles of ``r`` of a @ b in their packed slots."""
     (r0, r1), (c0, c1) = r.rows, r.columns
     a_rows, b_cols = a[r0:r1], b[:, c0:c1]
+    wide = (r1 - r0) * (c1 - c0) <= WIDE_MAX_OUTPUT and fp32_output(a.device, a.dtype)
     if r.row_major:
-        torch.matmul(a_rows, b_cols, out=packed[r.offset:r.offset + (r1 - r0) * (c1 - c0)]
-                     .view(r1 - r0, c1 - c0))
+        rows = packed[r.offset:r.offset + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+        if wide:
+            rows.copy_(torch.mm(a_rows, b_cols, out_dtype=torch.float32))
+        else:
+            torch.matmul(a_rows, b_cols, out=rows)
         return
-    value = torch.matmul(a_rows, b_cols)
+    value = torch.mm(a_rows, b_cols, out_dtype=torch.float32) if wide else a_rows @ b_cols
     slots = packed.as_strided((r.bands, r.cols, r.tile_rows, r.tile_cols),
                               (r.band_stride, r.col_stride, r.tile_cols, 1),
                               packed.storage_offset() + r.offset)
