@@ -10,7 +10,8 @@ signaling kernel exists; it runs on any torch device. Per group g, in group orde
    through :class:`~flashoverlap_core.collectives.RegionExchange`;
 
 then the compute stream waits for the communication stream and the packed result is put back
-in row-major order. Device-specific backends reuse the stream plumbing (:class:`DeviceStreams`)
+in row-major order (nothing to do for the default whole-row tiles of an allreduce, whose groups
+are written straight into the output). Device-specific backends reuse the stream plumbing (:class:`DeviceStreams`)
 and may replace the events with their own group signals (see :meth:`signals`).
 
 The host has no streams: :class:`HostStreams` runs the same code with no-op stream operations,
@@ -30,9 +31,9 @@ from .plan import CUSTOM_OP, Plan
 
 DEFAULT_BAND_ROWS = 128
 # Sub-GEMMs with at most this many outputs get an fp32 result (see fp32_output). Larger ones
-# fill the device without splitting K, and an fp32 result would cost them more than the GEMM
-# (with out_dtype for every sub-GEMM, `flashoverlap bench` calls of 4096-8192 x 8192 x
-# 3584-8192 took 1.3-2.9x longer on an H200, torch 2.11).
+# are taken to fill the device without splitting K (a heuristic), and an fp32 result costs more
+# than it is worth there (with out_dtype for every sub-GEMM, `flashoverlap bench` calls of
+# 4096-8192 x 8192 x 3584-8192 took 1.3-2.9x longer on an H200, torch 2.11).
 WIDE_MAX_OUTPUT = 1 << 22
 
 
