@@ -36,7 +36,8 @@ from flashoverlap_core.tuning.search import measured_candidates, predictive_sear
 from flashoverlap_core.tuning.trace import TileTrace
 from flashoverlap_core.tuning.tuner import Job, build_model, measure_groupings, trace_rank
 
-SHAPES = "8192x8192x8192,8192x8192x4096,4096x8192x8192,16384x8192x2048,8192x4096x16384,4096x4096x8192"
+SHAPES = ("8192x8192x8192,8192x8192x4096,4096x8192x8192,16384x8192x2048,8192x4096x16384,"
+          "4096x4096x8192")
 ERROR_TARGET, CHOICE_TARGET = 0.10, 1.03
 
 

@@ -119,7 +119,7 @@ def transfer_key(ctx: Context, *, transfer: str, world_size: int, dtype: str) ->
     return {**ctx.key(), "transfer": transfer, "world_size": world_size, "dtype": dtype}
 
 
-# ---- the file --------------------------------------------------------------------------------------
+# ---- the file ------------------------------------------------------------------------------------
 class TuningCache:
     """The JSON file of tuning results (see the module docstring)."""
 
@@ -179,7 +179,7 @@ def _read(path: str, mtime_ns: int, size: int) -> dict | None:
     return doc
 
 
-# ---- plans for calls ------------------------------------------------------------------------------
+# ---- plans for calls -----------------------------------------------------------------------------
 def carried_groups(tuned: Plan, num_tiles: int, unit: int) -> tuple[int, ...]:
     """``tuned``'s group boundaries moved to a grid of ``num_tiles`` tiles (same wave size):
     each at the same fraction of the waves, on a whole wave, rounded down to a multiple of

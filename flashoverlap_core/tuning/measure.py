@@ -101,7 +101,7 @@ def median_time(fn, device, group, iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(timed(fn, device, group, iters, warmup))
 
 
-# ---- transfers ------------------------------------------------------------------------------------
+# ---- transfers -----------------------------------------------------------------------------------
 def transfer_fn(op, group, world_size: int) -> Callable[[torch.Tensor], None] | None:
     """One transfer of a region, as an overlapped call makes it: the collective of ``op`` on
     ``group``, or a callable op as ``op(region, 0)``; ``None`` when it does nothing (a
@@ -144,7 +144,7 @@ def measure_curve(send: Callable[[torch.Tensor], None] | None, sizes: list[int],
     return CostCurve(tuple(sizes), tuple(seconds))
 
 
-# ---- the GEMM -------------------------------------------------------------------------------------
+# ---- the GEMM ------------------------------------------------------------------------------------
 def traced_timing(trace_once: Callable[[], object], device: torch.device, group,
                   reps: int = 5) -> tuple[GemmTiming, list]:
     """The GEMM's wave ends from ``reps`` traced calls (``trace_once()`` returns a TileTrace of

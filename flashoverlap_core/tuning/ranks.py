@@ -86,7 +86,8 @@ class Progress:
 
     def _draw(self) -> None:
         filled = self.width * self.done // max(1, self.total)
-        line = f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {self.label}"
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"\r[{bar}] {self.done}/{self.total} {self.label}"
         self.stream.write(line[:120].ljust(120))
         self.stream.flush()
 

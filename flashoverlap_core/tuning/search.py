@@ -32,10 +32,6 @@ class Choice:
     search_s: float  # how long the search took
     fell_back: bool  # overlap predicted not to pay: one group
 
-    @property
-    def predicted_speedup(self) -> float:
-        return self.sequential_s / self.predicted_s if self.predicted_s > 0 else 1.0
-
 
 def sizes_from_ends(ends) -> tuple[int, ...]:
     """Group sizes from increasing group ends (tile counts)."""
@@ -63,9 +59,8 @@ def best_ends(model: OverlapModel, max_states: int = 16) -> list[int]:
     at, parent = np.zeros(room, np.int64), np.full(room, -1, np.int64)
     finish, progress = np.zeros(room), np.zeros(room)
     count = 1
-    costs = model.cost(np.maximum(sent[:, None] - sent[None, :], 0))  # [to, from] boundary
     for j in range(1, len(ends) + 1):
-        work = costs[j, at[:count]]
+        work = model.cost(sent[j] - sent[at[:count]])
         _, end, done = advance_transfer(finish[:count], progress[:count], ready[j - 1], work,
                                         model.timing.end, model.contention)
         order = np.lexsort((-done, end))

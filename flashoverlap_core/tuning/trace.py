@@ -69,11 +69,12 @@ class TileTrace:
                     clock: str = "") -> "TileTrace":
         """Build a trace from any sequences (lists, numpy arrays, 1-D tensors) of seconds;
         missing transfer times become ``None``."""
-        groups = len(tuple(group_sizes))
-        return cls(int(wave_size), tuple(int(s) for s in group_sizes), _floats(item_end),
+        group_sizes = tuple(int(s) for s in group_sizes)
+        unknown = [None] * len(group_sizes)
+        return cls(int(wave_size), group_sizes, _floats(item_end),
                    tuple(int(w) for w in item_worker),
-                   _optional_floats(transfer_start if transfer_start is not None else [None] * groups),
-                   _optional_floats(transfer_end if transfer_end is not None else [None] * groups),
+                   _optional_floats(unknown if transfer_start is None else transfer_start),
+                   _optional_floats(unknown if transfer_end is None else transfer_end),
                    None if call_end is None else float(call_end), clock)
 
     @property
