@@ -22,7 +22,7 @@ def synthetic(waves, wave_size=4, wave_s=1.0, latency=0.0, bytes_per_s=1.0, tile
     return OverlapModel(timing, prefix, cost, contention, post, unit)
 
 
-# ---- the pieces -----------------------------------------------------------------------------------
+# ---- the pieces ----------------------------------------------------------------------------------
 def test_cost_curve_interpolates_extrapolates_and_irons_out_noise():
     curve = CostCurve((100, 200, 400), (1.0, 0.5, 3.0))  # 200 B measured faster than 100 B
     assert curve(50) == 1.0  # below the smallest size: the smallest size's time
@@ -58,7 +58,7 @@ def test_simulation_by_hand():
     assert synthetic(4, wave_size=1, post=0.5).predict((2, 2)) == 6.5
 
 
-# ---- the search -----------------------------------------------------------------------------------
+# ---- the search ----------------------------------------------------------------------------------
 @st.composite
 def models(draw):
     wave_size = draw(st.integers(1, 5))
