@@ -88,6 +88,14 @@ def _load(name: str) -> Backend | None:
     return backend
 
 
+def _probe(backend: Backend) -> str | None:
+    """The backend's own probe; one that raises is unavailable, with the error as its reason."""
+    try:
+        return backend.probe()
+    except Exception as e:  # a broken plugin must not break the listing or the selection
+        return f"probe failed: {type(e).__name__}: {e}"
+
+
 def backends() -> list[BackendStatus]:
     """Every known backend: name, device type, available here or not, and why not."""
     out = []
@@ -96,7 +104,7 @@ def backends() -> list[BackendStatus]:
         if backend is None:
             out.append(BackendStatus(name, None, False, _load_errors.get(name, "not found")))
             continue
-        reason = backend.probe()
+        reason = _probe(backend)
         out.append(BackendStatus(name, backend.device_type, reason is None, reason or ""))
     return out
 
@@ -111,7 +119,7 @@ def get(name: str) -> Backend:
     if backend is None:
         why = _load_errors.get(name, "no such backend")
         raise BackendError(f"backend {name!r}: {why}. Known backends:\n{_listing()}")
-    reason = backend.probe()
+    reason = _probe(backend)
     if reason is not None:
         raise BackendError(f"backend {name!r} is unavailable: {reason}. Known backends:\n{_listing()}")
     return backend
@@ -144,7 +152,7 @@ def select(spec: OverlapSpec, name: str | None = None, plan_backend: str | None 
         return backend
     rejected = []
     for candidate in candidates(spec.device_type):
-        reason = candidate.probe()
+        reason = _probe(candidate)
         reasons = [reason] if reason else candidate.unsupported_reasons(spec)
         if not reasons:
             log.info("flashoverlap: backend %s chosen (auto detect for device %s%s)",
