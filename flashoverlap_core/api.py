@@ -17,6 +17,7 @@ from .collectives import resolve_group
 from .grouping import wave_group_sizes
 from .plan import CUSTOM_OP, DTYPES, OPS, PLAN_OPS, Plan, block_rows_for, check_splits, dtype_name
 from .tiles import Schedule, TileGrid
+from .tuning import lookup_plan
 
 
 def _check_tensor(name: str, t) -> None:
@@ -140,7 +141,8 @@ def _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend):
     spec = OverlapSpec(m, n, k, op_name, world, dtype, a.device.type, b_layout(b), send)
     chosen = registry.select(spec, backend, plan.backend if plan is not None else None)
     if plan is None:
-        plan = _default_plan(spec, chosen.name)
+        transfer = type(op).__name__ if op_name == CUSTOM_OP else ""
+        plan = _default_plan(spec, chosen.name, group, transfer)
     else:
         wrong = plan.mismatches(m=m, n=n, k=k, op=op_name, world_size=world, dtype=dtype,
                                 send_splits=send)
@@ -179,8 +181,12 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
 
 
 @lru_cache(maxsize=256)
-def _default_plan(spec: OverlapSpec, backend_name: str) -> Plan:
-    return make_plan(registry.get(backend_name), spec)
+def _default_plan(spec: OverlapSpec, backend_name: str, group=None, transfer: str = "") -> Plan:
+    """The tuned plan from the tuning cache when there is one, else the heuristic plan.
+    Every rank must see the same cache, or ranks could pick different groupings."""
+    backend = registry.get(backend_name)
+    tuned = lookup_plan(spec, backend, group, transfer)
+    return tuned if tuned is not None else make_plan(backend, spec)
 
 
 def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
