@@ -70,11 +70,13 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
 class PlanState:
     """Device-resident tables of one plan on one device."""
 
+    items_host: torch.Tensor
     items: torch.Tensor
     item_group: torch.Tensor
     counters: torch.Tensor
     group_sizes: list[int]
     unpack: dict = field(default_factory=dict)  # block shape -> (tiles int32, offsets int64)
+    cluster_fits: dict = field(default_factory=dict)  # cluster shape -> bool
 
 
 class CudaBackend(Backend):
@@ -166,7 +168,7 @@ class CudaBackend(Backend):
             state = self._states.get(key)
             if state is None:
                 items, groups = plan.item_table()
-                state = PlanState(items.to(device), groups.to(device),
+                state = PlanState(items, items.to(device), groups.to(device),
                                   torch.zeros(plan.num_groups, dtype=torch.int32, device=device),
                                   list(plan.group_sizes))
                 self._states[key] = state
@@ -181,13 +183,21 @@ class CudaBackend(Backend):
                     stream: torch.cuda.Stream | None = None) -> PlanState:
         """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
 
-        ``signal=False`` runs the same kernel without touching the counters (for measuring
+        ``signal=False`` runs the same kernel built without the counter updates (for measuring
         what signaling costs); ``monitor`` (uint64 [T, 2]) records each tile's completion.
         """
         device = a.device
         col = b_col_major(b)
-        gemm = kernels.gemm_library(self._arch(), plan.tile, plan.dtype, col)
         state = self._state(plan, device)
+        arch = self._arch()
+        cluster = kernels.preferred_cluster(arch, plan.tile)
+        fits = state.cluster_fits.get(cluster)
+        if fits is None:
+            fits = state.cluster_fits[cluster] = kernels.cluster_fits(state.items_host, cluster)
+        if not fits:
+            cluster = (1, 1)
+        gemm = kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster,
+                                                        signal))
         a_op = aligned_rows(a)
         b_op = aligned_rows(b.t() if col else b)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
@@ -196,8 +206,8 @@ class CudaBackend(Backend):
         stream = stream or torch.cuda.current_stream(device)
         gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks, rows, plan.n,
                  plan.k, a_op.stride(0), b_op.stride(0), state.items.data_ptr(),
-                 state.item_group.data_ptr(), plan.num_tiles,
-                 state.counters.data_ptr() if signal else None, plan.wave_size,
+                 state.item_group.data_ptr(), plan.num_tiles, state.counters.data_ptr(),
+                 plan.wave_size,
                  monitor.data_ptr() if monitor is not None else None,
                  workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
         return state

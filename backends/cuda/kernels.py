@@ -5,20 +5,21 @@ a configuration into a shared object (JIT, cached) and runtime.py binds it.
 """
 from __future__ import annotations
 
-import importlib.util
 import threading
 
 from . import build
 from .runtime import WAIT_MODES, GemmLibrary, RuntimeLibrary
 
-DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+DTYPES = tuple(build.DTYPES)  # "bfloat16", "float16"
 
-# (tile_m, tile_n) -> (tile_k, cluster_m, cluster_n, schedule), per architecture.
+# (tile_m, tile_n) -> (tile_k, preferred cluster (m, n), schedule), per architecture. A plan
+# whose tile order does not fit the cluster (see cluster_fits) runs the 1x1-cluster build.
 CONFIGS = {
-    90: {(128, 256): (64, 2, 1, "cooperative"), (128, 128): (64, 1, 1, "cooperative")},
-    80: {(128, 128): (32, 1, 1, "multistage"), (128, 256): (32, 1, 1, "multistage")},
+    90: {(128, 256): (64, (2, 1), "cooperative"), (128, 128): (64, (2, 1), "cooperative")},
+    80: {(128, 128): (32, (1, 1), "multistage"), (128, 256): (32, (1, 1), "multistage")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
+CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
 
 _lock = threading.Lock()
 _loaded: dict = {}
@@ -35,15 +36,34 @@ def default_tile(arch: int) -> tuple[int, int]:
 
 
 def cta_multiple(arch: int, tile: tuple[int, int]) -> int:
-    _, cm, cn, _ = CONFIGS[arch][tuple(tile)]
-    return cm * cn
+    return CTA_MULTIPLE
 
 
-def gemm_config(arch: int, tile: tuple[int, int], dtype: str, b_col_major: bool) -> build.GemmConfig:
-    tk, cm, cn, schedule = CONFIGS[arch][tuple(tile)]
-    return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=tk, cluster_m=cm,
-                            cluster_n=cn, dtype=DTYPES[dtype], b_col_major=b_col_major,
-                            schedule=schedule)
+def cluster_fits(items, cluster: tuple[int, int]) -> bool:
+    """Whether the CTAs of each cluster get items that can share operand tiles: in every round
+    of S = cm * cn consecutive items, rank (rm, rn) has the column tile of rank (0, rn) and the
+    rows (block, band) of rank (rm, 0). ``items`` is the plan's int64 [T, 4] item table."""
+    cm, cn = cluster
+    size = cm * cn
+    if size == 1:
+        return True
+    total = items.shape[0] // size * size
+    rounds = items[:total].view(-1, cn, cm, 4)  # [round, rn, rm, field]
+    same_col = (rounds[..., 2] == rounds[:, :, :1, 2]).all()
+    same_rows = (rounds[..., :2] == rounds[:, :1, :, :2]).all()
+    return bool(same_col and same_rows)
+
+
+def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
+                signal: bool = True) -> build.GemmConfig:
+    tk, _, schedule = CONFIGS[arch][tuple(tile)]
+    return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=tk,
+                            cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
+                            b_col_major=b_col_major, schedule=schedule, signal=signal)
+
+
+def preferred_cluster(arch: int, tile) -> tuple[int, int]:
+    return CONFIGS[arch][tuple(tile)][1]
 
 
 def _load(key, make):
@@ -56,8 +76,7 @@ def _load(key, make):
         return lib
 
 
-def gemm_library(arch: int, tile, dtype: str, b_col_major: bool) -> GemmLibrary:
-    config = gemm_config(arch, tile, dtype, b_col_major)
+def gemm_library(config: build.GemmConfig) -> GemmLibrary:
     return _load(config, lambda: GemmLibrary(str(build.build_gemm(config))))
 
 
@@ -67,19 +86,25 @@ def runtime_library() -> RuntimeLibrary:
 
 def toolchain_problem() -> str | None:
     """Why kernels can be neither built nor found prebuilt (None when they can)."""
-    if build.prebuilt_available():
-        return None
+    if not build.jit_allowed():
+        return None  # prebuilt objects only: a missing one is reported when first needed
     missing = []
-    if build.find_nvcc() is None:
-        missing.append("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    if importlib.util.find_spec("cutlass_library") is None:
-        missing.append("CUTLASS headers not found (pip install nvidia-cutlass)")
+    for check in (build.nvcc_path, build.cutlass_include_dirs):
+        try:
+            check()
+        except build.BuildError as e:
+            missing.append(str(e))
     return "; ".join(missing) or None
 
 
 def toolchain_versions() -> dict[str, str]:
-    nvcc = build.find_nvcc()
-    out = {"nvcc": build.nvcc_version(nvcc) if nvcc else "not found"}
-    spec = importlib.util.find_spec("cutlass_library")
-    out["cutlass headers"] = spec.origin.rsplit("/", 2)[0] if spec and spec.origin else "not found"
+    out = {}
+    try:
+        out["nvcc"] = build.nvcc_version(build.nvcc_path())
+    except build.BuildError as e:
+        out["nvcc"] = f"not found ({e})"
+    try:
+        out["cutlass headers"] = str(build.cutlass_include_dirs()[0])
+    except build.BuildError:
+        out["cutlass headers"] = "not found (pip install nvidia-cutlass)"
     return out
