@@ -172,7 +172,7 @@ class RankPools:
 
     def run(self, world_size: int, fn, *args, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank of the pool of ``world_size``."""
-        from flashoverlap_core.launch import RankPool
+        from flashoverlap_core.launch import RankError, RankPool
 
         s = self.settings
         target = s.target
@@ -185,8 +185,12 @@ class RankPools:
             pool = RankPool(world_size, target.device_type, timeout=max(s.timeout, 120.0),
                             env={"FLASHOVERLAP_BACKEND": s.backend_name})
             self._pools[world_size] = pool
-        self._interrupted.add(world_size)
-        results = pool.run(fn, target, *args, timeout=s.timeout, **kwargs)
+        self._interrupted.add(world_size)  # stays set if pytest-timeout cuts the call short
+        try:
+            results = pool.run(fn, target, *args, timeout=s.timeout, **kwargs)
+        except RankError:  # every rank answered, or the pool killed itself: no loose ends
+            self._interrupted.discard(world_size)
+            raise
         self._interrupted.discard(world_size)
         return results
 

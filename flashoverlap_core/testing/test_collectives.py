@@ -23,7 +23,9 @@ def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_setting
     try:
         results = fo_pools.run(rank_case.world_size, run_case, rank_case, fo_settings.seed)
     except RankError as e:  # a wrong result, or an exception in the backend, on some rank
-        pytest.fail(str(e), pytrace=False)
+        results, failure = None, str(e)
+    if results is None:
+        pytest.fail(failure, pytrace=False)
     if any(r["refused_tile"] for r in results):
         warnings.warn(f"{fo_backend.name!r} refused tile {rank_case.tile}; the case ran with the "
                       f"backend's default tile (fewer tiles and groups)")

@@ -1,0 +1,99 @@
+"""Deliberately broken backends: the conformance suite must fail against each of them.
+
+Each is the reference backend with one realistic fault of a signaling-GEMM backend. They are
+loaded by the suite as ``broken_backends:NAME`` with this directory on PYTHONPATH.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashoverlap_core.collectives import RegionExchange
+from flashoverlap_core.reference import ReferenceBackend, accumulation_dtype
+from flashoverlap_core.reorder import pack_tile, unpack_tiles
+
+
+class FaultyReference(ReferenceBackend):
+    """The reference backend's run, with hooks where a fault can be put."""
+
+    def run(self, call):
+        plan = call.plan
+        acc = accumulation_dtype(call.a.dtype)
+        a, b = call.a.to(acc), call.b.to(acc)
+        packed = torch.empty(plan.packed_numel, dtype=call.a.dtype, device=call.a.device)
+        offsets = {tile: offset for tile, _, offset in plan.packed_tiles}
+        exchange = RegionExchange(call, packed)
+        for g, tiles in enumerate(plan.groups):
+            self.before_group(exchange, g)
+            for t in tiles:
+                pack_tile(packed, offsets[t], t, a[t.row0:t.row0 + t.rows] @ b[:, t.col0:t.col0 + t.cols])
+            self.group_done(exchange, g)
+        exchange.wait()
+        return self.post_reorder(exchange)
+
+    def before_group(self, exchange: RegionExchange, g: int) -> None:
+        pass
+
+    def group_done(self, exchange: RegionExchange, g: int) -> None:
+        exchange.start(g)
+
+    def post_reorder(self, exchange: RegionExchange) -> torch.Tensor:
+        return exchange.finish()
+
+
+class SwappedGroups(FaultyReference):
+    """Groups 0 and 1 trade places in the packed buffer (as many elements as both have)."""
+
+    name = "broken-swapped-groups"
+
+    def group_done(self, exchange, g):
+        if g == 0 and exchange.plan.num_groups > 1:
+            return  # group 0 is sent together with group 1, after the swap
+        if g == 1:
+            r0, r1 = exchange.region(0), exchange.region(1)
+            count = min(r0.numel(), r1.numel())
+            held = r0[:count].clone()
+            r0[:count].copy_(r1[:count])
+            r1[:count].copy_(held)
+            exchange.start(0)
+        exchange.start(g)
+
+
+class EarlySignal(FaultyReference):
+    """Signals the wrong group: group g + 1 as soon as group g is written, so every collective
+    (or custom op) runs on a region whose tiles are not there yet."""
+
+    name = "broken-early-signal"
+
+    def before_group(self, exchange, g):
+        if g == 0:
+            exchange.start(0)
+
+    def group_done(self, exchange, g):
+        if g + 1 < exchange.plan.num_groups:
+            exchange.start(g + 1)
+
+
+class NoPostReorder(FaultyReference):
+    """Forgets the post-communication reorder: the packed tiles are copied out as if they were
+    row-major rows."""
+
+    name = "broken-no-post-reorder"
+
+    def post_reorder(self, exchange):
+        out = exchange.call.out
+        out.view(-1).copy_(exchange.staging[:out.numel()])
+        return out
+
+
+class UnwrittenTile(FaultyReference):
+    """The post-reorder never writes the last tile of each destination block."""
+
+    name = "broken-unwritten-tile"
+
+    def post_reorder(self, exchange):
+        for rows, tiles, offsets in exchange.block_layouts():
+            unpack_tiles(exchange.staging, offsets[:-1], tiles[:-1], rows)
+        return exchange.call.out
+
+
+BROKEN = ("SwappedGroups", "EarlySignal", "NoPostReorder", "UnwrittenTile")

@@ -1,0 +1,47 @@
+"""Run the packaged conformance suite in a child pytest, as a backend's author would."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+
+
+def plugin_args() -> list[str]:
+    """Load the plugin explicitly only when the package's pytest11 entry point is not installed
+    (loading it both ways would register it twice)."""
+    installed = any(ep.value == "flashoverlap_core.testing.plugin" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "flashoverlap_core.testing.plugin"]
+
+
+def run_suite(backend: str, *args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``pytest --pyargs flashoverlap_core.testing --fo-backend backend *args``, with this
+    directory importable (for ``broken_backends:...``) and no backend choice inherited."""
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in ("FLASHOVERLAP_BACKEND", "FLASHOVERLAP_REQUIRE_HW", "PYTEST_ADDOPTS")}
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(REPO), os.environ.get("PYTHONPATH")]))
+    child_env.update(env or {})
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "flashoverlap_core.testing", "--fo-backend", backend,
+           "-p", "no:cacheprovider", "-q", "-rfEs", "--tb=short", *plugin_args(), *args]
+    return subprocess.run(cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout)
+
+
+def summary(result: subprocess.CompletedProcess) -> dict[str, int]:
+    """Counts of pytest's last line ("3 failed, 10 passed, 2 skipped in 4.5s")."""
+    lines = [l for l in result.stdout.splitlines() if l.strip()]
+    counts = {}
+    for part in (lines[-1] if lines else "").split(" in ")[0].split(","):
+        words = part.strip(" =").split()
+        if len(words) == 2 and words[0].isdigit():
+            counts[words[1].rstrip("s")] = int(words[0])  # failed, passed, skipped, error, ...
+    return counts
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    """The child's header (backend, seed) and the end of its output, for an assertion message."""
+    header = [l for l in result.stdout.splitlines() if l.startswith("flashoverlap conformance:")]
+    return f"exit {result.returncode}; {' '.join(header)}\n...{result.stdout[-4000:]}\n{result.stderr[-2000:]}"

@@ -1,0 +1,69 @@
+"""The packaged conformance suite passes against the reference backend, fails against each
+deliberately broken backend (so it catches real faults), and reports missing hardware as
+skips with reasons, or as failures under FLASHOVERLAP_REQUIRE_HW=1."""
+import re
+
+import pytest
+
+from broken_backends import BROKEN
+from suite_runner import describe, run_suite, summary
+
+CONFORMANCE_MESSAGE = re.compile(r"outside the error bound|never written|op\(region, index\)")
+
+
+@pytest.mark.timeout(900)
+def test_reference_backend_passes_the_suite():
+    result = run_suite("reference", timeout=840)
+    counts = summary(result)
+    assert result.returncode == 0, describe(result)
+    assert counts.get("passed", 0) >= 150 and set(counts) <= {"passed", "warning"}, describe(result)
+    assert "flashoverlap conformance: backend reference" in result.stdout
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("broken", BROKEN)
+def test_broken_backend_fails_the_suite(broken):
+    result = run_suite(f"broken_backends:{broken}", "--fo-world-sizes", "1,2", "--maxfail", "3", timeout=540)
+    assert result.returncode == 1, f"the suite did not fail as it must: {describe(result)}"
+    assert summary(result).get("failed", 0) >= 1, describe(result)
+    assert CONFORMANCE_MESSAGE.search(result.stdout), (
+        f"the failures are not the suite's result checks: {describe(result)}")
+    assert f"backend broken_backends:{broken}" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_unknown_backend_is_a_usage_error():
+    result = run_suite("no-such-backend", timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode not in (0, 1, 5) and "no-such-backend" in output, describe(result)
+    assert "reference" in output, f"the error does not list the known backends: {describe(result)}"
+
+
+SELECT_BACKEND_TESTS = ["-k", "single_process or two_ranks or W2"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("require_hw", [False, True])
+def test_unavailable_backend_skips_with_reason(require_hw):
+    env = {"FLASHOVERLAP_REQUIRE_HW": "1"} if require_hw else {}
+    result = run_suite("fake_backends:Unavailable", *SELECT_BACKEND_TESTS, timeout=240, env=env)
+    counts = summary(result)
+    if require_hw:
+        failures = counts.get("failed", 0) + counts.get("error", 0)  # a failing fixture is an error
+        assert result.returncode == 1 and failures >= 10 and "skipped" not in counts, describe(result)
+        assert "FLASHOVERLAP_REQUIRE_HW=1 but" in result.stdout, describe(result)
+    else:
+        assert result.returncode == 0 and counts.get("skipped", 0) >= 10 and "failed" not in counts, describe(result)
+    assert "no frobnicator device found" in result.stdout, f"the reason is not given: {describe(result)}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("require_hw", [False, True])
+def test_too_few_devices_skips_with_reason(require_hw):
+    env = {"FLASHOVERLAP_REQUIRE_HW": "1"} if require_hw else {}
+    result = run_suite("fake_backends:FewDevices", "-k", "W2 or W3", timeout=240, env=env)
+    counts = summary(result)
+    expected = {"failed", "error"} if require_hw else {"skipped"}
+    assert sum(counts.get(e, 0) for e in expected) >= 10, describe(result)
+    assert set(counts) <= expected | {"deselected", "warning"}, describe(result)
+    assert "needs 2 fakedev devices" in result.stdout, f"the reason is not given: {describe(result)}"
