@@ -15,7 +15,8 @@ from . import registry
 from .backend import Backend, OverlapCall, OverlapSpec
 from .collectives import resolve_group
 from .grouping import wave_group_sizes
-from .plan import CUSTOM_OP, DTYPES, OPS, PLAN_OPS, Plan, block_rows_for, check_splits, dtype_name
+from .plan import (CUSTOM_OP, DTYPES, OPS, PLAN_OPS, Plan, _check_int, block_rows_for, check_splits,
+                   dtype_name)
 from .tiles import Schedule, TileGrid
 from .tuning import lookup_plan
 
@@ -158,10 +159,13 @@ def _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend):
 def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
               wave_size=None, schedule=None) -> Plan:
     """A plan for ``spec`` with ``backend``'s defaults for whatever is not given."""
-    tile = tuple(tile) if tile is not None else tuple(backend.default_tile(spec))
+    tile = tile if tile is not None else backend.default_tile(spec)
+    if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__"):
+        raise TypeError(f"tile must be a pair (BM, BN) of ints, got {tile!r}")
     if len(tile) != 2:
         raise ValueError(f"tile must be a pair (BM, BN), got {tile!r}")
-    wave = wave_size if wave_size is not None else backend.wave_size(spec, tile)
+    tile = (_check_int("tile BM", tile[0], 1), _check_int("tile BN", tile[1], 1))
+    wave = _check_int("wave_size", wave_size if wave_size is not None else backend.wave_size(spec, tile), 1)
     sched = schedule if schedule is not None else backend.schedule(spec)
     if group_sizes is None:
         rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)

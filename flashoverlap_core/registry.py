@@ -115,6 +115,8 @@ def _listing() -> str:
 
 def get(name: str) -> Backend:
     """The named backend, available here; else a BackendError listing every backend."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"backend must be a backend name (str), got {name!r}")
     backend = _load(name)
     if backend is None:
         why = _load_errors.get(name, "no such backend")
