@@ -60,8 +60,10 @@ def test_unavailable_backend_skips_with_reason(require_hw):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("require_hw", [False, True])
 def test_too_few_devices_skips_with_reason(require_hw):
+    """World sizes asked for beyond the backend's device count are hardware skips."""
     env = {"FLASHOVERLAP_REQUIRE_HW": "1"} if require_hw else {}
-    result = run_suite("fake_backends:FewDevices", "-k", "W2 or W3", timeout=240, env=env)
+    result = run_suite("fake_backends:FewDevices", "--fo-world-sizes", "1,2,3", "-k", "W2 or W3",
+                       timeout=240, env=env)
     counts = summary(result)
     expected = {"failed", "error"} if require_hw else {"skipped"}
     assert sum(counts.get(e, 0) for e in expected) >= 10, describe(result)

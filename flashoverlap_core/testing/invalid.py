@@ -151,14 +151,44 @@ INVALID = [
 ]
 BY_LABEL = {case.label: case for case in INVALID}
 
+INVALID_PLANS = [  # (label, error, message word, fo.plan keyword arguments replacing valid ones)
+    ("m-zero", ValueError, ">= 1", dict(m=0)),
+    ("m-bool", TypeError, "int", dict(m=True)),
+    ("k-float", TypeError, "int", dict(k=5.0)),
+    ("world-size-zero", ValueError, ">= 1", dict(world_size=0)),
+    ("op-unknown", ValueError, "op must be", dict(op="allgather")),
+    ("dtype-float64", TypeError, "not supported", dict(dtype=torch.float64)),
+    ("reduce-scatter-m-not-divisible", ValueError, "divisible", dict(op="reduce_scatter", world_size=3)),
+    ("a2a-without-send-splits", ValueError, "send_splits", dict(op="all_to_all", world_size=2)),
+    ("a2a-splits-sum", ValueError, "sum", dict(op="all_to_all", world_size=2, send_splits=[1, 2])),
+    ("splits-for-allreduce", ValueError, "all_to_all", dict(send_splits=[M])),
+    ("tile-not-pair", TypeError, "tile", dict(tile=4)),
+    ("tile-length", ValueError, "tile", dict(tile=(4,))),
+    ("tile-zero", ValueError, "tile", dict(tile=(0, 4))),
+    ("tile-float", TypeError, "tile", dict(tile=(4.0, 4))),
+    ("wave-size-zero", ValueError, "wave_size", dict(wave_size=0)),
+    ("group-sizes-type", TypeError, "group_sizes", dict(group_sizes="4")),
+    ("group-sizes-empty", TypeError, "group_sizes", dict(group_sizes=[])),
+    ("group-size-zero", ValueError, "group_sizes", dict(tile=(4, 3), group_sizes=[0, 4])),
+    ("group-sizes-sum", ValueError, "sum", dict(tile=(4, 3), group_sizes=[1, 1])),
+    ("reduce-scatter-groups-unbalanced", ValueError, "unbalanced",
+     dict(op="reduce_scatter", world_size=2, tile=(4, 3), group_sizes=[1, 3])),
+    ("backend-type", TypeError, "backend", dict(backend=3)),
+]
 
-def attempt(build: Callable[[Ctx], dict], ctx: Ctx) -> tuple[tuple[str, ...], str]:
+
+def raised_by(call: Callable[[], object]) -> tuple[tuple[str, ...], str]:
     """(names of the raised exception's classes, its message); ((), "") when it did not raise."""
     try:
-        fo.overlap(**build(ctx))
+        call()
     except Exception as e:  # reported back to the test, which judges it
         return tuple(cls.__name__ for cls in type(e).__mro__), str(e)
     return (), ""
+
+
+def attempt(build: Callable[[Ctx], dict], ctx: Ctx) -> tuple[tuple[str, ...], str]:
+    """What ``fo.overlap`` with the arguments ``build`` gives raises (see :func:`raised_by`)."""
+    return raised_by(lambda: fo.overlap(**build(ctx)))
 
 
 def attempt_on_rank(target, labels: list[str]) -> dict[str, tuple[tuple[str, ...], str]]:

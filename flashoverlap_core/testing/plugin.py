@@ -44,19 +44,27 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    return settings(config).banner()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The banner again at the end (the header is not shown under -q)."""
     s = settings(config)
-    return (f"flashoverlap conformance: backend {s.backend_name}, seed {s.seed} "
-            f"(reproduce with --fo-seed {s.seed})")
+    if s.in_use:
+        terminalreporter.write_line(s.banner())
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test on spawned ranks gets a pytest-timeout deadline above the ranks' own, so the
-    ranks' timeout (RankTimeout, pool killed) normally fires first and this is the backstop."""
+    """Every test that runs the backend gets a pytest-timeout deadline; on spawned ranks it is
+    above the ranks' own, so that RankTimeout (the pool killed) normally fires first."""
     s = settings(config)
     for item in items:
-        if "_fo_pool_set" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(3 * s.timeout + 60))
+        fixtures = getattr(item, "fixturenames", ())
+        s.in_use = s.in_use or "fo_settings" in fixtures
+        if "_fo_pool_set" in fixtures:
             item.add_marker(pytest.mark.fo_ranks)
+        if item.get_closest_marker("timeout") is None and {"_fo_pool_set", "fo_backend"} & set(fixtures):
+            item.add_marker(pytest.mark.timeout(3 * s.timeout + 60))
 
 
 _SETTINGS = pytest.StashKey["Settings"]()
@@ -106,6 +114,11 @@ class Settings:
         self.seed = seed if seed is not None else secrets.randbits(31)
         self.timeout = config.getoption("fo_timeout")
         self._world_sizes = config.getoption("fo_world_sizes")
+        self.in_use = False  # whether this run collected tests of the suite
+
+    def banner(self) -> str:
+        return (f"flashoverlap conformance: backend {self.backend_name}, seed {self.seed} "
+                f"(reproduce with --fo-seed {self.seed})")
 
     @cached_property
     def _resolved(self):
@@ -148,7 +161,7 @@ class Settings:
         backend, _ = self._resolved
         if backend is None or backend.device_type in (None, "cpu"):
             return HOST_WORLD_SIZES
-        return tuple(range(1, MAX_DEVICE_WORLD_SIZE + 1))
+        return tuple(range(1, max(1, min(MAX_DEVICE_WORLD_SIZE, backend.device_count())) + 1))
 
     def check_world_size(self, world_size: int) -> None:
         """Skip (a hardware skip) when the backend has fewer devices than ranks."""

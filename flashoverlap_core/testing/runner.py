@@ -12,8 +12,11 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap_core as fo
+from flashoverlap_core import registry
 from flashoverlap_core.backend import OverlapSpec
 from flashoverlap_core.grouping import wave_group_sizes
+from flashoverlap_core.plan import block_rows_for
+from flashoverlap_core.tiles import TileGrid
 
 from .cases import Case, rank_input, recv_splits, rank_rows, seed_of
 from .checks import Expected, expected, mismatch
@@ -53,18 +56,29 @@ def explicit_group_sizes(case: Case, base: fo.Plan, rng: random.Random) -> tuple
     return None
 
 
-def case_plan(case: Case, seed: int, rank: int, backend: str, send_splits) -> tuple[fo.Plan, bool]:
-    """(the plan the call uses, whether the backend refused the case's small tile). With
-    grouping "auto" the call passes no plan; this is the one overlap makes by default."""
-    m, _ = rank_rows(case, seed, rank)
-    kwargs = dict(m=m, n=case.n, k=case.k, op=op_name(case), world_size=case.world_size,
-                  dtype=case.dtype, backend=backend, send_splits=send_splits, b_layout=case.layout)
+def tile_refusal(backend_name: str, spec: OverlapSpec, tile: tuple[int, int]) -> list[str]:
+    """Why the backend has no kernel for ``tile`` (its ``plan_reasons`` for a one-group plan
+    with that tile); empty when it has one. Only such a refusal lets a case change its tile."""
+    backend = registry.get(backend_name)
+    schedule = backend.schedule(spec)
+    rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
+    total = TileGrid(rows, spec.n, *tile, schedule).num_tiles
+    plan = fo.Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile,
+                   backend.wave_size(spec, tile), (total,), schedule, spec.send_splits, backend.name)
+    return backend.plan_reasons(plan)
+
+
+def case_plan(case: Case, seed: int, rank: int, backend: str, device_type: str
+              ) -> tuple[fo.Plan, list[str]]:
+    """(the plan the call uses, why the backend refused the case's small tile). With grouping
+    "auto" the call passes no plan; this is the one overlap makes by default."""
+    spec = spec_of(case, seed, rank, device_type)
+    kwargs = dict(m=spec.m, n=case.n, k=case.k, op=spec.op, world_size=case.world_size,
+                  dtype=case.dtype, backend=backend, send_splits=spec.send_splits, b_layout=case.layout)
     if case.grouping == "auto":
-        return fo.plan(**kwargs), False
-    try:
-        base, refused = fo.plan(tile=case.tile, **kwargs), False
-    except ValueError:  # the backend has no kernel for this tile: use its own
-        base, refused = fo.plan(**kwargs), True
+        return fo.plan(**kwargs), []
+    refused = tile_refusal(backend, spec, case.tile)
+    base = fo.plan(tile=None if refused else case.tile, **kwargs)
     rng = random.Random(seed_of(seed, case.id, "groups", rank if case.op == "all_to_all" else 0))
     sizes = explicit_group_sizes(case, base, rng)
     if sizes is None:
@@ -122,7 +136,7 @@ def run_case(target, case: Case, seed: int) -> dict:
     a, b = inp.a, inp.b
     send = inp.send_splits if case.op == "all_to_all" and case.splits != "none" else None
     recv = recv_splits(case, seed, rank) if case.op == "all_to_all" and case.splits == "send+recv" else None
-    plan, refused_tile = case_plan(case, seed, rank, target.backend_name, send)
+    plan, refused_tile = case_plan(case, seed, rank, target.backend_name, target.device_type)
     op = RecordingOp(case.custom == "negate") if case.op == "custom" else case.op
     want = expected(case, seed, rank)
     out = None
@@ -148,7 +162,7 @@ def run_case(target, case: Case, seed: int) -> dict:
     if wrong:
         problems.append(wrong)
     assert not problems, f"{where} ({plan!r}):\n  " + "\n  ".join(problems)
-    return {"groups": plan.num_groups, "tiles": plan.num_tiles, "refused_tile": refused_tile}
+    return {"groups": plan.num_groups, "tiles": plan.num_tiles, "tile_refused": refused_tile}
 
 
 def unsupported(backend, case: Case, seed: int, device_type: str) -> str | None:

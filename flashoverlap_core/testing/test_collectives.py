@@ -26,6 +26,7 @@ def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_setting
         results, failure = None, str(e)
     if results is None:
         pytest.fail(failure, pytrace=False)
-    if any(r["refused_tile"] for r in results):
-        warnings.warn(f"{fo_backend.name!r} refused tile {rank_case.tile}; the case ran with the "
-                      f"backend's default tile (fewer tiles and groups)")
+    refused = next((r["tile_refused"] for r in results if r["tile_refused"]), None)
+    if refused:
+        warnings.warn(f"{fo_backend.name!r} has no kernel for tile {rank_case.tile} "
+                      f"({'; '.join(refused)}): the case ran with its default tile")
