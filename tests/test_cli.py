@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 TIMEOUT = 240
+TESTS = Path(__file__).resolve().parent
 
 
-def flashoverlap(*args: str) -> subprocess.CompletedProcess:
+def flashoverlap(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flashoverlap_core.cli", *args],
-                          capture_output=True, text=True, timeout=TIMEOUT)
+                          capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, **(env or {})})
 
 
 def test_report_lists_the_reference_backend():
@@ -69,3 +73,13 @@ def test_bench_skips_what_cannot_run_and_rejects_bad_shapes():
 
     bad = flashoverlap("bench", "--shapes", "12x12")
     assert bad.returncode != 0 and "MxNxK" in bad.stderr
+
+
+def test_bench_fails_when_the_overlapped_result_is_wrong():
+    """A backend that forgets the post-communication reorder must not pass the main job."""
+    done = flashoverlap("bench", "--backend", "broken_backends:NoPostReorder", "--world-size", "2",
+                        "--shapes", "256x256x8", "--ops", "allreduce", "--iters", "1",
+                        env={"PYTHONPATH": str(TESTS)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("256x256x8"))
+    assert row[-1] == "MISMATCH", done.stdout
