@@ -96,4 +96,37 @@ class UnwrittenTile(FaultyReference):
         return exchange.call.out
 
 
-BROKEN = ("SwappedGroups", "EarlySignal", "NoPostReorder", "UnwrittenTile")
+class WritesPastOut(FaultyReference):
+    """The post-reorder also writes the element just after ``out`` (when its storage has one)."""
+
+    name = "broken-writes-past-out"
+
+    def post_reorder(self, exchange):
+        out = exchange.finish()
+        end = out.storage_offset() + out.numel()
+        if out.untyped_storage().nbytes() > end * out.element_size():
+            torch.as_strided(out, (1,), (1,), end).zero_()
+        return out
+
+
+class StaleRepeat(ReferenceBackend):
+    """Caches its result per plan and returns it again on the next call with that plan, like a
+    backend whose per-plan state (counters, buffers) is not reset between calls."""
+
+    name = "broken-stale-repeat"
+
+    def __init__(self):
+        self.results = {}
+
+    def run(self, call):
+        key = (call.plan, call.rank)
+        if key not in self.results:
+            self.results[key] = super().run(call).clone()
+        elif call.out is None:
+            call.out = self.results[key].clone()
+        else:
+            call.out.copy_(self.results[key])
+        return call.out
+
+
+BROKEN = ("SwappedGroups", "EarlySignal", "NoPostReorder", "UnwrittenTile", "WritesPastOut", "StaleRepeat")

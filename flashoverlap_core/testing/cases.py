@@ -63,6 +63,7 @@ class Case:
     poison_out: bool = True  # pass out= filled with NaN; else let overlap allocate it
     splits: str = "send+recv"  # all_to_all only
     custom: str = "noop"  # custom op only
+    calls: int = 1  # back-to-back calls with the same plan (fresh inputs each), e.g. 2
 
     @property
     def id(self) -> str:
@@ -70,7 +71,8 @@ class Case:
         if self.op == "all_to_all":
             op += "-" + self.splits
         return (f"W{self.world_size}-{op}-{self.dtype}-{self.m}x{self.n}x{self.k}-b{self.layout}-"
-                f"{self.grouping}-tile{self.tile[0]}x{self.tile[1]}-{'out' if self.poison_out else 'alloc'}")
+                f"{self.grouping}-tile{self.tile[0]}x{self.tile[1]}-{'out' if self.poison_out else 'alloc'}"
+                f"{f'-x{self.calls}' if self.calls > 1 else ''}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -91,7 +93,8 @@ def rank_matrix(world_sizes) -> list[Case]:
                 cases.append(Case(
                     op, w, DTYPES[(i + w) % 3], m, shape.n, shape.k, shape.tile,
                     LAYOUTS[(i + w + o) % 3], GROUPINGS[(i + 2 * w + o) % 5],
-                    poison_out=(i + w + o) % 4 != 3, splits=SPLITS[(i + w) % 2]))
+                    poison_out=(i + w + o) % 4 != 3, splits=SPLITS[(i + w) % 2],
+                    calls=2 if (i + o) % 3 == w % 3 else 1))
         for j in range(3):
             shape = SHAPES[(w + 3 * j) % len(SHAPES)]
             cases.append(Case("custom", w, DTYPES[(w + j) % 3], shape.m, shape.n, shape.k,
@@ -148,10 +151,11 @@ def rank_rows(case: Case, seed: int, rank: int) -> tuple[int, tuple[int, ...] | 
     return m, tuple(splits)
 
 
-def rank_input(case: Case, seed: int, rank: int, device="cpu") -> RankInput:
-    """Rank ``rank``'s inputs, on ``device`` (b's view is taken there, so its layout is kept)."""
+def rank_input(case: Case, seed: int, rank: int, device="cpu", call: int = 0) -> RankInput:
+    """Rank ``rank``'s inputs for call ``call`` of the case, on ``device`` (b's view is taken
+    there, so its layout is kept). Row counts and splits are the same for every call."""
     m, splits = rank_rows(case, seed, rank)
-    g = torch.Generator().manual_seed(seed_of(seed, case.id, "tensors", rank))
+    g = torch.Generator().manual_seed(seed_of(seed, case.id, "tensors", rank, call))
     a = torch.randn(m, case.k, generator=g).to(case.torch_dtype)
     if case.layout == "col":
         b = torch.randn(case.n, case.k, generator=g).to(case.torch_dtype).to(device).t()

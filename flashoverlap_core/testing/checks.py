@@ -41,13 +41,14 @@ def tolerance(dtype: torch.dtype, k: int, summands: int, sum_abs_c, sum_abs_ab) 
     return (summands + 1) * info.eps * sum_abs_c + k * acc_eps * sum_abs_ab + info.tiny
 
 
-def expected(case: Case, seed: int, rank: int, sign: float = 1.0) -> Expected:
-    """What ``rank`` must get back, recomputed from every rank's seeds."""
+def expected(case: Case, seed: int, rank: int, call: int = 0) -> Expected:
+    """What ``rank`` must get back from call ``call``, recomputed from every rank's seeds (for
+    a custom op: the product itself, which the op may then negate)."""
     w = case.world_size
     if case.reduces:
         ref = abs_c = abs_ab = 0
         for r in range(w):
-            c, ab = products(rank_input(case, seed, r))
+            c, ab = products(rank_input(case, seed, r, call=call))
             ref, abs_c, abs_ab = ref + c, abs_c + c.abs(), abs_ab + ab
         if case.op == "reduce_scatter":
             rows = slice(rank * case.m // w, (rank + 1) * case.m // w)
@@ -56,15 +57,14 @@ def expected(case: Case, seed: int, rank: int, sign: float = 1.0) -> Expected:
     if case.op == "all_to_all":
         refs, abs_abs = [], []
         for src in range(w):
-            inp = rank_input(case, seed, src)
+            inp = rank_input(case, seed, src, call=call)
             start = sum(inp.send_splits[:rank])
             c, ab = products(RankInput(inp.a[start:start + inp.send_splits[rank]], inp.b, None))
             refs.append(c)
             abs_abs.append(ab)
         ref, abs_ab = torch.cat(refs), torch.cat(abs_abs)
-    else:  # a custom op: this rank's own product, negated or not
-        ref, abs_ab = products(rank_input(case, seed, rank))
-        ref = sign * ref
+    else:  # a custom op: this rank's own product
+        ref, abs_ab = products(rank_input(case, seed, rank, call=call))
     return Expected(ref, tolerance(case.torch_dtype, case.k, 1, ref.abs(), abs_ab))
 
 

@@ -127,31 +127,31 @@ def check_custom_calls(op: RecordingOp, plan: fo.Plan, want: Expected, dtype) ->
     return problems
 
 
-def run_case(target, case: Case, seed: int) -> dict:
-    """Run ``case`` on this rank and check it (see the module docstring)."""
-    rank, world = rank_and_world()
-    assert world == case.world_size, f"running a W={case.world_size} case on {world} rank(s)"
+def call_once(target, case: Case, seed: int, rank: int, plan: fo.Plan, call: int) -> list[str]:
+    """One overlap call of the case (inputs of round ``call``) and what is wrong with it. A
+    poisoned ``out`` is a row slice of a NaN buffer, so writes outside it are seen too."""
     device = target.device(rank)
-    inp = rank_input(case, seed, rank, device)
-    a, b = inp.a, inp.b
+    inp = rank_input(case, seed, rank, device, call)
     send = inp.send_splits if case.op == "all_to_all" and case.splits != "none" else None
     recv = recv_splits(case, seed, rank) if case.op == "all_to_all" and case.splits == "send+recv" else None
-    plan, refused_tile = case_plan(case, seed, rank, target.backend_name, target.device_type)
     op = RecordingOp(case.custom == "negate") if case.op == "custom" else case.op
-    want = expected(case, seed, rank)
-    out = None
+    want = expected(case, seed, rank, call)
+    out = guarded = None
     if case.poison_out:
-        out = torch.full(tuple(want.ref.shape), float("nan"), dtype=case.torch_dtype, device=device)
-    result = fo.overlap(a, b, op, plan=None if case.grouping == "auto" else plan, out=out,
+        rows, n = want.ref.shape
+        guarded = torch.full((rows + 2, n), float("nan"), dtype=case.torch_dtype, device=device)
+        out = guarded[1:rows + 1]
+    result = fo.overlap(inp.a, inp.b, op, plan=None if case.grouping == "auto" else plan, out=out,
                         send_splits=send, recv_splits=recv, backend=target.backend_name)
 
-    where = f"case {case.id}, seed {seed}, rank {rank}"
     problems = []
     if out is not None and result is not out:
         problems.append("overlap(out=...) returned a tensor other than out")
     if result.dtype != case.torch_dtype or result.device != device:
         problems.append(f"result is {result.dtype} on {result.device}, expected "
                         f"{case.torch_dtype} on {device}")
+    if guarded is not None and not guarded[[0, -1]].isnan().all():
+        problems.append("elements outside out (the rows just before and after it) were written")
     if isinstance(op, RecordingOp):
         if device.type != "cpu":
             torch.accelerator.synchronize()  # the regions were copied on the communication stream
@@ -161,7 +161,16 @@ def run_case(target, case: Case, seed: int) -> dict:
     wrong = mismatch(result, want, "result")
     if wrong:
         problems.append(wrong)
-    assert not problems, f"{where} ({plan!r}):\n  " + "\n  ".join(problems)
+    return [f"call {call}: {p}" for p in problems] if case.calls > 1 else problems
+
+
+def run_case(target, case: Case, seed: int) -> dict:
+    """Run ``case`` on this rank and check it (see the module docstring)."""
+    rank, world = rank_and_world()
+    assert world == case.world_size, f"running a W={case.world_size} case on {world} rank(s)"
+    plan, refused_tile = case_plan(case, seed, rank, target.backend_name, target.device_type)
+    problems = [p for call in range(case.calls) for p in call_once(target, case, seed, rank, plan, call)]
+    assert not problems, f"case {case.id}, seed {seed}, rank {rank} ({plan!r}):\n  " + "\n  ".join(problems)
     return {"groups": plan.num_groups, "tiles": plan.num_tiles, "tile_refused": refused_tile}
 
 
