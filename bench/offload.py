@@ -54,55 +54,21 @@ def measure(m, n, k, dtype):
 
 
 def timeline(m, n, k, dtype, path):
-    """One overlapped offload call: each tile's completion time and CTA, colored by group,
-    and each group's transfer span."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One overlapped offload call, traced: tiles by completion time and CTA, colored by
+    group, and each group's host transfer."""
+    from flashoverlap_core import registry
+    from flashoverlap_core.backend import OverlapCall
+    from flashoverlap_core.tuning.plot import plot_timeline
 
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     plan = fo.plan(m, n, k, op="custom", dtype=dtype, backend="cuda")
     offload = HostOffload.for_plan(plan)
-    events = []
-
-    def traced(region, index):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        offload(region, index)
-        end.record()
-        events.append((index, start, end))
-
-    fo.overlap(a, w.t(), traced, plan=plan)  # warm
-    events.clear()
-    monitor = torch.zeros(plan.num_tiles, 2, dtype=torch.int64, device="cuda")
-    t0 = torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0.record()
-    from flashoverlap_core import registry
-    from flashoverlap_core.backend import OverlapCall
-    backend = registry.get("cuda")
     out = torch.empty(m, n, device="cuda", dtype=dtype)
-    backend.run(OverlapCall(a, w.t(), plan, traced, None, 0, 1, out, options={"monitor": monitor}))
-    torch.cuda.synchronize()
-    mon = monitor.cpu()
-    tile_ns = mon[:, 0] - mon[:, 0].min()
-    # The GPU timer and CUDA events have different origins: place the first tile one wave
-    # time after the kernel's launch (t0), a wave time being the span over the waves.
-    wave_ms = tile_ns.max().item() / 1e6 / max(1, plan.num_waves - 1)
-    times = tile_ns.double().numpy() / 1e6 + wave_ms
-    cta = (mon[:, 1] & 0xFFFFFFFF).numpy()
-    _, groups = plan.item_table()
-    fig, ax = plt.subplots(figsize=(11, 5))
-    ax.scatter(times, cta, c=groups.numpy(), cmap="tab10", s=6)
-    for index, start, end in events:
-        ax.axvspan(t0.elapsed_time(start), t0.elapsed_time(end), ymin=0.96, ymax=1.0,
-                   color=plt.cm.tab10(index % 10), alpha=0.8)
-    ax.set_xlabel("ms after launch (transfers: CUDA events; tiles: GPU timer, first tile one wave in)")
-    ax.set_ylabel("CTA")
-    ax.set_title(f"{m}x{n}x{k} {plan.num_groups} groups, {plan.wave_size} CTAs: tiles by "
-                 f"completion (color = group), bars = each group's host transfer")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fo.overlap(a, w.t(), offload, plan=plan, out=out)  # warm-up
+    trace = registry.get("cuda").trace(OverlapCall(a, w.t(), plan, offload, None, 0, 1, out))
+    plot_timeline(trace, path, title=f"{m}x{n}x{k} bf16, {plan.num_groups} groups, "
+                                     f"{plan.wave_size} CTAs, offload to host")
     print(f"wrote {path}")
 
 

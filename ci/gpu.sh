@@ -36,14 +36,20 @@ stage() {  # stage NAME SECONDS CMD...
 
 want() { [ $# -eq 0 ] && return 0; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(report tests conformance gemm reorder offload)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build report tests sm80 conformance gemm reorder offload tuning)
 
+# Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
+want build && stage build 420 flashoverlap build --backend cuda --jobs 16
 want report && stage report 120 flashoverlap report
 want tests && stage tests 420 $PY -m pytest -x -q -p no:cacheprovider tests/gpu
+# The Ampere/Ada (sm_80) kernels run on Hopper too: their correctness is checked here.
+want sm80 && FLASHOVERLAP_CUDA_ARCH=80 FO_STRESS_RUNS=200 stage sm80 300 $PY -m pytest -x -q \
+  -p no:cacheprovider tests/gpu -k "world1 or stress or offload"
 want conformance && stage conformance 420 $PY -m pytest -q -p no:cacheprovider --pyargs \
   flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1
 want gemm && stage gemm 300 $PY bench/gemm.py
 want reorder && stage reorder 120 $PY bench/reorder.py
 want offload && stage offload 240 $PY bench/offload.py --timeline "$OUT/timeline.png"
+want tuning && stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png"
 cat "$SUMMARY"
 grep -q "rc=[1-9]" "$SUMMARY" && exit 1 || exit 0

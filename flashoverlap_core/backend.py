@@ -88,6 +88,11 @@ class Backend(abc.ABC):
         """Devices this backend can use (0 for host-only backends)."""
         return 0
 
+    def prebuild(self, archs: list[int] | None = None, jobs: int | None = None) -> list[str]:
+        """Compile this backend's kernels ahead of time (for ``archs``, its own naming of the
+        device generations; None: what it supports); the paths written. Nothing to build: []."""
+        return []
+
     def versions(self) -> dict[str, str]:
         """Versions of what the backend runs on (collective library, compiler, ...)."""
         return {}

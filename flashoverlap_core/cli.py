@@ -20,6 +20,8 @@ COMMANDS = {
               "on every device (or 2 CPU ranks) and check that the results agree"),
     "report": ("flashoverlap_core.report",
                "list every backend, whether it is available here and why not, and versions"),
+    "build": ("flashoverlap_core.prebuild",
+              "compile every backend's kernels ahead of time into the kernel cache"),
     "tune": ("flashoverlap_core.tuning.tune_cli",
              "choose the wave groups of each shape and store them in the tuning cache"),
     "trace": ("flashoverlap_core.tuning.trace_cli",

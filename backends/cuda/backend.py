@@ -36,6 +36,7 @@ log = logging.getLogger("flashoverlap")
 
 ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
 ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
+ENV_ARCH = "FLASHOVERLAP_CUDA_ARCH"
 DEFAULT_RESERVED_SMS = 2
 DEFAULT_WAIT = "stream_wait_value"
 ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned
@@ -129,8 +130,20 @@ class CudaBackend(Backend):
         return reasons
 
     def _arch(self) -> int:
+        """90 (sm_90a kernels) on Hopper, else 80; FLASHOVERLAP_CUDA_ARCH=80 forces the
+        Ampere/Ada kernels (they run on Hopper too, which is how they are tested here)."""
+        forced = os.environ.get(ENV_ARCH)
+        if forced:
+            if forced not in ("80", "90"):
+                raise ValueError(f"{ENV_ARCH} must be 80 or 90, got {forced!r}")
+            return int(forced)
         major, _ = torch.cuda.get_device_capability()
         return 90 if major == 9 else 80
+
+    def prebuild(self, archs=None, jobs=None) -> list[str]:
+        """Every kernel configuration a plan can pick, for ``archs`` (default 90 and 80)."""
+        configs = kernels.all_configs(archs or sorted(kernels.CONFIGS, reverse=True))
+        return [str(p) for p in kernels.build.prebuild(configs, jobs)]
 
     def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
         return kernels.default_tile(self._arch())
@@ -214,15 +227,30 @@ class CudaBackend(Backend):
 
     # ---- the call ----------------------------------------------------------------------------
     def run(self, call: OverlapCall) -> torch.Tensor:
+        self._run(call, call.options.get("monitor"), None)
+        return call.out
+
+    def _run(self, call: OverlapCall, monitor, stamps: dict | None) -> None:
+        """One overlapped call. ``stamps`` (a dict, trace mode): CUDA events at the GEMM's
+        launch and end, around each group's transfer (each transfer then ends on the
+        communication stream before the next starts) and at the end of the call."""
         plan, a, device = call.plan, call.a, call.a.device
+
+        def stamp(name, stream):
+            if stamps is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
+                stamps.setdefault(name, []).append(event)
+
         with torch.cuda.device(device):
             runtime = kernels.runtime_library()
             compute, comm = torch.cuda.current_stream(device), self._comm_stream(device)
             packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=device)
             exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
-            state = self.launch_gemm(plan, a, call.b, packed, monitor=call.options.get("monitor"),
-                                     stream=compute)
+            stamp("launch", compute)
+            state = self.launch_gemm(plan, a, call.b, packed, monitor=monitor, stream=compute)
+            stamp("gemm_end", compute)
             warm_key = (device, id(call.group), exchange.kind, plan.dtype)
             first = warm_key not in self._warmed
             if first:  # load every kernel of the call on an idle device (see module doc)
@@ -232,7 +260,12 @@ class CudaBackend(Backend):
                 for g, size in enumerate(state.group_sizes):
                     runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, mode,
                                          comm.cuda_stream)
+                    stamp("transfer_start", comm)
                     exchange.start(g)
+                    if stamps is not None:
+                        for work in exchange.works[-1:] if call.group is not None else []:
+                            work.wait()  # the communication stream waits for this collective
+                        stamp("transfer_end", comm)
                 exchange.launch_remaining()
             if first:
                 torch.cuda.synchronize(device)
@@ -241,10 +274,33 @@ class CudaBackend(Backend):
                 runtime.reset_counters(state.counters.data_ptr(), plan.num_groups, comm.cuda_stream)
             compute.wait_stream(comm)
             self._unpack(runtime, exchange, state, compute)
+            stamp("end", compute)
             if first:
                 torch.cuda.synchronize(device)
                 self._warmed.add(warm_key)
-            return call.out
+
+    def trace(self, call: OverlapCall):
+        """Run the call with the monitor on: each tile's completion (GPU global timer) and CTA,
+        each group's transfer (CUDA events), on one clock whose origin is the GEMM's launch.
+        The tile clock is aligned so that the last tile ends when the GEMM kernel does."""
+        from flashoverlap_core.tuning.trace import TileTrace
+
+        plan = call.plan
+        monitor = torch.zeros(plan.num_tiles, 2, dtype=torch.int64, device=call.a.device)
+        stamps: dict = {}
+        self._run(call, monitor, stamps)
+        torch.cuda.synchronize(call.a.device)
+        origin = stamps["launch"][0]
+        gemm_s = origin.elapsed_time(stamps["gemm_end"][0]) / 1e3
+        mon = monitor.cpu()
+        ends = ((mon[:, 0] - mon[:, 0].max()).double() / 1e9 + gemm_s).clamp(min=0)
+        since = lambda events: [origin.elapsed_time(e) / 1e3 for e in events]  # noqa: E731
+        return TileTrace.from_stamps(
+            wave_size=plan.wave_size, group_sizes=plan.group_sizes, item_end=ends.tolist(),
+            item_worker=(mon[:, 1] & 0xFFFFFFFF).tolist(),
+            transfer_start=since(stamps["transfer_start"]),
+            transfer_end=since(stamps["transfer_end"]), call_end=since(stamps["end"])[0],
+            clock="tiles: device globaltimer aligned to the GEMM's end; transfers: CUDA events")
 
     def _unpack(self, runtime, exchange, state, stream) -> None:
         for rows_view, tiles, offsets in exchange.block_layouts():

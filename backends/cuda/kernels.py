@@ -62,6 +62,23 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             b_col_major=b_col_major, schedule=schedule, signal=signal)
 
 
+def all_configs(archs, signal_variants: bool = True) -> list[build.GemmConfig]:
+    """Every configuration a plan can select on ``archs``: the default tile, both dtypes, both
+    layouts of b, the preferred and the 1x1 cluster; plus the no-signal builds the GEMM
+    benchmark compares against."""
+    out = []
+    for arch in archs:
+        tile = DEFAULT_TILE[arch]
+        clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
+        for dtype in DTYPES:
+            for col in (True, False):
+                out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
+            if signal_variants and arch == 90:
+                out.append(gemm_config(arch, tile, dtype, True, preferred_cluster(arch, tile),
+                                       signal=False))
+    return out
+
+
 def preferred_cluster(arch: int, tile) -> tuple[int, int]:
     return CONFIGS[arch][tuple(tile)][1]
 
