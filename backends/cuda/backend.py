@@ -200,9 +200,11 @@ class CudaBackend(Backend):
         what signaling costs); ``monitor`` (uint64 [T, 2]) records each tile's completion.
         """
         device = a.device
-        col = b_col_major(b)
-        state = self._state(plan, device)
         arch = self._arch()
+        # sm80 loads 8-element vectors along K, and along N for a row-major b: such a b with
+        # N % 8 != 0 runs as the column-major kernel on a transposed copy.
+        col = b_col_major(b) or (arch == 80 and b.shape[1] % 8 != 0)
+        state = self._state(plan, device)
         cluster = kernels.preferred_cluster(arch, plan.tile)
         fits = state.cluster_fits.get(cluster)
         if fits is None:
@@ -211,19 +213,37 @@ class CudaBackend(Backend):
             cluster = (1, 1)
         gemm = kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster,
                                                         signal))
-        a_op = aligned_rows(a)
-        b_op = aligned_rows(b.t() if col else b)
+        a_op, b_op, k = self._operands(arch, a, b, col)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
-        size = gemm.workspace_size(blocks, rows, plan.n, plan.k, plan.wave_size)
+        size = gemm.workspace_size(blocks, rows, plan.n, k, plan.wave_size)
         workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
         stream = stream or torch.cuda.current_stream(device)
         gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks, rows, plan.n,
-                 plan.k, a_op.stride(0), b_op.stride(0), state.items.data_ptr(),
+                 k, a_op.stride(0), b_op.stride(0), state.items.data_ptr(),
                  state.item_group.data_ptr(), plan.num_tiles, state.counters.data_ptr(),
                  plan.wave_size,
                  monitor.data_ptr() if monitor is not None else None,
                  workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
         return state
+
+    @staticmethod
+    def _operands(arch: int, a: torch.Tensor, b: torch.Tensor, col: bool):
+        """(a rows, b rows, K) as the kernel takes them: 16-byte aligned row strides; for sm80
+        also K padded with zeros to a multiple of 8 (zeros add nothing to the products)."""
+        b_rows = b.t() if col else b
+        k = a.shape[1]
+        if arch == 80 and k % 8:
+            k = -(-k // 8) * 8
+            a_pad = a.new_zeros(a.shape[0], k)
+            a_pad[:, :a.shape[1]] = a
+            if col:
+                b_pad = b.new_zeros(b.shape[1], k)
+                b_pad[:, :a.shape[1]] = b_rows
+            else:
+                b_pad = b.new_zeros(k, b.shape[1])
+                b_pad[:a.shape[1]] = b_rows
+            return a_pad, b_pad, k
+        return aligned_rows(a), aligned_rows(b_rows), k
 
     # ---- the call ----------------------------------------------------------------------------
     def run(self, call: OverlapCall) -> torch.Tensor:
