@@ -5,6 +5,8 @@ loaded by the suite as ``broken_backends:NAME`` with this directory on PYTHONPAT
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from flashoverlap_core.collectives import RegionExchange
@@ -130,3 +132,14 @@ class StaleRepeat(ReferenceBackend):
 
 
 BROKEN = ("SwappedGroups", "EarlySignal", "NoPostReorder", "UnwrittenTile", "WritesPastOut", "StaleRepeat")
+
+
+class HangsOnRank1(ReferenceBackend):
+    """Rank 1 never returns (a device-side wait whose signal never comes)."""
+
+    name = "broken-hangs-on-rank-1"
+
+    def run(self, call):
+        if call.rank == 1:
+            time.sleep(3600)
+        return super().run(call)

@@ -32,6 +32,15 @@ def test_broken_backend_fails_the_suite(broken):
 
 
 @pytest.mark.timeout(300)
+def test_a_hang_is_a_failure_and_the_next_test_gets_a_fresh_pool():
+    result = run_suite("broken_backends:HangsOnRank1", "--fo-world-sizes", "2", "--fo-timeout", "8",
+                       "-k", "W2-allreduce and (tile1x1 or tile16x2)", timeout=240)
+    counts = summary(result)
+    assert result.returncode == 1 and counts.get("failed") == 2 and "passed" not in counts, describe(result)
+    assert result.stdout.count("RankTimeout: run_case on 2 rank(s): no answer in 8 s") == 2, describe(result)
+
+
+@pytest.mark.timeout(300)
 def test_unknown_backend_is_a_usage_error():
     result = run_suite("no-such-backend", timeout=240)
     output = result.stdout + result.stderr

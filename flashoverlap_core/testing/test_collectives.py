@@ -3,7 +3,7 @@ import warnings
 
 import pytest
 
-from flashoverlap_core.launch import RankError
+from flashoverlap_core.launch import RankError, RankTimeout
 
 from .cases import rank_matrix
 from .plugin import settings
@@ -22,8 +22,8 @@ def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_setting
         pytest.skip(why)
     try:
         results = fo_pools.run(rank_case.world_size, run_case, rank_case, fo_settings.seed)
-    except RankError as e:  # a wrong result, or an exception in the backend, on some rank
-        results, failure = None, str(e)
+    except (RankError, RankTimeout) as e:  # a wrong result or an exception on some rank; a hang
+        results, failure = None, f"{type(e).__name__}: {e}"
     if results is None:
         pytest.fail(failure, pytrace=False)
     refused = next((r["tile_refused"] for r in results if r["tile_refused"]), None)
