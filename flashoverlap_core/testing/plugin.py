@@ -44,7 +44,10 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return settings(config).banner()
+    """The backend and the seed, when the run names the suite or a backend to test."""
+    if config.getoption("fo_backend") or any("flashoverlap_core" in str(a) for a in config.args):
+        return settings(config).banner()
+    return None
 
 
 def pytest_terminal_summary(terminalreporter, config):
