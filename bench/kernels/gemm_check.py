@@ -15,7 +15,7 @@ Loads build.py and runtime.py by path, so nothing else of the backend needs to i
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import importlib.util
 import json
 import math
@@ -45,19 +45,20 @@ bind = load_module("fo_bind", ROOT / "backends/cuda/runtime.py")
 GemmConfig = build.GemmConfig
 
 # What this script checks and times (all must be prebuilt; a missing one is reported).
+PINGPONG = GemmConfig(tile_n=128, schedule="pingpong")  # pingpong 128x128x64, cluster 2x1
 CONFIGS = [
-    GemmConfig(),                                                  # sm90 coop 128x256 c2x1
+    GemmConfig(),                                                  # cooperative 128x256, 2x1
     GemmConfig(signal=False),                                      # same, no counter update
-    GemmConfig(cluster_m=1),                                       # coop 128x256 c1x1
-    GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2),  # coop 256x128 c1x2
-    GemmConfig(tile_n=128, schedule="pingpong"),                   # pingpong 128x128 c2x1
-    GemmConfig(tile_n=128, cluster_m=1),                           # coop 128x128 c1x1
-    GemmConfig(b_col_major=False),                                 # row-major b
-    GemmConfig(dtype="fp16"),
+    PINGPONG,
+    GemmConfig(tile_n=128, schedule="pingpong", signal=False),
+    GemmConfig(tile_n=128, schedule="pingpong", cluster_m=1, cluster_n=2),
+    GemmConfig(tile_n=128, schedule="pingpong", cluster_m=1),
+    GemmConfig(tile_n=128, schedule="pingpong", b_col_major=False),  # row-major b
+    GemmConfig(tile_n=128, schedule="pingpong", dtype="fp16"),
     build.default_config(80),                                      # sm80 128x128x32 on sm90
-    GemmConfig(arch=80, tile_m=128, tile_n=256, tile_k=32, cluster_m=1, schedule="multistage"),
     build.default_config(80, dtype="fp16", b_col_major=False),
 ]
+SWEEP = {build.config_name(GemmConfig()), build.config_name(PINGPONG)}  # swizzle/CTA sweeps
 PERF_SHAPES = [(4096, 4096, 4096), (8192, 8192, 2048), (8192, 8192, 8192), (16384, 8192, 1024),
                (4096, 8192, 8192), (2048, 8192, 4096)]
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,6 +76,24 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+@functools.lru_cache(maxsize=None)
+def item_table(plan):
+    items, groups = plan.item_table()
+    return items, groups, items.cuda(), groups.cuda()
+
+
+@functools.lru_cache(maxsize=None)
+def packed_index(plan, device="cuda"):
+    """plan.packed_index(), computed on the device (the same map, vectorized)."""
+    rect = torch.tensor([[t.row0, t.col0, t.cols, off, t.numel] for t, _, off in plan.packed_tiles],
+                        dtype=torch.int64, device=device)
+    row0, col0, cols, off, numel = rect.unbind(1)
+    tile = torch.repeat_interleave(torch.arange(len(rect), device=device), numel)
+    local = torch.arange(plan.packed_numel, device=device) - off[tile]
+    return (row0[tile] + local // cols[tile]) * plan.n + col0[tile] + local % cols[tile]
+
+
+@functools.lru_cache(maxsize=None)
 def make_plan(cfg, m, n, k, blocks, max_ctas, group_waves=1.0, swizzle=2):
     """A plan whose order suits the config's cluster: pairs of consecutive items must share
     their column tile (cluster 2x1) or rows (1x2), so the swizzle along the cluster's mode is
@@ -144,10 +163,9 @@ def run_gemm(lib, ops, plan, items, groups, counters, packed, ctas, monitor=None
 def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False):
     """Correctness of one shape: packed vs reference, counters, monitor CTAs."""
     plan = make_plan(cfg, m, n, k, blocks, ctas)
-    items_cpu, groups_cpu = plan.item_table()
+    items_cpu, _, items, groups = item_table(plan)
     if not cluster_ok(cfg, items_cpu, plan.block_rows[0]):
         return {"shape": [m, n, k, blocks], "skipped": "plan order does not suit the cluster"}
-    items, groups = items_cpu.cuda(), groups_cpu.cuda()
     ops = Operands(cfg, m, n, k)
     dt = TORCH_DTYPE[cfg.dtype]
     packed = torch.full((m * n,), float("nan"), dtype=dt, device="cuda")
@@ -155,13 +173,13 @@ def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False):
     mon = torch.zeros(2 * len(items), dtype=torch.int64, device="cuda") if monitor else None
     run_gemm(lib, ops, plan, items, groups, counters, packed, ctas, mon)
     torch.cuda.synchronize()
-    ref = ops.c_ref.flatten()[plan.packed_index().cuda()]
+    ref = ops.c_ref.flatten()[packed_index(plan)]
     out = packed.double()
     err = ((out - ref).norm() / ref.norm()).item()
     max_err = ((out - ref).abs().max() / ref.abs().max()).item()
     result = {"shape": [m, n, k, blocks], "ctas": ctas, "tiles": len(items), "rel_err": err,
               "max_err": max_err, "nan": int(torch.isnan(out).sum().item()),
-              "counters_ok": counters.cpu().tolist() == list(plan.group_sizes)}
+              "counters_ok": (counters.cpu().tolist() == list(plan.group_sizes)) or not cfg.signal}
     if monitor:
         mon = mon.view(-1, 2).cpu()
         cta = (mon[:, 1] & 0xFFFFFFFF).tolist()
@@ -187,26 +205,26 @@ def check_alignment_error(lib, cfg):
 
 
 def bench(fn, warmup=5, reps=20):
+    """Median device time of fn in ms. Every repetition is queued before one synchronize, so
+    the device never waits for the host between them (host overhead stays out)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def perf_case(lib, cfg, m, n, k, ctas, swizzle):
     plan = make_plan(cfg, m, n, k, 1, ctas, swizzle=swizzle)
-    items_cpu, groups_cpu = plan.item_table()
+    items_cpu, _, items, groups = item_table(plan)
     if not cluster_ok(cfg, items_cpu, plan.block_rows[0]):
         return None
-    items, groups = items_cpu.cuda(), groups_cpu.cuda()
     ops = Operands(cfg, m, n, k, reference=False)
     packed = torch.empty(m * n, dtype=TORCH_DTYPE[cfg.dtype], device="cuda")
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
@@ -224,8 +242,7 @@ def torch_tflops(m, n, k, col_major=True, dtype=torch.bfloat16):
 def check_unpack(rt, lib, cfg, m, n, k, ctas):
     """Post-reorder of a full plan: exact, and its bandwidth against a device copy."""
     plan = make_plan(cfg, m, n, k, 1, ctas)
-    items_cpu, groups_cpu = plan.item_table()
-    items, groups = items_cpu.cuda(), groups_cpu.cuda()
+    _, _, items, groups = item_table(plan)
     ops = Operands(cfg, m, n, k, reference=False)
     dt = TORCH_DTYPE[cfg.dtype]
     packed = torch.empty(m * n, dtype=dt, device="cuda")
@@ -239,7 +256,7 @@ def check_unpack(rt, lib, cfg, m, n, k, ctas):
                                      len(tiles), 2, stream())
     unpack()
     torch.cuda.synchronize()
-    exact = torch.equal(dst.flatten()[plan.packed_index().cuda()], packed)
+    exact = torch.equal(dst.flatten()[packed_index(plan)], packed)
     ms = bench(unpack, reps=30)
     flat = torch.empty_like(packed)
     copy_ms = bench(lambda: flat.copy_(packed), reps=30)
@@ -253,8 +270,7 @@ def check_waits(rt, lib, cfg, m, n, k, ctas, mode, runs):
     """A consumer stream waits on each group's counter and copies its region at once: every
     copy must equal the final packed output (no counter visible before its data)."""
     plan = make_plan(cfg, m, n, k, 1, ctas, group_waves=0.5)
-    items_cpu, groups_cpu = plan.item_table()
-    items, groups = items_cpu.cuda(), groups_cpu.cuda()
+    _, _, items, groups = item_table(plan)
     ops = Operands(cfg, m, n, k, reference=False)
     dt = TORCH_DTYPE[cfg.dtype]
     packed = torch.empty(m * n, dtype=dt, device="cuda")
@@ -289,7 +305,13 @@ def main():
     parser.add_argument("--out", default="kernel_results.json")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--wait-runs", type=int, default=50)
+    parser.add_argument("--configs", default="", help="comma-separated substrings of config names")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                        "correctness,reorder,perf")
     args = parser.parse_args()
+    wanted = [w for w in args.configs.split(",") if w]
+    skip = set(filter(None, args.skip.split(",")))
+    save = lambda: Path(args.out).write_text(json.dumps(report, indent=1))  # noqa: E731
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "configs": {}}
@@ -298,6 +320,8 @@ def main():
     libs = {}
     for cfg in CONFIGS:
         name = build.config_name(cfg)
+        if wanted and not any(w in name for w in wanted):
+            continue
         try:
             lib = bind.GemmLibrary(str(build.build_gemm(cfg)))
             lib.load_kernels()
@@ -313,7 +337,7 @@ def main():
               (1200, 1000, 512, 4), (2048, 384, 72, 2), (3000, 2500, 320, 1), (256, 8192, 64, 2)]
     if args.quick:
         shapes = shapes[:4]
-    for name, (cfg, lib) in libs.items():
+    for name, (cfg, lib) in libs.items() if "correctness" not in skip else ():
         entry = report["configs"][name]
         ctas = entry["max_ctas"]
         entry["alignment_error"] = check_alignment_error(lib, cfg)
@@ -334,27 +358,33 @@ def main():
         for c in cases:
             if not c.get("ok", True):
                 print("   ", c, flush=True)
+        save()
 
-    # Post-reorder and device-side waits, with the default configuration.
-    base = build.config_name(GemmConfig())
-    if base in libs:
-        cfg, lib = libs[base]
-        ctas = report["configs"][base]["max_ctas"]
-        report["unpack"] = [check_unpack(rt, lib, cfg, 8192, 8192, 256, ctas),
-                            check_unpack(rt, lib, cfg, 4096, 4096, 256, ctas)]
-        report["waits"] = [check_waits(rt, lib, cfg, 4096, 4096, 4096, ctas, mode, args.wait_runs)
-                           for mode in ("stream_wait_value", "spin_kernel")]
+    # Post-reorder (tiles of the cooperative config) and device-side waits (both sweep configs).
+    sweep = [name for name in libs if name in SWEEP]
+    if sweep and "reorder" not in skip:
+        report["unpack"], report["waits"] = [], []
+        for name in sweep:
+            cfg, lib = libs[name]
+            ctas = report["configs"][name]["max_ctas"]
+            if not report["unpack"]:
+                report["unpack"] = [check_unpack(rt, lib, cfg, 8192, 8192, 256, ctas),
+                                    check_unpack(rt, lib, cfg, 4096, 4096, 256, ctas)]
+            for mode in ("stream_wait_value", "spin_kernel"):
+                result = check_waits(rt, lib, cfg, 4096, 4096, 4096, ctas, mode, args.wait_runs)
+                report["waits"].append(dict(result, config=name))
         print("unpack:", report["unpack"], flush=True)
         print("waits:", report["waits"], flush=True)
+        save()
 
     # Speed: bf16, b column-major, against torch.matmul.
     perf_shapes = PERF_SHAPES[:2] if args.quick else PERF_SHAPES
     report["torch_tflops"] = {f"{m}x{n}x{k}": torch_tflops(m, n, k) for m, n, k in perf_shapes}
     for name, (cfg, lib) in libs.items():
-        if cfg.dtype != "bf16" or not cfg.b_col_major:
+        if cfg.dtype != "bf16" or not cfg.b_col_major or "perf" in skip:
             continue
         ctas = report["configs"][name]["max_ctas"]
-        main = name == base
+        main = name in SWEEP
         perf = {}
         for m, n, k in perf_shapes:
             key = f"{m}x{n}x{k}"
@@ -370,7 +400,7 @@ def main():
                 perf[key] = {"tflops": runs[best], "best": best, "runs": runs,
                              "vs_torch": runs[best] / report["torch_tflops"][key]}
         report["configs"][name]["perf"] = perf
-    Path(args.out).write_text(json.dumps(report, indent=1))
+        save()
 
     print("\nTFLOP/s (bf16, b = weight.t()), ratio to torch.matmul")
     print(f"{'config':52s}" + "".join(f"{m}x{n}x{k:<6}"[:18].rjust(18) for m, n, k in perf_shapes))

@@ -113,8 +113,10 @@ struct ItemTable {
   int64_t packed_numel;
 };
 
-// Decodes item i; traps on an item that lies outside the matrix or the packed buffer.
-template <int BM, int BN>
+// Decodes item i. With Checked, traps on an item that lies outside the matrix or the packed
+// buffer; without, the loads do not block until the fields are used (a kernel's math threads
+// decode the next item before its mainloop and use it only in the epilogue).
+template <int BM, int BN, bool Checked = true>
 __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   const int64_t* it = t.items + 4 * i;
   int64_t l = it[0], m_blk = it[1], n_blk = it[2], offset = it[3];
@@ -127,18 +129,21 @@ __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   w.offset = offset;
   w.group = t.item_group[i];
   w.valid = true;
-  bool ok = l >= 0 && l < t.L && m_blk >= 0 && m_blk * BM < t.block_rows && n_blk >= 0 &&
-            n_blk * BN < t.N && offset >= 0 &&
-            offset + int64_t(w.rows) * w.cols <= t.packed_numel && w.group >= 0;
-  if (!ok) __trap();
+  if constexpr (Checked) {
+    bool ok = l >= 0 && l < t.L && m_blk >= 0 && m_blk * BM < t.block_rows && n_blk >= 0 &&
+              n_blk * BN < t.N && offset >= 0 &&
+              offset + int64_t(w.rows) * w.cols <= t.packed_numel && w.group >= 0;
+    if (!ok) __trap();
+  }
   return w;
 }
 
 // ---- device: signal and monitor ----------------------------------------------------------
 
-// Adds 1 to a group counter with release semantics at GPU scope. Called by one thread after a
-// barrier among all the threads that stored the tile, so (cumulativity) every one of those
-// stores is visible to whoever observes the new counter value with acquire.
+// Adds 1 to a group counter with release semantics at GPU scope. Called by one thread after it
+// synchronized (barrier, or mbarrier arrive/wait) with all the threads that stored the tile, so
+// (cumulativity) every one of those stores is visible to whoever observes the new counter value
+// with acquire.
 __device__ inline void signal_counter(int32_t* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }

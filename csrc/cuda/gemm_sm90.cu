@@ -6,8 +6,11 @@
 //   * a table-driven tile scheduler: persistent CTA c takes work items c, c+G, c+2G, ... of the
 //     plan's item table (G = grid size), so the kernel's order is the plan's order;
 //   * an epilogue that stores each finished tile at its slot of the packed buffer, row-major at
-//     its real size, then (barrier among the tile's threads, release add by one thread) bumps
-//     its group's counter, so a counter never becomes visible before its tiles' data.
+//     its real size, straight from the accumulators; each math thread then arrives on an
+//     mbarrier (release), and a signal thread of the producer warpgroup, once all have arrived
+//     (acquire), bumps the tile's group counter with a release add at GPU scope. So a counter
+//     never becomes visible before its tiles' data, and the math warps never wait for the
+//     stores to drain: they go on to the next tile at once.
 // A tile may start at any row (A's TMA tensor is offset to the tile's first row): destination
 // blocks need not be multiples of the tile height, and rows past a block's end are computed but
 // never stored. K tails and M/N edges are zero-filled by TMA.
@@ -20,7 +23,6 @@
 #include "gemm_abi.cuh"
 
 #include "cute/tensor.hpp"
-#include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -69,11 +71,15 @@ using LayoutB = cute::conditional_t<FO_B_COL_MAJOR, cutlass::layout::ColumnMajor
 
 // Pingpong: the two math warpgroups take turns, mainloop then epilogue (depth 2, 2 groups).
 using MathOrderBarrier = cutlass::OrderedSequenceBarrier<2, 2>;
+// Stored tiles, from the math threads (each arrives after its own stores) to the signal warp,
+// which publishes them; 4 tiles may wait, so the math threads practically never block.
+using SignalPipeline = cutlass::PipelineAsync<4>;
+constexpr int kCarveout = int(sizeof(typename MathOrderBarrier::SharedStorage) +
+                              sizeof(typename SignalPipeline::SharedStorage)) + 32;
 
-using Stages = cute::conditional_t<
-    FO_STAGES == 0,
-    cutlass::gemm::collective::StageCountAutoCarveout<int(sizeof(typename MathOrderBarrier::SharedStorage))>,
-    cutlass::gemm::collective::StageCount<FO_STAGES>>;
+using Stages = cute::conditional_t<FO_STAGES == 0,
+                                   cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
+                                   cutlass::gemm::collective::StageCount<FO_STAGES>>;
 
 using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8,
@@ -96,6 +102,7 @@ struct SharedStorage {
   struct alignas(16) Pipelines {
     alignas(16) typename Mainloop::PipelineStorage mainloop;
     alignas(16) typename MathOrderBarrier::SharedStorage math_order;
+    alignas(16) typename SignalPipeline::SharedStorage signal;
   } pipelines;
 };
 constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -109,9 +116,10 @@ struct Params {
   int K;
 };
 
-// The item this CTA (cluster rank `rank`) computes in the cluster round that starts at `base`.
-// Past the end of the table a CTA still joins its cluster's multicast loads with a filler item
-// (valid = false) whose rows and columns match its cluster peers.
+// The item this CTA (cluster rank `rank`) computes in the cluster round that starts at `base`,
+// for the producer: checked, including the cluster rule (header). Past the end of the table a
+// CTA still joins its cluster's multicast loads with a filler item (valid = false) whose rows
+// and columns match its cluster peers.
 __device__ inline WorkTile cluster_item(const ItemTable& t, int64_t base, int rank) {
   const int rm = rank % kClusterM, rn = rank / kClusterM;
   if (base + rank < t.num_items) {
@@ -127,6 +135,15 @@ __device__ inline WorkTile cluster_item(const ItemTable& t, int64_t base, int ra
   w.valid = false;
   if (base + rm < t.num_items) w.row0 = decode_item<kBM, kBN>(t, base + rm).row0;
   if (base + rn * kClusterM < t.num_items) w.n_blk = decode_item<kBM, kBN>(t, base + rn * kClusterM).n_blk;
+  return w;
+}
+
+// The same item for the math threads, which only store it: unchecked (the producer checked it
+// before loading its operands), so the loads overlap the mainloop.
+__device__ inline WorkTile stored_item(const ItemTable& t, int64_t base, int rank) {
+  if (base + rank < t.num_items) return decode_item<kBM, kBN, false>(t, base + rank);
+  WorkTile w{};
+  w.valid = false;
   return w;
 }
 
@@ -163,6 +180,14 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
   op.group_size = 128;
   MathOrderBarrier math_order(ss.pipelines.math_order, op);
 
+  typename SignalPipeline::Params sp;
+  if (warp_group == 0 && warp_in_group == 1) sp.role = SignalPipeline::ThreadCategory::Consumer;
+  if (warp_group > 0) sp.role = SignalPipeline::ThreadCategory::Producer;
+  sp.producer_arv_count = kTileThreads;
+  sp.consumer_arv_count = 1;
+  sp.dst_blockid = rank;
+  SignalPipeline signal_pipe(ss.pipelines.signal, sp);
+
   // Barrier initialisation must be visible to every CTA of the cluster before use.
   if constexpr (kClusterSize > 1) {
     cute::cluster_arrive_relaxed();
@@ -191,6 +216,20 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         write_state.advance(k_tiles);
       }
       mainloop.load_tail(pipeline, write_state);
+    } else if (warp_in_group == 1 && thread_in_group == 32) {
+      // Signal thread: as each stored tile arrives, publish it with a release add on its group's
+      // counter (off the math warps, which go on to the next tile at once).
+      typename SignalPipeline::PipelineState read_state;
+      for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
+        signal_pipe.consumer_wait(read_state);
+        const int64_t item = base + rank;
+        if (item < p.table.num_items) {
+          if (FO_SIGNAL) signal_counter(p.counters + p.table.item_group[item]);
+          record_monitor(p.monitor, item, cta);
+        }
+        signal_pipe.consumer_release(read_state);
+        ++read_state;
+      }
     }
   } else {
     // Math warpgroups. Cooperative: both share every tile. Pingpong: they alternate tiles.
@@ -203,16 +242,18 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
     assert_pairs(coord);
 
     PipelineState read_state;
+    auto signal_state = cutlass::make_producer_start_state<SignalPipeline>();
     int64_t base = first_base, step = round_stride;
     if constexpr (kPingpong) {
       step = 2 * round_stride;
       if (math_group == 1) {
         base += round_stride;
         read_state.advance(k_tiles);
+        ++signal_state;
       }
     }
     for (; base < p.table.num_items; base += step) {
-      WorkTile w = cluster_item(p.table, base, rank);
+      const WorkTile w = stored_item(p.table, base, rank);
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       if constexpr (kPingpong) math_order.wait();
       mainloop.mma(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop, p.mainloop);
@@ -221,15 +262,13 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
 
       if constexpr (kPingpong) math_order.wait();
-      if (w.valid) {
-        store_tile<Element, kBM, kBN>(acc, coord, p.packed + w.offset, w.rows, w.cols);
-        // All of the tile's stores happen before the one release that publishes them.
-        cutlass::arch::NamedBarrier::sync(kTileThreads, kPingpong ? math_group : 0);
-        if (math_thread == 0) {
-          if (FO_SIGNAL) signal_counter(p.counters + w.group);
-          record_monitor(p.monitor, base + rank, cta);
-        }
-      }
+      signal_pipe.producer_acquire(signal_state);
+      if (w.valid) store_tile<Element, kBM, kBN>(acc, coord, p.packed + w.offset, w.rows, w.cols);
+      // Each thread's stores come before its arrive (release, CTA scope); the signal thread's
+      // wait (acquire) then its release add at GPU scope publish them all.
+      asm volatile("" ::: "memory");
+      signal_pipe.producer_commit(signal_state);
+      signal_state.advance(kPingpong ? 2 : 1);
       if constexpr (kPingpong) math_order.arrive();
     }
   }

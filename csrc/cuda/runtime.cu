@@ -53,11 +53,11 @@ __global__ void reset_counters(int32_t* counters, int n) {
 // ---- post-communication reorder ----------------------------------------------------------
 
 constexpr int kUnpackThreads = 256;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 8;
 
 // Copies rows x vpr vectors of type V from a contiguous tile to strided rows. The vectors of
 // this block (part `part` of `parts`) are i = part*T + tid + k*parts*T; (row, col) advance
-// incrementally, so there is no division per vector, and kUnroll loads are in flight at once.
+// incrementally, so there is no division per vector, and kUnroll (8) loads are in flight at once.
 template <class V>
 __device__ inline void copy_tile(const V* __restrict__ src, V* __restrict__ dst, int64_t ldd_v,
                                  int rows, int vpr, int part, int parts) {
