@@ -52,7 +52,6 @@ class GemmConfig:
     b_col_major: bool = True  # b is [N, K] row-major (weight.t() of an nn.Linear)
     schedule: str = "cooperative"  # sm90: cooperative | pingpong; sm80: multistage
     stages: int = 0  # mainloop pipeline stages; 0: as many as fit (sm90), 4 (sm80)
-    signal: bool = True  # False only to benchmark the same kernel without counter updates
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -118,8 +117,6 @@ def config_name(config: GemmConfig) -> str:
             f"_c{config.cluster_m}x{config.cluster_n}_{config.schedule}")
     if config.stages:
         name += f"_s{config.stages}"
-    if not config.signal:
-        name += "_nosignal"
     return name
 
 
@@ -218,7 +215,6 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         f"-DFO_CLUSTER_M={config.cluster_m}", f"-DFO_CLUSTER_N={config.cluster_n}",
         f"-DFO_DTYPE={DTYPES[config.dtype]}", f"-DFO_B_COL_MAJOR={int(config.b_col_major)}",
         f"-DFO_SCHEDULE={SCHEDULES[config.arch][config.schedule]}", f"-DFO_STAGES={config.stages}",
-        f"-DFO_SIGNAL={int(config.signal)}",
     ]
 
 

@@ -48,9 +48,7 @@ GemmConfig = build.GemmConfig
 PINGPONG = GemmConfig(tile_n=128, schedule="pingpong")  # pingpong 128x128x64, cluster 2x1
 CONFIGS = [
     GemmConfig(),                                                  # cooperative 128x256, 2x1
-    GemmConfig(signal=False),                                      # same, no counter update
     PINGPONG,
-    GemmConfig(tile_n=128, schedule="pingpong", signal=False),
     GemmConfig(tile_n=128, schedule="pingpong", cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=128, schedule="pingpong", cluster_m=1),
     GemmConfig(tile_n=128, schedule="pingpong", b_col_major=False),  # row-major b
@@ -160,7 +158,7 @@ def run_gemm(lib, ops, plan, items, groups, counters, packed, ctas, monitor=None
             ptr(monitor), None, stream())
 
 
-def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False):
+def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False, signal=True):
     """Correctness of one shape: packed vs reference, counters, monitor CTAs."""
     plan = make_plan(cfg, m, n, k, blocks, ctas)
     items_cpu, _, items, groups = item_table(plan)
@@ -171,7 +169,7 @@ def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False):
     packed = torch.full((m * n,), float("nan"), dtype=dt, device="cuda")
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
     mon = torch.zeros(2 * len(items), dtype=torch.int64, device="cuda") if monitor else None
-    run_gemm(lib, ops, plan, items, groups, counters, packed, ctas, mon)
+    run_gemm(lib, ops, plan, items, groups, counters if signal else None, packed, ctas, mon)
     torch.cuda.synchronize()
     ref = ops.c_ref.flatten()[packed_index(plan)]
     out = packed.double()
@@ -179,7 +177,8 @@ def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False):
     max_err = ((out - ref).abs().max() / ref.abs().max()).item()
     result = {"shape": [m, n, k, blocks], "ctas": ctas, "tiles": len(items), "rel_err": err,
               "max_err": max_err, "nan": int(torch.isnan(out).sum().item()),
-              "counters_ok": (counters.cpu().tolist() == list(plan.group_sizes)) or not cfg.signal}
+              "counters_ok": counters.cpu().tolist() == (list(plan.group_sizes) if signal
+                                                         else [0] * plan.num_groups)}
     if monitor:
         mon = mon.view(-1, 2).cpu()
         cta = (mon[:, 1] & 0xFFFFFFFF).tolist()
@@ -220,14 +219,15 @@ def bench(fn, warmup=5, reps=20):
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def perf_case(lib, cfg, m, n, k, ctas, swizzle):
+def perf_case(lib, cfg, m, n, k, ctas, swizzle, signal=True):
     plan = make_plan(cfg, m, n, k, 1, ctas, swizzle=swizzle)
     items_cpu, _, items, groups = item_table(plan)
     if not cluster_ok(cfg, items_cpu, plan.block_rows[0]):
         return None
     ops = Operands(cfg, m, n, k, reference=False)
     packed = torch.empty(m * n, dtype=TORCH_DTYPE[cfg.dtype], device="cuda")
-    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
+    # Null counters: the same kernel without signaling.
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda") if signal else None
     ms = bench(lambda: run_gemm(lib, ops, plan, items, groups, counters, packed, ctas))
     return 2.0 * m * n * k / ms / 1e9
 
@@ -351,6 +351,7 @@ def main():
                 cases.append(check_case(lib, cfg, m, n, k, blocks, max(1, ctas - 2)))
         if cfg.cta_multiple > 1:
             cases.append(check_case(lib, cfg, 4096, 4096, 4096, 1, ctas - 2 * cfg.cta_multiple))
+        cases.append(dict(check_case(lib, cfg, 1000, 1000, 1000, 1, ctas, signal=False), counters=None))
         entry["cases"] = cases
         status = all(c.get("ok", True) for c in cases)
         print(f"{name}: correctness {'ok' if status else 'FAILED'}; worst rel err "
@@ -394,11 +395,14 @@ def main():
             if main:
                 for fewer in (4, 8, 16):
                     runs[f"swizzle8_ctas{ctas - fewer}"] = perf_case(lib, cfg, m, n, k, ctas - fewer, 8)
+                nosignal = perf_case(lib, cfg, m, n, k, ctas - 4, 8, signal=False)
             runs = {key_: tf for key_, tf in runs.items() if tf is not None}
             if runs:
                 best = max(runs, key=runs.get)
                 perf[key] = {"tflops": runs[best], "best": best, "runs": runs,
                              "vs_torch": runs[best] / report["torch_tflops"][key]}
+                if main and nosignal is not None:
+                    perf[key]["no_signal_swizzle8_ctas" + str(ctas - 4)] = nosignal
         report["configs"][name]["perf"] = perf
         save()
 

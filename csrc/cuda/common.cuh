@@ -44,7 +44,7 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 inline cudaError_t check_gemm_args(const void* a, const void* b, const void* packed, int L,
                                    int block_rows, int N, int K, int64_t lda, int64_t ldb,
                                    bool b_col_major, const void* items, const void* item_group,
-                                   int num_items, const void* counters, int num_ctas,
+                                   int num_items, int num_ctas,
                                    int cta_multiple) {
   if (L < 1 || block_rows < 1 || N < 1 || K < 1)
     return fail(cudaErrorInvalidValue, "fo_gemm_run: L=%d, block_rows=%d, N=%d, K=%d must all be >= 1",
@@ -52,9 +52,9 @@ inline cudaError_t check_gemm_args(const void* a, const void* b, const void* pac
   if (int64_t(L) * block_rows > INT32_MAX)
     return fail(cudaErrorInvalidValue, "fo_gemm_run: M = L * block_rows = %lld exceeds 2^31-1",
                 (long long)L * block_rows);
-  if (!a || !b || !packed || !items || !item_group || !counters)
+  if (!a || !b || !packed || !items || !item_group)
     return fail(cudaErrorInvalidValue,
-                "fo_gemm_run: a, b, packed, items, item_group and counters must be non-null");
+                "fo_gemm_run: a, b, packed, items and item_group must be non-null");
   if (num_items < 0) return fail(cudaErrorInvalidValue, "fo_gemm_run: num_items=%d < 0", num_items);
   if (num_ctas < 1 || num_ctas % cta_multiple)
     return fail(cudaErrorInvalidValue,

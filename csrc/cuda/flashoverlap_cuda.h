@@ -54,7 +54,6 @@ typedef struct {
   int cta_multiple;  // the grid size must be a multiple of this (cluster size)
   int schedule;      // 0 = sm90 cooperative, 1 = sm90 pingpong, 2 = sm80 multistage
   int stages;        // shared-memory pipeline stages of the mainloop
-  int signals;       // 1; 0 only in benchmark builds that skip the counter update
 } fo_gemm_config;
 
 #define FO_CUDA_ABI_VERSION 1

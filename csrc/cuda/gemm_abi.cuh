@@ -14,9 +14,6 @@
 #ifndef FO_STAGES
 #define FO_STAGES 0  // mainloop pipeline stages; 0: the kernel's default
 #endif
-#ifndef FO_SIGNAL
-#define FO_SIGNAL 1  // 0 only to benchmark the kernel without its counter update
-#endif
 
 namespace fo::gemm {
 
@@ -75,7 +72,7 @@ FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L
   (void)workspace;
   const fo_gemm_config& c = fo::gemm::config();
   cudaError_t err = fo::check_gemm_args(a, b, packed, L, block_rows, N, K, lda, ldb, c.b_col_major,
-                                        items, item_group, num_items, counters, num_ctas,
+                                        items, item_group, num_items, num_ctas,
                                         c.cta_multiple);
   const fo::gemm::Args args{a, b, packed, L, block_rows, N, K, lda, ldb,
                             items, item_group, num_items, counters, num_ctas, monitor};

@@ -8,7 +8,7 @@
 //
 // Configuration (-D macros, defaults in brackets): FO_TILE_M/N/K [128/128/32] (M, N multiples
 // of 64: one warp per 64x64 of the tile; K 32 or 64), FO_STAGES [0 = 4], FO_DTYPE [0 = bf16,
-// 1 = fp16], FO_B_COL_MAJOR [1], FO_SIGNAL [1].
+// 1 = fp16], FO_B_COL_MAJOR [1].
 #include "epilogue.cuh"
 #include "gemm_abi.cuh"
 
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) signaling_gemm(const __grid_constant
     store_tile<Element, kBM, kBN>(acc, coord, p.packed + w.offset, w.rows, w.cols);
     __syncthreads();  // every store of the tile happens before the release below
     if (threadIdx.x == 0) {
-      if (FO_SIGNAL) signal_counter(p.counters + w.group);
+      if (p.counters) signal_counter(p.counters + w.group);
       record_monitor(p.monitor, i, int(blockIdx.x));
     }
   }
@@ -144,7 +144,7 @@ using namespace fo::sm80;
 
 const fo_gemm_config& config() {
   static const fo_gemm_config c = {
-      FO_CUDA_ABI_VERSION, 80, kBM, kBN, kBK, 1, 1, FO_DTYPE, FO_B_COL_MAJOR, 1, 2, kStages, FO_SIGNAL};
+      FO_CUDA_ABI_VERSION, 80, kBM, kBN, kBK, 1, 1, FO_DTYPE, FO_B_COL_MAJOR, 1, 2, kStages};
   return c;
 }
 

@@ -17,8 +17,7 @@
 //
 // One configuration per compilation, chosen with -D macros (defaults in brackets):
 //   FO_TILE_M/N/K [128/256/64], FO_CLUSTER_M/N [2/1], FO_DTYPE [0 = bf16, 1 = fp16],
-//   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
-//   FO_SIGNAL [1; 0 only for benchmarking the kernel without its counter update].
+//   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto].
 #include "epilogue.cuh"
 #include "gemm_abi.cuh"
 
@@ -224,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         signal_pipe.consumer_wait(read_state);
         const int64_t item = base + rank;
         if (item < p.table.num_items) {
-          if (FO_SIGNAL) signal_counter(p.counters + p.table.item_group[item]);
+          if (p.counters) signal_counter(p.counters + p.table.item_group[item]);
           record_monitor(p.monitor, item, cta);
         }
         signal_pipe.consumer_release(read_state);
@@ -319,7 +318,7 @@ using namespace fo::sm90;
 const fo_gemm_config& config() {
   static const fo_gemm_config c = {
       FO_CUDA_ABI_VERSION, 90, kBM, kBN, kBK, kClusterM, kClusterN, FO_DTYPE, FO_B_COL_MAJOR,
-      kClusterSize, FO_SCHEDULE, int(Mainloop::DispatchPolicy::Stages), FO_SIGNAL};
+      kClusterSize, FO_SCHEDULE, int(Mainloop::DispatchPolicy::Stages)};
   return c;
 }
 
