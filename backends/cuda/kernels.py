@@ -15,7 +15,7 @@ DTYPES = tuple(build.DTYPES)  # "bfloat16", "float16"
 # (tile_m, tile_n) -> (tile_k, preferred cluster (m, n), schedule), per architecture. A plan
 # whose tile order does not fit the cluster (see cluster_fits) runs the 1x1-cluster build.
 CONFIGS = {
-    90: {(128, 256): (64, (2, 1), "cooperative"), (128, 128): (64, (2, 1), "cooperative")},
+    90: {(128, 256): (64, (2, 1), "cooperative"), (128, 128): (64, (2, 1), "pingpong")},
     80: {(128, 128): (32, (1, 1), "multistage"), (128, 256): (32, (1, 1), "multistage")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
