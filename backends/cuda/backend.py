@@ -196,8 +196,8 @@ class CudaBackend(Backend):
                     stream: torch.cuda.Stream | None = None) -> PlanState:
         """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
 
-        ``signal=False`` runs the same kernel built without the counter updates (for measuring
-        what signaling costs); ``monitor`` (uint64 [T, 2]) records each tile's completion.
+        ``signal=False`` runs the same kernel with no counters (for measuring what signaling
+        costs); ``monitor`` (uint64 [T, 2]) records each tile's completion.
         """
         device = a.device
         arch = self._arch()
@@ -211,8 +211,7 @@ class CudaBackend(Backend):
             fits = state.cluster_fits[cluster] = kernels.cluster_fits(state.items_host, cluster)
         if not fits:
             cluster = (1, 1)
-        gemm = kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster,
-                                                        signal))
+        gemm = kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster))
         a_op, b_op, k = self._operands(arch, a, b, col)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
         size = gemm.workspace_size(blocks, rows, plan.n, k, plan.wave_size)
@@ -220,8 +219,8 @@ class CudaBackend(Backend):
         stream = stream or torch.cuda.current_stream(device)
         gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks, rows, plan.n,
                  k, a_op.stride(0), b_op.stride(0), state.items.data_ptr(),
-                 state.item_group.data_ptr(), plan.num_tiles, state.counters.data_ptr(),
-                 plan.wave_size,
+                 state.item_group.data_ptr(), plan.num_tiles,
+                 state.counters.data_ptr() if signal else None, plan.wave_size,
                  monitor.data_ptr() if monitor is not None else None,
                  workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
         return state

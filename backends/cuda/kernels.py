@@ -54,18 +54,17 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
     return bool(same_col and same_rows)
 
 
-def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
-                signal: bool = True) -> build.GemmConfig:
+def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1)
+                ) -> build.GemmConfig:
     tk, _, schedule = CONFIGS[arch][tuple(tile)]
     return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=tk,
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
-                            b_col_major=b_col_major, schedule=schedule, signal=signal)
+                            b_col_major=b_col_major, schedule=schedule)
 
 
-def all_configs(archs, signal_variants: bool = True) -> list[build.GemmConfig]:
+def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a plan can select on ``archs``: the default tile, both dtypes, both
-    layouts of b, the preferred and the 1x1 cluster; plus the no-signal builds the GEMM
-    benchmark compares against."""
+    layouts of b, the preferred and the 1x1 cluster."""
     out = []
     for arch in archs:
         tile = DEFAULT_TILE[arch]
@@ -73,9 +72,6 @@ def all_configs(archs, signal_variants: bool = True) -> list[build.GemmConfig]:
         for dtype in DTYPES:
             for col in (True, False):
                 out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
-            if signal_variants and arch == 90:
-                out.append(gemm_config(arch, tile, dtype, True, preferred_cluster(arch, tile),
-                                       signal=False))
     return out
 
 
