@@ -3,7 +3,8 @@
 # kernels), GPU tests, the conformance suite against `cuda`, and the benchmarks. Logs and
 # result JSON go to $OUT (the device tool brings them back). Every step runs under `timeout`.
 #
-#   bash ci/gpu.sh [report] [tests] [conformance] [gemm] [reorder] [offload]   (default: all)
+#   bash ci/gpu.sh [STAGE...]   (default: build tests gemm reorder offload sm80 conformance
+#                                mainjob report; also: tuning)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,22 +35,31 @@ stage() {  # stage NAME SECONDS CMD...
   return 0
 }
 
-want() { [ $# -eq 0 ] && return 0; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build report tests sm80 conformance gemm reorder offload tuning)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests gemm reorder offload sm80 conformance mainjob report)
 
-# Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
-want build && stage build 420 flashoverlap build --backend cuda --jobs 16
-want report && stage report 120 flashoverlap report
-want tests && stage tests 420 $PY -m pytest -x -q -p no:cacheprovider tests/gpu
-# The Ampere/Ada (sm_80) kernels run on Hopper too: their correctness is checked here.
-want sm80 && FLASHOVERLAP_CUDA_ARCH=80 FO_STRESS_RUNS=200 stage sm80 300 $PY -m pytest -x -q \
-  -p no:cacheprovider tests/gpu -k "world1 or stress or offload"
-want conformance && stage conformance 420 $PY -m pytest -q -p no:cacheprovider --pyargs \
-  flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1
-want gemm && stage gemm 300 $PY bench/gemm.py
-want reorder && stage reorder 120 $PY bench/reorder.py
-want offload && stage offload 240 $PY bench/offload.py --timeline "$OUT/timeline.png"
-want tuning && stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png"
+run_stage() {  # the stages, most important first (a call may run out of time at the end)
+  case $1 in
+    # Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
+    build) stage build 240 flashoverlap build --backend cuda --jobs 16 ;;
+    report) stage report 60 flashoverlap report ;;
+    tests) stage tests 240 $PY -m pytest -x -q -p no:cacheprovider tests/gpu ;;
+    # The Ampere/Ada (sm_80) kernels run on Hopper too: their correctness is checked here.
+    sm80) FLASHOVERLAP_CUDA_ARCH=80 FO_STRESS_RUNS=200 stage sm80 120 $PY -m pytest -x -q \
+            -p no:cacheprovider tests/gpu -k "world1 or stress or offload" ;;
+    conformance) stage conformance 240 $PY -m pytest -q -p no:cacheprovider --pyargs \
+                   flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 ;;
+    gemm) stage gemm 240 $PY bench/gemm.py ;;
+    reorder) stage reorder 60 $PY bench/reorder.py ;;
+    offload) stage offload 120 $PY bench/offload.py --timeline "$OUT/timeline.png" ;;
+    tuning) stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png" ;;
+    # The main job with the signaling backend and with the decomposition baseline, side by side.
+    mainjob) stage mainjob-cuda 90 flashoverlap bench --backend cuda --json "$OUT/bench-cuda.json"
+             stage mainjob-decomposition 90 flashoverlap bench --backend decomposition \
+               --device cuda --json "$OUT/bench-decomposition.json" ;;
+    *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
+  esac
+}
+for s in "${STAGES[@]}"; do run_stage "$s"; done
 cat "$SUMMARY"
 grep -q "rc=[1-9]" "$SUMMARY" && exit 1 || exit 0
