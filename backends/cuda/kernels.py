@@ -10,7 +10,7 @@ import threading
 from . import build
 from .runtime import WAIT_MODES, GemmLibrary, RuntimeLibrary
 
-DTYPES = tuple(build.DTYPES)  # "bfloat16", "float16"
+DTYPES = ("bfloat16", "float16")  # what the kernels take (build.GemmConfig accepts these names)
 
 # (tile_m, tile_n) -> (tile_k, preferred cluster (m, n), schedule), per architecture. A plan
 # whose tile order does not fit the cluster (see cluster_fits) runs the 1x1-cluster build.
