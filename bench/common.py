@@ -35,8 +35,12 @@ def device_name(device_type: str = "cuda") -> str:
     return torch.get_device_module(device_type).get_device_name()
 
 
-def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda") -> float:
-    """Median time of ``fn()`` in ms, from device events (host clock + sync on CPU)."""
+def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda",
+              inner: int = 1) -> float:
+    """Median time of ``fn()`` in ms, from device events (host clock + sync on CPU).
+
+    ``inner`` > 1 queues that many calls between the two events and divides: the device time
+    of back-to-back launches, without the host's launch latency between them."""
     for _ in range(warmup):
         fn()
     times = []
@@ -52,10 +56,11 @@ def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda") -
         for _ in range(iters):
             start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / inner)
     times.sort()
     return times[len(times) // 2]
 

@@ -28,7 +28,8 @@ def measure(m, n, k, dtype, iters):
     plan = fo.plan(m, n, k, op="custom", dtype=dtype, backend="cuda")
     packed = torch.empty(m * n, device="cuda", dtype=dtype)
     flops = 2.0 * m * n * k
-    t_cublas = median_ms(lambda: torch.matmul(a, w.t()), iters=iters)
+    # Back-to-back launches (10 between two events), like a model's layers: device time.
+    t_cublas = median_ms(lambda: torch.matmul(a, w.t()), iters=iters, inner=10)
     state = backend.launch_gemm(plan, a, w.t(), packed)
 
     def signaling():
@@ -39,8 +40,9 @@ def measure(m, n, k, dtype, iters):
         state.counters.zero_()
         backend.launch_gemm(plan, a, w.t(), packed, signal=False)
 
-    t_sig, t_plain = median_ms(signaling, iters=iters), median_ms(plain, iters=iters)
-    t_zero = median_ms(state.counters.zero_, iters=iters)  # subtracted: not part of the GEMM
+    t_sig = median_ms(signaling, iters=iters, inner=10)
+    t_plain = median_ms(plain, iters=iters, inner=10)
+    t_zero = median_ms(state.counters.zero_, iters=iters, inner=10)  # not part of the GEMM
     t_sig, t_plain = t_sig - t_zero, t_plain - t_zero
     ref = a.double() @ w.double().t()
     out = torch.empty(m, n, device="cuda", dtype=dtype)

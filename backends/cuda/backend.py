@@ -76,7 +76,7 @@ class PlanState:
     item_group: torch.Tensor
     counters: torch.Tensor
     group_sizes: list[int]
-    unpack: dict = field(default_factory=dict)  # block shape -> (tiles int32, offsets int64)
+    unpack: dict = field(default_factory=dict)  # op kind -> [(out byte offset, tiles, offsets)]
     cluster_fits: dict = field(default_factory=dict)  # cluster shape -> bool
 
 
@@ -322,22 +322,26 @@ class CudaBackend(Backend):
             clock="tiles: device globaltimer aligned to the GEMM's end; transfers: CUDA events")
 
     def _unpack(self, runtime, exchange, state, stream) -> None:
-        for rows_view, tiles, offsets in exchange.block_layouts():
-            if not tiles:
-                continue
-            key = (rows_view.shape[0], tuple(offsets[:1]), len(offsets))
-            cached = state.unpack.get(key) if exchange.kind != "all_to_all" else None
-            if cached is None:
+        """Post-communication reorder kernel, one launch per received block. The tile tables
+        of a plan's fixed layouts (all but all_to_all's) are built once and kept on the device."""
+        tables = state.unpack.get(exchange.kind) if exchange.kind != "all_to_all" else None
+        if tables is None:
+            tables = []
+            for rows_view, tiles, offsets in exchange.block_layouts():
+                if not tiles:
+                    continue
+                start = rows_view.data_ptr() - exchange.call.out.data_ptr()
                 rects = torch.tensor([(t.row0, t.rows, t.col0, t.cols) for t in tiles],
                                      dtype=torch.int32).to(rows_view.device)
                 offs = torch.tensor(offsets, dtype=torch.int64).to(rows_view.device)
-                cached = (rects, offs)
-                if exchange.kind != "all_to_all":
-                    state.unpack[key] = cached
-            rects, offs = cached
-            runtime.unpack_tiles(exchange.staging.data_ptr(), rows_view.data_ptr(),
-                                 rows_view.stride(0), rects.data_ptr(), offs.data_ptr(),
-                                 len(tiles), rows_view.element_size(), stream.cuda_stream)
+                tables.append((start, rects, offs))
+            if exchange.kind != "all_to_all":
+                state.unpack[exchange.kind] = tables
+        out = exchange.call.out
+        for start, rects, offs in tables:
+            runtime.unpack_tiles(exchange.staging.data_ptr(), out.data_ptr() + start,
+                                 out.stride(0), rects.data_ptr(), offs.data_ptr(),
+                                 rects.shape[0], out.element_size(), stream.cuda_stream)
 
 
 def b_col_major(b: torch.Tensor) -> bool:

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import pytest
 import torch
 
 import flashoverlap_core as fo
 from flashoverlap_core import registry
-from flashoverlap_core.backend import Backend
+from flashoverlap_core.backend import Backend, OverlapSpec
+from flashoverlap_core.plan import dtype_name
 
 M, N, K = 8, 6, 5
 
@@ -58,6 +60,16 @@ def tripwire(backend_name: str) -> str:
     return registry.register(Tripwire(registry.get(backend_name))).name
 
 
+def valid_dtype(backend_name: str, device_type: str) -> torch.dtype:
+    """The first of float32, bfloat16, float16 that the backend runs (the valid calls use it)."""
+    backend = registry.get(backend_name)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        spec = OverlapSpec(M, N, K, "allreduce", 1, dtype_name(dtype), device_type)
+        if not backend.unsupported_reasons(spec):
+            return dtype
+    raise pytest.UsageError(f"backend {backend_name!r} runs none of float32, bfloat16, float16")
+
+
 @dataclass(frozen=True)
 class Ctx:
     """What an invalid call is built from: the device and world size it runs with."""
@@ -65,9 +77,14 @@ class Ctx:
     device: torch.device
     world_size: int
     backend: str  # the tripwire's name
+    dtype: torch.dtype = torch.float32  # a dtype the backend runs
 
-    def t(self, *shape, dtype=torch.float32, device=None):
-        return torch.randn(*shape).to(dtype=dtype, device=device or self.device)
+    @property
+    def other_dtype(self) -> torch.dtype:
+        return torch.float16 if self.dtype != torch.float16 else torch.bfloat16
+
+    def t(self, *shape, dtype=None, device=None):
+        return torch.randn(*shape).to(dtype=dtype or self.dtype, device=device or self.device)
 
     def call(self, **kw) -> dict:
         """A valid allreduce call's arguments, with ``kw`` replacing some."""
@@ -77,7 +94,7 @@ class Ctx:
 
     def plan(self, **kw):
         args = dict(m=M, n=N, k=K, op="allreduce", world_size=self.world_size,
-                    dtype=torch.float32, backend=self.backend)
+                    dtype=self.dtype, backend=self.backend)
         args.update(kw)
         return fo.plan(**args)
 
@@ -101,7 +118,7 @@ INVALID = [
     Invalid("a-1d", ValueError, "2-D", lambda c: c.call(a=c.t(M * K))),
     Invalid("b-3d", ValueError, "2-D", lambda c: c.call(b=c.t(1, K, N))),
     Invalid("k-mismatch", ValueError, "must equal", lambda c: c.call(b=c.t(K + 1, N))),
-    Invalid("dtype-mismatch", TypeError, "same dtype", lambda c: c.call(b=c.t(K, N, dtype=torch.float16))),
+    Invalid("dtype-mismatch", TypeError, "same dtype", lambda c: c.call(b=c.t(K, N, dtype=c.other_dtype))),
     Invalid("dtype-float64", TypeError, "not supported",
             lambda c: c.call(a=c.t(M, K, dtype=torch.float64), b=c.t(K, N, dtype=torch.float64))),
     Invalid("dtype-int32", TypeError, "not supported",
@@ -127,10 +144,10 @@ INVALID = [
     Invalid("plan-other-m", ValueError, "does not fit", lambda c: c.call(plan=c.plan(m=M + 1))),
     Invalid("plan-other-op", ValueError, "does not fit",
             lambda c: c.call(op="reduce_scatter", plan=c.plan())),
-    Invalid("plan-other-dtype", ValueError, "does not fit", lambda c: c.call(plan=c.plan(dtype=torch.bfloat16))),
+    Invalid("plan-other-dtype", ValueError, "does not fit", lambda c: c.call(plan=c.plan(dtype=c.other_dtype))),
     Invalid("out-type", TypeError, "out", lambda c: c.call(out=[0.0])),
     Invalid("out-shape", ValueError, "shape", lambda c: c.call(out=c.t(M + 1, N))),
-    Invalid("out-dtype", ValueError, "out", lambda c: c.call(out=c.t(M, N, dtype=torch.float16))),
+    Invalid("out-dtype", ValueError, "out", lambda c: c.call(out=c.t(M, N, dtype=c.other_dtype))),
     Invalid("out-device", ValueError, "out", lambda c: c.call(out=c.t(M, N, device="meta"))),
     Invalid("out-not-contiguous", ValueError, "contiguous", lambda c: c.call(out=c.t(N, M).t())),
     # on two ranks
@@ -195,7 +212,9 @@ def attempt_on_rank(target, labels: list[str]) -> dict[str, tuple[tuple[str, ...
     """Run the labelled invalid calls, and a valid one ("valid"), on this rank."""
     import torch.distributed as dist
 
-    ctx = Ctx(target.device(dist.get_rank()), dist.get_world_size(), tripwire(target.backend_name))
+    device = target.device(dist.get_rank())
+    ctx = Ctx(device, dist.get_world_size(), tripwire(target.backend_name),
+              valid_dtype(target.backend_name, device.type))
     results = {label: attempt(BY_LABEL[label].build, ctx) for label in labels}
     results["valid"] = attempt(lambda c: c.call(), ctx)
     return results
@@ -206,5 +225,7 @@ def mismatched_recv_splits_on_rank(target) -> tuple[tuple[str, ...], str]:
     Only the ranks together can see it, so it goes to the real backend, not a tripwire."""
     import torch.distributed as dist
 
-    ctx = Ctx(target.device(dist.get_rank()), dist.get_world_size(), target.backend_name)
+    device = target.device(dist.get_rank())
+    ctx = Ctx(device, dist.get_world_size(), target.backend_name,
+              valid_dtype(target.backend_name, device.type))
     return attempt(_a2a(send_splits=[M // 2, M // 2], recv_splits=[M // 2 - 1, M // 2 + 1]), ctx)

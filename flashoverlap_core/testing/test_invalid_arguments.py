@@ -6,7 +6,7 @@ import pytest
 import flashoverlap_core as fo
 
 from .invalid import (INVALID, INVALID_PLANS, K, M, N, Ctx, Invalid, attempt, attempt_on_rank,
-                      mismatched_recv_splits_on_rank, raised_by, tripwire)
+                      mismatched_recv_splits_on_rank, raised_by, tripwire, valid_dtype)
 
 IN_PROCESS = [case for case in INVALID if case.world_size == 1]
 ON_RANKS = [case for case in INVALID if case.world_size > 1]
@@ -24,7 +24,9 @@ def judge(case, raised: tuple[str, ...], message: str) -> None:
 
 @pytest.fixture
 def ctx(fo_target):
-    return Ctx(fo_target.device(0), 1, tripwire(fo_target.backend_name))
+    device = fo_target.device(0)
+    return Ctx(device, 1, tripwire(fo_target.backend_name),
+               valid_dtype(fo_target.backend_name, device.type))
 
 
 def test_valid_call_reaches_the_tripwire(ctx):
