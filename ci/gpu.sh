@@ -52,7 +52,7 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     gemm) stage gemm 240 $PY bench/gemm.py ;;
     reorder) stage reorder 60 $PY bench/reorder.py ;;
     offload) stage offload 120 $PY bench/offload.py --timeline "$OUT/timeline.png" ;;
-    tuning) stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png" ;;
+    tuning) stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png" ${FO_TUNING_ARGS:-} ;;
     # The main job with the signaling backend and with the decomposition baseline, side by side.
     mainjob) stage mainjob-cuda 90 flashoverlap bench --backend cuda --json "$OUT/bench-cuda.json"
              stage mainjob-decomposition 90 flashoverlap bench --backend decomposition \
