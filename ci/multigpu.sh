@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The multi-GPU run (issue 6) in one call on a 2-, 4- or 8-GPU machine: install, build, the
+# conformance suite against `cuda` at every world size in 2,4,8 that fits the machine, then
+# bench/multigpu.py per world size (quick pass with the robustness checks, then the full shape
+# set). Logs and result JSON go to $OUT; every step runs under `timeout`; multicast stays off.
+#
+#   bash ci/multigpu.sh        (FO_MULTIGPU_FULL=0 skips the full shape set;
+#                               FO_MULTIGPU_ARGS adds arguments to every bench/multigpu.py run)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/flashoverlap-multigpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/multigpu-log.txt"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export FO_RESULTS_DIR="$OUT"
+export FLASHOVERLAP_CACHE_DIR=${FLASHOVERLAP_CACHE_DIR:-$PWD/.fo_build/cache}
+PY=${PYTHON:-python3}
+
+stage() {  # stage NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG" | tail -40
+  local rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc (${rc/124/TIMEOUT}) $((SECONDS - t0))s" | tee -a "$SUMMARY"
+}
+
+stage install 300 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+  || { echo "install FAILED"; exit 1; }
+stage build 300 flashoverlap build --backend cuda --jobs 16
+GPUS=$(timeout 60 $PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+echo "GPUs: $GPUS" | tee -a "$SUMMARY"
+SIZES=()
+for w in 2 4 8; do [ "$w" -le "$GPUS" ] && SIZES+=("$w"); done
+if [ ${#SIZES[@]} -eq 0 ]; then
+  echo "fewer than 2 GPUs: nothing to run" | tee -a "$SUMMARY"; exit 1
+fi
+LIST=$(IFS=,; echo "${SIZES[*]}")
+
+stage conformance 1800 $PY -m pytest -q -p no:cacheprovider --pyargs flashoverlap_core.testing \
+  --fo-backend cuda --fo-world-sizes "$LIST" --junitxml "$OUT/conformance.xml"
+
+for w in "${SIZES[@]}"; do
+  # shellcheck disable=SC2086
+  stage "multigpu-w$w-quick" 1200 $PY bench/multigpu.py --world-size "$w" --backend cuda \
+    --quick --robustness --json "$OUT/multigpu-w$w-quick.json" ${FO_MULTIGPU_ARGS:-}
+done
+if [ "${FO_MULTIGPU_FULL:-1}" = 1 ]; then
+  for w in "${SIZES[@]}"; do
+    # shellcheck disable=SC2086
+    stage "multigpu-w$w" 3600 $PY bench/multigpu.py --world-size "$w" --backend cuda \
+      --json "$OUT/multigpu-w$w.json" ${FO_MULTIGPU_ARGS:-}
+  done
+fi
+stage report 60 $PY bench/multigpu_report.py "$OUT"/multigpu-w*.json
+cat "$SUMMARY"
