@@ -432,8 +432,9 @@ def main(argv=None) -> int:
     p.add_argument("--robustness", action="store_true",
                    help="also: back-to-back calls without drift, and a rank failing mid-run")
     p.add_argument("--calls", type=int, default=1000, help="back-to-back calls per shape")
-    p.add_argument("--pg-timeout", type=float, default=10.0,
-                   help="process-group timeout (s) of the rank-failure check")
+    p.add_argument("--pg-timeout", type=float, default=5.0,
+                   help="process-group timeout (s) of the rank-failure check (RankPool kills ranks "
+                   "that have not failed 10 s after the first error: keep it below that)")
     p.add_argument("--skip-bench", action="store_true", help="only the robustness checks")
     p.add_argument("--json", metavar="PATH", help="result file (default: bench/results/"
                    "multigpu-w<W>-<date>.json, or $FO_RESULTS_DIR)")
