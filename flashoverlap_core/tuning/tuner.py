@@ -91,13 +91,17 @@ class Workload:
         rows = {"reduce_scatter": job.m // self.world,
                 "all_to_all": sum(self.recv) if self.recv else job.m}.get(job.op, job.m)
         self.out = torch.empty(rows, job.n, dtype=dtype, device=self.device)
+        # the GEMM-only plan (a custom op) returns all M rows, whatever the job's collective
+        self.gemm_out = (self.out if rows == job.m
+                         else torch.empty(job.m, job.n, dtype=dtype, device=self.device))
         self.op = (HostOffload(self.base.packed_numel, dtype, self.device.type != "cpu")
                    if job.op == OFFLOAD else job.op)
         self.context: Context = context_for(self.backend, self.device.type, self.group)
 
     def spec(self, op: str) -> OverlapSpec:
+        send = tuple(self.send) if self.send and op == "all_to_all" else None
         return OverlapSpec(self.job.m, self.job.n, self.job.k, op, self.world, self.job.dtype,
-                           self.device.type, "col", tuple(self.send) if self.send else None)
+                           self.device.type, "col", send)
 
     def _plan(self, op: str) -> Plan:
         return make_plan(self.backend, self.spec(op))
@@ -111,6 +115,9 @@ class Workload:
         return dataclasses.replace(self.base, group_sizes=tuple(group_sizes))
 
     def run(self, plan: Plan, op=None):
+        if plan.op == "custom":  # the GEMM alone, or the offload: all rows, no splits
+            return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
+                           out=self.gemm_out, backend=self.backend.name)
         return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
                        out=self.out, send_splits=self.send, recv_splits=self.recv,
                        backend=self.backend.name)
