@@ -50,10 +50,10 @@ from common import table
 from flashoverlap_core import registry
 from flashoverlap_core.api import overlap
 from flashoverlap_core.backend import Backend
-from flashoverlap_core.bench import (OPS, ROUNDING_UNITS, equal_splits, parse_ops, parse_shapes,
+from flashoverlap_core.bench import (OPS, ROUNDING_UNITS, parse_ops, parse_shapes,
                                      pick_hardware, plain)
 from flashoverlap_core.launch import RankError, RankPool, RankTimeout
-from flashoverlap_core.tuning.measure import median_time, slowest, transfer_fn
+from flashoverlap_core.tuning.measure import slowest, transfer_fn
 from flashoverlap_core.tuning.search import measured_candidates, predictive_search
 from flashoverlap_core.tuning.tuner import Job, Workload, build_model, measure_groupings
 
@@ -101,15 +101,6 @@ def _max_abs(t) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
-class HarnessWorkload(Workload):
-    """The tuner's Workload, except that its GEMM-only ("custom") plan of an all_to_all carries
-    no send splits (tuner.Workload builds it with them, which Plan rejects at W > 1)."""
-
-    def spec(self, op: str):
-        spec = super().spec(op)
-        return dataclasses.replace(spec, send_splits=None) if op == "custom" else spec
-
-
 def _call(work: Workload, plan, backend: str):
     return overlap(work.a, work.b, work.job.op, plan=plan, send_splits=work.send,
                    recv_splits=work.recv, backend=backend)
@@ -155,7 +146,7 @@ def _error_bound(base, expected, dtype) -> float:
 
 def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
     """Everything of one (shape, op) on this rank; times are already the slowest rank's."""
-    work = HarnessWorkload(job)
+    work = Workload(job)
     op, device, group = job.op, work.device, work.group
     timeit = work.time
     out = {"notes": {}}
@@ -221,7 +212,7 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
 
 def drift_on_rank(job: Job, calls: int, group_sizes) -> dict:
     """``calls`` back-to-back calls with one plan, each compared bitwise to the first."""
-    work = HarnessWorkload(job)
+    work = Workload(job)
     plan = work.plan(group_sizes) if group_sizes is not None else work.base
     first = work.run(plan).clone()
     drifted, first_drift = 0, None
@@ -240,7 +231,7 @@ def fail_on_rank(job: Job, failing_rank: int, fail_at: int, stamp_dir: str,
     """Every rank calls overlap in a loop; ``failing_rank`` raises at call ``fail_at``. The
     others must then fail inside a collective (process-group timeout). Each rank writes when
     it raised or failed to ``stamp_dir``/rank<r>.json, then the exception propagates."""
-    work = HarnessWorkload(job)
+    work = Workload(job)
     rank = dist.get_rank()
     stamp = Path(stamp_dir) / f"rank{rank}.json"
     sync = (torch.get_device_module(work.device.type).synchronize
