@@ -7,33 +7,9 @@
 #                                mainjob report; also: tuning)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/flashoverlap-gpu-out}
-mkdir -p "$OUT"
-LOG="$OUT/gpu-log.txt"
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-export FO_RESULTS_DIR="$OUT"
-export FLASHOVERLAP_CACHE_DIR=${FLASHOVERLAP_CACHE_DIR:-$PWD/.fo_build/cache}
-PY=${PYTHON:-python3}
-
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-timeout 300 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 \
-  || { echo "install FAILED" | tee -a "$SUMMARY"; tail -20 "$LOG"; exit 1; }
-
-stage() {  # stage NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "=== $name: $*" | tee -a "$LOG"
-  local t0=$SECONDS
-  timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG" | tail -40
-  local rc=${PIPESTATUS[0]}
-  echo "$name rc=$rc (${rc/124/TIMEOUT}) $((SECONDS - t0))s" | tee -a "$SUMMARY"
-  return 0
-}
+LOG_NAME=gpu
+# shellcheck source=ci/lib.sh
+source ci/lib.sh
 
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests gemm reorder offload sm80 conformance mainjob report)

@@ -8,28 +8,10 @@
 #                               FO_MULTIGPU_ARGS adds arguments to every bench/multigpu.py run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/flashoverlap-multigpu-out}
-mkdir -p "$OUT"
-LOG="$OUT/multigpu-log.txt"
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-export FO_RESULTS_DIR="$OUT"
-export FLASHOVERLAP_CACHE_DIR=${FLASHOVERLAP_CACHE_DIR:-$PWD/.fo_build/cache}
-PY=${PYTHON:-python3}
+LOG_NAME=multigpu
+# shellcheck source=ci/lib.sh
+source ci/lib.sh
 
-stage() {  # stage NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "=== $name: $*" | tee -a "$LOG"
-  local t0=$SECONDS
-  timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG" | tail -40
-  local rc=${PIPESTATUS[0]}
-  echo "$name rc=$rc (${rc/124/TIMEOUT}) $((SECONDS - t0))s" | tee -a "$SUMMARY"
-}
-
-stage install 300 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
-  || { echo "install FAILED"; exit 1; }
 stage build 300 flashoverlap build --backend cuda --jobs 16
 GPUS=$(timeout 60 $PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 echo "GPUs: $GPUS" | tee -a "$SUMMARY"

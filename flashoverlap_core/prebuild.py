@@ -25,9 +25,9 @@ def run(args) -> int:
     names = args.backend or [s.name for s in registry.backends()]
     failed = 0
     for name in names:
-        backend = registry._load(name)
+        backend, why = registry.load(name)
         if backend is None:
-            print(f"{name}: not loadable ({registry._load_errors.get(name, 'unknown backend')})")
+            print(f"{name}: not loadable ({why})")
             failed += 1
             continue
         start = time.monotonic()

@@ -88,6 +88,13 @@ def _load(name: str) -> Backend | None:
     return backend
 
 
+def load(name: str) -> tuple[Backend | None, str]:
+    """The named backend whether or not it is available here, and why it could not be loaded
+    ("" when it was): for tools that work without the device (``flashoverlap build``)."""
+    backend = _load(name)
+    return backend, "" if backend is not None else _load_errors.get(name, "no such backend")
+
+
 def _probe(backend: Backend) -> str | None:
     """The backend's own probe; one that raises is unavailable, with the error as its reason."""
     try:

@@ -150,7 +150,7 @@ class CudaBackend(Backend):
 
     def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        multiple = kernels.cta_multiple(self._arch(), tile)
+        multiple = kernels.CTA_MULTIPLE
         return max(multiple, (sms - reserved_sms()) // multiple * multiple)
 
     def schedule(self, spec: OverlapSpec) -> Schedule:

@@ -35,10 +35,6 @@ def default_tile(arch: int) -> tuple[int, int]:
     return DEFAULT_TILE[arch]
 
 
-def cta_multiple(arch: int, tile: tuple[int, int]) -> int:
-    return CTA_MULTIPLE
-
-
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
     """Whether the CTAs of each cluster get items that can share operand tiles: in every round
     of S = cm * cn consecutive items, rank (rm, rn) has the column tile of rank (0, rn) and the
