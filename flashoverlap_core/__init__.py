@@ -1,18 +1,24 @@
 """FlashOverlap: hide the collective communication of a GEMM's output behind the GEMM.
 
-``overlap(a, b, op)`` returns ``op`` (allreduce, reduce_scatter, all_to_all, or a callable)
-applied to ``a @ b`` across the process group, with each wave group's collective started on the
-device as soon as the GEMM has written that group's tiles. See DESIGN.md.
+``overlap(a, b, op)`` returns ``op`` (allreduce, reduce_scatter, all_to_all, allgather, or a
+callable) applied to ``a @ b`` across the process group, with each wave group's collective
+started on the device as soon as the GEMM has written that group's tiles (for allgather: each
+chunk of rows computed as soon as it has arrived). See docs/design.md.
 """
+from . import api as _api
 from .api import backends, make_plan, overlap, plan
-from .backend import Backend, OverlapCall, OverlapSpec
+from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from .plan import OPS, Plan, Region
 from .registry import BackendError, BackendStatus, register
 from .tiles import Schedule, TileRect
+from .tuning.cache import lookup_plan as _lookup_plan
+
+_api.set_plan_lookup(_lookup_plan)  # calls without plan= use tuned plans where the cache has them
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "BackendStatus", "OPS", "OverlapCall", "OverlapSpec", "Plan",
-    "Region", "Schedule", "TileRect", "backends", "make_plan", "overlap", "plan", "register",
+    "PreparedCall", "Region", "Schedule", "TileRect", "backends", "make_plan", "overlap", "plan",
+    "register",
 ]

@@ -1,25 +1,47 @@
 """Public entry points: ``overlap``, ``plan`` and ``backends``.
 
-Every argument is checked here, before any device work, and a wrong one raises ``TypeError``
-or ``ValueError`` saying what was given and what is accepted.
+The call path is *prepare once, launch many*. The first call of a key (shapes, strides, dtypes,
+device, op kind, splits, process group, plan, backend choice) checks every argument (a wrong one
+raises ``TypeError`` or ``ValueError`` saying what was given and what is accepted, before any
+device work), selects the backend, makes or looks up the plan, checks with one small
+collective that every rank of the group runs the same plan, and lets the backend prepare what
+its calls need (:meth:`Backend.prepare`: tables, kernels, communicator, workspaces). Later
+calls of the key check only what can change between them (``out``) and launch.
+
+Environment variables read when a key is first prepared, not on every call:
+``FLASHOVERLAP_BACKEND`` (backend choice) and those of the plan lookup (the tuning cache).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
-from functools import lru_cache
+import threading
 from typing import Callable
 
 import torch
 
 from . import registry
-from .backend import Backend, OverlapCall, OverlapSpec
-from .collectives import resolve_group
+from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
+from .collectives import SequentialCall, current_default_group, exchange_objects, resolve_group
 from .grouping import wave_group_sizes
-from .plan import (CUSTOM_OP, DTYPES, OPS, PLAN_OPS, Plan, _check_int, block_rows_for, check_splits,
-                   dtype_name)
+from .plan import (CUSTOM_OP, DTYPES, GATHER_OP, OPS, PLAN_OPS, Plan, _check_int, block_rows_for,
+                   check_splits, dtype_name, group_unit, transfer_bytes_per_tile)
 from .tiles import Schedule, TileGrid
-from .tuning import lookup_plan
 
+PlanLookup = Callable[[OverlapSpec, Backend, object, str], "Plan | None"]
+_plan_lookup: PlanLookup | None = None
+
+
+def set_plan_lookup(lookup: PlanLookup | None) -> None:
+    """Where calls without ``plan=`` look for a tuned plan first: ``lookup(spec, backend,
+    group, transfer)`` returns a Plan or None (then the backend's heuristic plan is used).
+    The tuning layer installs its cache here; None turns tuned plans off."""
+    global _plan_lookup
+    _plan_lookup = lookup
+    forget_prepared()
+
+
+# ---- argument checks (first call of a key) -----------------------------------------------------
 
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
@@ -76,30 +98,90 @@ def _check_out(out, shape, like: torch.Tensor, n: int) -> None:
                          f"got shape {tuple(out.shape)} strides {out.stride()}")
 
 
+def _result_rows(op: str, m: int, world_size: int) -> int:
+    """Rows of c = (gathered) a @ b, the M of the plan."""
+    return m * world_size if op == GATHER_OP else m
+
+
 def _output_rows(op: str, m: int, world_size: int, recv) -> int | None:
+    """Rows of the call's result (None: known only after the ranks exchange their splits)."""
     if op == "reduce_scatter":
         return m // world_size
     if op == "all_to_all":
         if world_size == 1:
             return m
         return sum(recv) if recv is not None else None
-    return m
+    return _result_rows(op, m, world_size)
+
+
+# ---- the call ------------------------------------------------------------------------------------
+
+class _Prepared:
+    """One key's prepared call: the backend's PreparedCall and what a later call checks."""
+
+    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device")
+
+    def __init__(self, prepared, plan, out_shape, dtype, device):
+        self.prepared, self.plan, self.out_shape = prepared, plan, out_shape
+        self.dtype, self.device = dtype, device
+
+    def fits(self, out) -> bool:
+        """Whether a later call's ``out`` (None or a tensor) can go straight to launch."""
+        return out is None or (out.shape == self.out_shape and out.dtype == self.dtype
+                               and out.device == self.device and out.is_contiguous())
+
+    def run(self, a, b, out, op):
+        if out is None and self.out_shape is not None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        return self.prepared.run(a, b, out, op)
+
+
+MAX_PREPARED = 512  # keys kept; the oldest is dropped (and prepared again if it comes back)
+_prepared: dict = {}
+_prepare_lock = threading.Lock()
+
+
+def forget_prepared() -> None:
+    """Drop every prepared call (the next call of each key prepares it again)."""
+    with _prepare_lock:
+        _prepared.clear()
+
+
+def _splits_key(splits):
+    """Splits as a hashable key part (a list or tensor of ints becomes a tuple); anything else
+    is left for the argument checks to refuse."""
+    if splits is None or isinstance(splits, tuple):
+        return splits
+    try:
+        return tuple(splits.tolist() if isinstance(splits, torch.Tensor) else splits)
+    except TypeError:
+        return ("not splits", id(splits))
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", group=None, *,
             plan: Plan | None = None, out: torch.Tensor | None = None, send_splits=None,
             recv_splits=None, backend: str | None = None) -> torch.Tensor:
-    """The collective ``op`` applied to ``a @ b`` (see DESIGN.md for the exact semantics),
-    with the communication overlapped with the GEMM that produces it.
+    """The collective ``op`` applied to ``a @ b`` (see docs/design.md for the exact
+    semantics), with the communication overlapped with the GEMM that produces it.
 
     ``a``, ``b`` and ``out`` may also be any DLPack arrays (e.g. CuPy's): they are viewed as
     torch tensors without a copy, and the result comes back in ``a``'s array type.
     """
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        kind = op if op.__class__ is str else type(op)
+        key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, kind,
+               group if group is not None else current_default_group(), id(plan), backend,
+               _splits_key(send_splits), _splits_key(recv_splits))
+        entry = _prepared.get(key)
+        if entry is not None and entry.fits(out):
+            return entry.run(a, b, out, op)
+        return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
     a, a_type = _from_dlpack(a)
     b, _ = _from_dlpack(b)
     if out is not None:
         out, _ = _from_dlpack(out)
-    result = _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend)
+    result = overlap(a, b, op, group, plan=plan, out=out, send_splits=send_splits,
+                     recv_splits=recv_splits, backend=backend)
     return result if a_type is None else _to_array_type(result, a_type)
 
 
@@ -115,7 +197,29 @@ def _to_array_type(t: torch.Tensor, kind: type):
     return library.from_dlpack(t)
 
 
-def _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend):
+def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend):
+    """Check everything, prepare the key if it is new, and run the call."""
+    call, chosen = _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend)
+    with _prepare_lock:
+        entry = _prepared.get(key)
+        if entry is None:
+            _agree_across_ranks(call, a.shape[0])
+            if call.plan.strategy == "sequential":
+                prepared = SequentialCall(call)
+            else:
+                prepared = chosen.prepare(call)
+            shape = call.out.shape if call.out is not None else None
+            entry = _Prepared(prepared, call.plan, shape, a.dtype, a.device)
+            _prepared[key] = entry
+            while len(_prepared) > MAX_PREPARED:
+                _prepared.pop(next(iter(_prepared)))
+    return entry.prepared.run(a, b, call.out, op)
+
+
+def _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend
+                  ) -> tuple[OverlapCall, Backend]:
+    """Every argument checked (TypeError/ValueError, no device work), the backend chosen and
+    the plan made or checked: the call as the backend will see it."""
     _check_tensor("a", a)
     _check_tensor("b", b)
     (m, k), (kb, n) = a.shape, b.shape
@@ -139,22 +243,45 @@ def _overlap(a, b, op, group, plan, out, send_splits, recv_splits, backend):
     if out is not None:
         _check_out(out, (rows, n) if rows is not None else None, a, n)
 
-    spec = OverlapSpec(m, n, k, op_name, world, dtype, a.device.type, b_layout(b), send)
+    spec = OverlapSpec(_result_rows(op_name, m, world), n, k, op_name, world, dtype,
+                       a.device.type, b_layout(b), send)
     chosen = registry.select(spec, backend, plan.backend if plan is not None else None)
     if plan is None:
         transfer = type(op).__name__ if op_name == CUSTOM_OP else ""
-        plan = _default_plan(spec, chosen.name, group, transfer)
+        plan = _default_plan(spec, chosen, group, transfer)
     else:
-        wrong = plan.mismatches(m=m, n=n, k=k, op=op_name, world_size=world, dtype=dtype,
+        wrong = plan.mismatches(m=spec.m, n=n, k=k, op=op_name, world_size=world, dtype=dtype,
                                 send_splits=send)
         wrong += chosen.plan_reasons(plan)
         if wrong:
             raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
     if out is None and rows is not None:
         out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-    call = OverlapCall(a, b, plan, op, group, rank, world, out, recv)
-    return chosen.run(call)
+    return OverlapCall(a, b, plan, op, group, rank, world, out, recv), chosen
 
+
+def _agree_across_ranks(call: OverlapCall, local_rows: int) -> None:
+    """One small collective on a key's first call: every rank of the group must run the same
+    plan (a tuning cache on one host only, say, would otherwise deadlock or corrupt the
+    result), and allgather's shards must have the same rows everywhere."""
+    if call.group is None or call.world_size == 1:
+        return
+    digest = hashlib.sha256(call.plan.to_json(sort_keys=True).encode()).hexdigest()[:16]
+    mine = (digest, local_rows, call.plan.describe_grid(), call.plan.group_sizes)
+    views = exchange_objects(mine, call.group)
+    if call.plan.op == GATHER_OP and len({v[1] for v in views}) > 1:
+        rows = {r: v[1] for r, v in enumerate(views)}
+        raise ValueError(f"allgather needs the same rows of a on every rank; the ranks have {rows}")
+    differ = [r for r, v in enumerate(views) if v[0] != views[0][0]]
+    if differ:
+        raise ValueError(
+            f"the ranks of the group do not run the same plan for this call: ranks {differ} differ "
+            f"from rank 0 (rank 0: {views[0][2]}, groups {list(views[0][3])}; rank {differ[0]}: "
+            f"{views[differ[0]][2]}, groups {list(views[differ[0]][3])}). Give every rank the same "
+            "plan= or the same tuning cache (FLASHOVERLAP_TUNING_CACHE)")
+
+
+# ---- plans ---------------------------------------------------------------------------------------
 
 def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
               wave_size=None, schedule=None) -> Plan:
@@ -171,9 +298,9 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
         rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
         total = TileGrid(rows, spec.n, tile[0], tile[1], sched).num_tiles
         itemsize = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
-        unit = spec.world_size if spec.op == "reduce_scatter" else 1
-        group_sizes = wave_group_sizes(total, wave, unit=unit,
-                                       bytes_per_tile=itemsize * tile[0] * tile[1])
+        group_sizes = wave_group_sizes(
+            total, wave, unit=group_unit(spec.op, spec.world_size, spec.n, tile),
+            bytes_per_tile=transfer_bytes_per_tile(spec.op, spec.n, spec.k, tile, itemsize))
     elif isinstance(group_sizes, (str, bytes)) or not hasattr(group_sizes, "__iter__"):
         raise TypeError(f"group_sizes must be a sequence of ints, got {type(group_sizes).__name__}")
     plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
@@ -184,12 +311,10 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
     return plan
 
 
-@lru_cache(maxsize=256)
-def _default_plan(spec: OverlapSpec, backend_name: str, group=None, transfer: str = "") -> Plan:
-    """The tuned plan from the tuning cache when there is one, else the heuristic plan.
-    Every rank must see the same cache, or ranks could pick different groupings."""
-    backend = registry.get(backend_name)
-    tuned = lookup_plan(spec, backend, group, transfer)
+def _default_plan(spec: OverlapSpec, backend: Backend, group=None, transfer: str = "") -> Plan:
+    """The tuned plan from the installed plan lookup when it has one, else the heuristic plan.
+    Every rank must see the same tuned plans: the first call checks that they agree."""
+    tuned = _plan_lookup(spec, backend, group, transfer) if _plan_lookup is not None else None
     return tuned if tuned is not None else make_plan(backend, spec)
 
 
@@ -202,7 +327,8 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     ``backend`` defaults to the explicit choice in ``FLASHOVERLAP_BACKEND``, else the best
     available accelerator backend, else the reference; its kernel decides the default tile,
     wave size and tile order. ``send_splits`` (rows per destination) is required for an
-    ``all_to_all`` plan at world size > 1.
+    ``all_to_all`` plan at world size > 1. For ``allgather``, ``m`` is the rows of the result
+    (world size x the rows of each rank's ``a``).
     """
     for name, value in (("M", m), ("N", n), ("K", k), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -211,8 +337,8 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
             raise ValueError(f"{name} must be >= 1, got {value}")
     if op not in PLAN_OPS:
         raise ValueError(f"op must be one of {PLAN_OPS}, got {op!r}")
-    if op == "reduce_scatter" and m % world_size:
-        raise ValueError(f"reduce_scatter needs M divisible by the world size: M={m}, W={world_size}")
+    if op in ("reduce_scatter", GATHER_OP) and m % world_size:
+        raise ValueError(f"{op} needs M divisible by the world size: M={m}, W={world_size}")
     send, _ = _check_splits_use(op, world_size, m, send_splits, None)
     chosen = registry.get(backend) if backend is not None else registry.default_backend()
     device_type = chosen.device_type or "cpu"
@@ -224,5 +350,10 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
 
 
 def backends() -> list[registry.BackendStatus]:
-    """Every known backend with whether it is available here and, if not, why."""
+    """Every known backend with whether it is available here and, if not, why (probed
+    afresh)."""
     return registry.backends()
+
+
+__all__ = ["PreparedCall", "backends", "forget_prepared", "make_plan", "overlap", "plan",
+           "set_plan_lookup"]

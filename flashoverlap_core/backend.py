@@ -12,7 +12,7 @@ context, no compilation.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -51,7 +51,22 @@ class OverlapCall:
     world_size: int
     out: torch.Tensor
     recv_splits: tuple[int, ...] | None = None
-    options: dict = field(default_factory=dict)
+
+
+class PreparedCall:
+    """What a backend builds once for the calls of one key (shapes, strides, dtypes, device,
+    op kind, splits, group, plan) and reuses: ``run`` launches one call whose arguments have
+    already been checked against the key. The default re-enters :meth:`Backend.run` with an
+    :class:`OverlapCall` per call; backends with a native launch override
+    :meth:`Backend.prepare` and return their own."""
+
+    def __init__(self, backend: "Backend", template: OverlapCall):
+        self.backend, self.template = backend, template
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
+        t = self.template
+        return self.backend.run(OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out,
+                                            t.recv_splits))
 
 
 class Backend(abc.ABC):
@@ -96,6 +111,12 @@ class Backend(abc.ABC):
     def versions(self) -> dict[str, str]:
         """Versions of what the backend runs on (collective library, compiler, ...)."""
         return {}
+
+    def prepare(self, template: OverlapCall) -> PreparedCall:
+        """Build, once per key, what the calls of ``template``'s key need (tables, kernels,
+        communicator, workspaces); called on the first call of a key, outside CUDA-graph-like
+        capture. ``template`` is that first call (its tensors are only examples)."""
+        return PreparedCall(self, template)
 
     @abc.abstractmethod
     def run(self, call: OverlapCall) -> torch.Tensor:

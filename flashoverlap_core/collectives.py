@@ -17,6 +17,11 @@ from .reorder import block_tiles, stream_offsets, unpack_tiles
 from .tiles import RASTERS
 
 
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def resolve_group(group) -> tuple[object | None, int, int]:
     """(group, rank, world size); (None, 0, 1) when torch.distributed is not initialised."""
     initialised = dist.is_available() and dist.is_initialized()
@@ -33,6 +38,62 @@ def resolve_group(group) -> tuple[object | None, int, int]:
     if rank < 0:
         raise ValueError("this process is not a member of the given process group")
     return group, rank, dist.get_world_size(group)
+
+
+def current_default_group():
+    """The default process group, or None when torch.distributed is not initialised (cheap:
+    it is part of every call's key)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def exchange_objects(obj, group) -> list:
+    """Every rank's ``obj`` (small, picklable), in rank order: one collective, host synced."""
+    views = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, obj, group=group)
+    return views
+
+
+class SequentialCall:
+    """The plain path, for a plan whose strategy is "sequential" (the tuner found that
+    overlapping would not pay): the device's own GEMM, then one collective on the whole result,
+    through torch.distributed on the caller's group."""
+
+    def __init__(self, call: OverlapCall):
+        self.kind = call.op if isinstance(call.op, str) else "custom"
+        self.group, self.world, self.recv = call.group, call.world_size, call.recv_splits
+        self.send = call.plan.send_splits
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
+        kind, group = self.kind, self.group
+        if kind == "allgather":
+            if group is not None:
+                gathered = a.new_empty((a.shape[0] * self.world, a.shape[1]))
+                all_gather_single(gathered, a.contiguous(), group=group)
+                a = gathered
+            return torch.matmul(a, b, out=out)
+        if kind in ("allreduce", "custom") or group is None:
+            out = torch.matmul(a, b, out=out)
+            if kind == "custom":
+                op(out.view(-1), 0)
+            elif group is not None:
+                dist.all_reduce(out, group=group)
+            return out
+        c = torch.matmul(a, b)
+        if kind == "reduce_scatter":
+            reduce_scatter_single(out, c, group=group)
+            return out
+        recv = self.recv if self.recv is not None else self._recv_splits(a.device)
+        if out is None:
+            out = c.new_empty((sum(recv), c.shape[1]))
+        dist.all_to_all_single(out, c, output_split_sizes=list(recv),
+                               input_split_sizes=list(self.send), group=group)
+        return out
+
+    def _recv_splits(self, device) -> list[int]:
+        mine = torch.tensor(self.send, dtype=torch.int64, device=device)
+        theirs = torch.empty_like(mine)
+        dist.all_to_all_single(theirs, mine, group=self.group)
+        return theirs.tolist()
 
 
 class RegionExchange:
@@ -128,7 +189,7 @@ class RegionExchange:
         elif self.kind == "reduce_scatter":
             off = self.recv_offsets[g]
             part = self.staging[off:off + region.numel() // self.call.world_size]
-            work = dist.reduce_scatter_tensor(part, region, group=group, async_op=True)
+            work = reduce_scatter_single(part, region, group=group, async_op=True)
         else:
             off, counts = self.recv_offsets[g], self.recv_counts[g]
             sends = list(self.plan.regions[g].dest_numels) if g < self.plan.num_groups else [0] * len(counts)

@@ -11,8 +11,10 @@ import torch
 
 from .backend import Backend, OverlapCall
 from .collectives import RegionExchange
+from .gather import execute_tiles
+from .plan import GATHER_OP
 from .reorder import pack_tile
-from .tuning.trace import HostRecorder, NoRecorder, TileTrace
+from .tile_trace import HostRecorder, NoRecorder, TileTrace
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -39,6 +41,8 @@ class ReferenceBackend(Backend):
     def _execute(self, call: OverlapCall, recorder) -> torch.Tensor:
         plan = call.plan
         acc = accumulation_dtype(call.a.dtype)
+        if plan.op == GATHER_OP:  # the collective feeds the GEMM (see flashoverlap_core.gather)
+            return execute_tiles(call, recorder, acc)
         a, b = call.a.to(acc), call.b.to(acc)
         packed = torch.empty(plan.packed_numel, dtype=call.a.dtype, device=call.a.device)
         offsets = {tile: offset for tile, _, offset in plan.packed_tiles}

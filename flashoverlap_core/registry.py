@@ -5,7 +5,9 @@ backend, then ``FLASHOVERLAP_BACKEND``), else auto-detection by the tensors' dev
 the choice is logged with its reason. Backends come from the ``flashoverlap.backends``
 entry-point group (in-tree and out-of-tree alike) plus the built-in reference backend; a name of
 the form ``module:attr`` loads a backend that is not installed as an entry point (handy while
-writing one).
+writing one). Entry points are read, and each backend probed, once per process
+(:func:`refresh` forgets both; :func:`backends` always asks afresh). Selection runs when a call's
+key is first seen (see ``api``), so ``FLASHOVERLAP_BACKEND`` is read then, not on every call.
 """
 from __future__ import annotations
 
@@ -42,13 +44,26 @@ class BackendStatus:
 
 _loaded: dict[str, Backend] = {}
 _load_errors: dict[str, str] = {}
+_discovered: dict[str, str] | None = None  # entry points, read once per process
+_probed: dict[str, str | None] = {}  # backend name -> its probe's answer, kept until refresh()
 
 
 def _targets() -> dict[str, str]:
-    found = dict(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep.value)
-    return found
+    global _discovered
+    if _discovered is None:
+        found = dict(BUILTIN)
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            found.setdefault(ep.name, ep.value)
+        _discovered = found
+    return _discovered
+
+
+def refresh() -> None:
+    """Forget discovered entry points and probe answers (the next selection reads and probes
+    afresh); loaded backends stay."""
+    global _discovered
+    _discovered = None
+    _probed.clear()
 
 
 def _instantiate(target: str) -> Backend:
@@ -68,6 +83,7 @@ def register(backend: Backend) -> Backend:
         raise TypeError("register() takes a Backend instance with a name")
     _loaded[backend.name] = backend
     _load_errors.pop(backend.name, None)
+    _probed.pop(backend.name, None)
     return backend
 
 
@@ -95,29 +111,37 @@ def load(name: str) -> tuple[Backend | None, str]:
     return backend, "" if backend is not None else _load_errors.get(name, "no such backend")
 
 
-def _probe(backend: Backend) -> str | None:
-    """The backend's own probe; one that raises is unavailable, with the error as its reason."""
+def _probe(backend: Backend, fresh: bool = False) -> str | None:
+    """The backend's own probe, asked once per process (``fresh``: ask again); one that raises
+    is unavailable, with the error as its reason."""
+    if not fresh and backend.name in _probed and _loaded.get(backend.name) is backend:
+        return _probed[backend.name]
     try:
-        return backend.probe()
+        reason = backend.probe()
     except Exception as e:  # a broken plugin must not break the listing or the selection
-        return f"probe failed: {type(e).__name__}: {e}"
+        reason = f"probe failed: {type(e).__name__}: {e}"
+    if _loaded.get(backend.name) is backend:
+        _probed[backend.name] = reason
+    return reason
 
 
 def backends() -> list[BackendStatus]:
-    """Every known backend: name, device type, available here or not, and why not."""
+    """Every known backend: name, device type, available here or not, and why not (entry
+    points are read and every backend probed afresh)."""
+    refresh()
     out = []
     for name in sorted(set(_targets()) | set(_loaded)):
         backend = _load(name)
         if backend is None:
             out.append(BackendStatus(name, None, False, _load_errors.get(name, "not found")))
             continue
-        reason = _probe(backend)
+        reason = _probe(backend, fresh=True)
         out.append(BackendStatus(name, backend.device_type, reason is None, reason or ""))
     return out
 
 
 def _listing() -> str:
-    return "\n".join("  " + s.line() for s in backends())
+    return "\n".join("  " + s.line() for s in backends())  # an error path: probe afresh
 
 
 def get(name: str) -> Backend:
@@ -195,7 +219,9 @@ def default_backend() -> Backend:
     choice = explicit_choice(None)
     if choice is not None:
         return get(choice[0])
-    found = [s for s in backends() if s.available and s.device_type not in (None, "cpu")]
+    names = sorted(set(_targets()) | set(_loaded))
+    found = [b for b in (_load(n) for n in names)
+             if b is not None and b.device_type not in (None, "cpu") and _probe(b) is None]
     if found:
-        return get(max(found, key=lambda s: _load(s.name).priority).name)
+        return max(found, key=lambda b: b.priority)
     return get("reference")

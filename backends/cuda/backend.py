@@ -1,20 +1,28 @@
-"""The ``cuda`` backend: CUTLASS signaling GEMM, device-side waits, NCCL via torch.distributed.
+"""The ``cuda`` backend: CUTLASS signaling GEMM, device-side waits, NCCL called directly.
 
-One call, on the caller's (compute) stream and a high-priority communication stream:
+A call, on the caller's (compute) stream and a high-priority communication stream:
 
 1. the signaling GEMM is launched on the compute stream; it writes each finished tile to its
    packed slot and bumps its group's counter;
 2. on the communication stream, per group: a device-side wait until the counter reaches the
-   group's tile count, then the group's collective on its contiguous region (launched through
-   torch.distributed, which orders it after the wait);
-3. the communication stream resets the counters (so back-to-back calls and graph replays need
-   no host sync), the compute stream waits for all communication, and the post-reorder kernel
-   writes the row-major result.
+   group's tile count, then the group's collective on its contiguous region;
+3. the compute stream waits for the communication stream, and the post-reorder kernel writes
+   the row-major result and zeroes the counters (so back-to-back calls and graph replays need
+   no host sync).
 
-The first call of a plan on a process group runs its phases one after the other with host
-syncs, so every kernel it uses (GEMM, waiter, the collective's, reorder, torch's own) is loaded
-before any call overlaps: under CUDA's lazy loading a kernel's first launch waits for an idle
-device, which would serialise or deadlock an overlapped call (GPU-FACTS.md).
+The call path is prepared once per key (:meth:`CudaBackend.prepare`): device tables, the kernel
+library, the NCCL communicator of the process group (:mod:`.nccl`), and per compute stream its
+own counters, packed buffer, staging buffer and communication stream (two calls in flight on
+two streams share none of them). A later call is one native function (``fo_call_run``) that
+issues all of the above. Custom ops (a Python callable per group), all_to_all without
+``recv_splits`` (the sizes are exchanged per call) and groups that do not use NCCL take the
+Python path, with the same per-stream state, collectives through torch.distributed.
+
+The first call of a (kernel, group, op) runs its phases one after the other with host syncs,
+so every kernel it uses (GEMM, waiter, NCCL's, reorder) is loaded before any call overlaps:
+under CUDA's lazy loading a kernel's first launch waits for an idle device, which would
+serialise or deadlock an overlapped call (GPU-FACTS.md). Such a first call inside CUDA-graph
+capture raises a ValueError that says to run it once outside capture first.
 """
 from __future__ import annotations
 
@@ -26,11 +34,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashoverlap_core.backend import Backend, OverlapCall, OverlapSpec
+from ctypes import c_int32, c_int64, c_void_p
+
+from flashoverlap_core.backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from flashoverlap_core.collectives import RegionExchange
+from flashoverlap_core.plan import GATHER_OP
+from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
-from . import kernels
+from . import kernels, nccl
+from .runtime import WAIT_MODES, CallDescription
 
 log = logging.getLogger("flashoverlap")
 
@@ -68,16 +81,35 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class PlanState:
-    """Device-resident tables of one plan on one device."""
+class PlanTables:
+    """Device-resident, read-only tables of one plan on one device, shared by every stream."""
 
     items_host: torch.Tensor
     items: torch.Tensor
     item_group: torch.Tensor
-    counters: torch.Tensor
-    group_sizes: list[int]
-    unpack: dict = field(default_factory=dict)  # op kind -> [(out byte offset, tiles, offsets)]
+    counters: torch.Tensor  # for launch_gemm outside a call (benchmarks), not for calls
     cluster_fits: dict = field(default_factory=dict)  # cluster shape -> bool
+
+
+class StreamState:
+    """What the calls of one key on one compute stream use, and no other call: the group
+    counters, the packed and staging buffers and the communication stream."""
+
+    def __init__(self, plan, device: torch.device, dtype: torch.dtype, staging_numel: int | None):
+        low, high = torch.cuda.Stream.priority_range()
+        self.comm = torch.cuda.Stream(device=device, priority=high)
+        self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+        self.packed = torch.empty(plan.packed_numel, dtype=dtype, device=device)
+        self.staging = (self.packed if staging_numel is None
+                        else torch.empty(staging_numel, dtype=dtype, device=device))
+        for t in (self.counters, self.packed, self.staging):
+            t.record_stream(self.comm)  # freed only once the communication stream is done
+        self.handle = None  # the native call (fo_call), when the key takes the native path
+        self.runtime = None
+
+    def __del__(self):
+        if self.handle is not None and self.runtime is not None:
+            self.runtime.call_destroy(self.handle)
 
 
 class CudaBackend(Backend):
@@ -88,9 +120,8 @@ class CudaBackend(Backend):
     MAX_PLANS = 64  # device tables kept for this many recent (plan, device) pairs
 
     def __init__(self):
-        self._states: OrderedDict = OrderedDict()
-        self._streams: dict = {}
-        self._warmed: set = set()  # (device, group, op, dtype) that ran once with host syncs
+        self._tables: OrderedDict = OrderedDict()
+        self._warmed: set = set()  # (kernel library, group, op, dtype) that ran once with syncs
         self._lock = threading.Lock()
 
     # ---- discovery ---------------------------------------------------------------------------
@@ -122,6 +153,9 @@ class CudaBackend(Backend):
                            "(use backend='decomposition' or 'reference')")
         if spec.op == "all_to_all" and spec.send_splits and len(set(spec.send_splits)) > 1:
             reasons.append("all_to_all with unequal send_splits needs a grouped GEMM, which this "
+                           "backend does not have yet (use backend='decomposition')")
+        if spec.op == GATHER_OP:
+            reasons.append("allgather needs a GEMM that waits for arriving rows, which this "
                            "backend does not have yet (use backend='decomposition')")
         if spec.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
@@ -167,63 +201,65 @@ class CudaBackend(Backend):
             reasons.append("destination blocks of unequal rows need a grouped GEMM")
         return reasons
 
-    # ---- per-device state --------------------------------------------------------------------
-    def _comm_stream(self, device: torch.device) -> torch.cuda.Stream:
-        with self._lock:
-            if device not in self._streams:
-                low, high = torch.cuda.Stream.priority_range()
-                self._streams[device] = torch.cuda.Stream(device=device, priority=high)
-            return self._streams[device]
-
-    def _state(self, plan, device) -> PlanState:
+    # ---- per-plan tables and kernels ----------------------------------------------------------
+    def plan_tables(self, plan, device) -> PlanTables:
         key = (plan, device)
         with self._lock:
-            state = self._states.get(key)
-            if state is None:
+            tables = self._tables.get(key)
+            if tables is None:
                 items, groups = plan.item_table()
-                state = PlanState(items, items.to(device), groups.to(device),
-                                  torch.zeros(plan.num_groups, dtype=torch.int32, device=device),
-                                  list(plan.group_sizes))
-                self._states[key] = state
-                while len(self._states) > self.MAX_PLANS:
-                    self._states.popitem(last=False)
-            self._states.move_to_end(key)
-            return state
+                tables = PlanTables(items, items.to(device), groups.to(device),
+                                    torch.zeros(plan.num_groups, dtype=torch.int32, device=device))
+                self._tables[key] = tables
+                while len(self._tables) > self.MAX_PLANS:
+                    self._tables.popitem(last=False)
+            self._tables.move_to_end(key)
+            return tables
 
-    # ---- the pieces ---------------------------------------------------------------------------
-    def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
-                    signal: bool = True, monitor: torch.Tensor | None = None,
-                    stream: torch.cuda.Stream | None = None) -> PlanState:
-        """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
-
-        ``signal=False`` runs the same kernel with no counters (for measuring what signaling
-        costs); ``monitor`` (uint64 [T, 2]) records each tile's completion.
-        """
-        device = a.device
+    def gemm_for(self, plan, tables: PlanTables, b: torch.Tensor):
+        """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b."""
         arch = self._arch()
         # sm80 loads 8-element vectors along K, and along N for a row-major b: such a b with
         # N % 8 != 0 runs as the column-major kernel on a transposed copy.
         col = b_col_major(b) or (arch == 80 and b.shape[1] % 8 != 0)
-        state = self._state(plan, device)
         cluster = kernels.preferred_cluster(arch, plan.tile)
-        fits = state.cluster_fits.get(cluster)
+        fits = tables.cluster_fits.get(cluster)
         if fits is None:
-            fits = state.cluster_fits[cluster] = kernels.cluster_fits(state.items_host, cluster)
+            fits = tables.cluster_fits[cluster] = kernels.cluster_fits(tables.items_host, cluster)
         if not fits:
             cluster = (1, 1)
-        gemm = kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster))
+        return kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster)), col, arch
+
+    def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
+                    signal: bool = True, monitor: torch.Tensor | None = None,
+                    stream: torch.cuda.Stream | None = None,
+                    counters: torch.Tensor | None = None) -> PlanTables:
+        """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
+
+        ``signal=False`` runs the same kernel with no counters (for measuring what signaling
+        costs); ``counters`` default to the plan's benchmark counters (``tables.counters``);
+        ``monitor`` (uint64 [T, 2]) records each tile's completion.
+        """
+        tables = self.plan_tables(plan, a.device)
+        gemm, col, arch = self.gemm_for(plan, tables, b)
         a_op, b_op, k = self._operands(arch, a, b, col)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
-        size = gemm.workspace_size(blocks, rows, plan.n, k, plan.wave_size)
-        workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-        stream = stream or torch.cuda.current_stream(device)
+        workspace = self._workspace(gemm, plan, k, a.device)
+        stream = stream or torch.cuda.current_stream(a.device)
+        counters = counters if counters is not None else tables.counters
         gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks, rows, plan.n,
-                 k, a_op.stride(0), b_op.stride(0), state.items.data_ptr(),
-                 state.item_group.data_ptr(), plan.num_tiles,
-                 state.counters.data_ptr() if signal else None, plan.wave_size,
+                 k, a_op.stride(0), b_op.stride(0), tables.items.data_ptr(),
+                 tables.item_group.data_ptr(), plan.num_tiles,
+                 counters.data_ptr() if signal else None, plan.wave_size,
                  monitor.data_ptr() if monitor is not None else None,
                  workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
-        return state
+        return tables
+
+    @staticmethod
+    def _workspace(gemm, plan, k, device) -> torch.Tensor | None:
+        size = gemm.workspace_size(len(plan.block_rows), plan.block_rows[0], plan.n, k,
+                                   plan.wave_size)
+        return torch.empty(size, dtype=torch.uint8, device=device) if size else None
 
     @staticmethod
     def _operands(arch: int, a: torch.Tensor, b: torch.Tensor, col: bool):
@@ -245,15 +281,230 @@ class CudaBackend(Backend):
         return aligned_rows(a), aligned_rows(b_rows), k
 
     # ---- the call ----------------------------------------------------------------------------
-    def run(self, call: OverlapCall) -> torch.Tensor:
-        self._run(call, call.options.get("monitor"), None)
-        return call.out
+    def prepare(self, template: OverlapCall) -> "CudaCall":
+        return CudaCall(self, template)
 
-    def _run(self, call: OverlapCall, monitor, stamps: dict | None) -> None:
-        """One overlapped call. ``stamps`` (a dict, trace mode): CUDA events at the GEMM's
-        launch and end, around each group's transfer (each transfer then ends on the
-        communication stream before the next starts) and at the end of the call."""
+    def run(self, call: OverlapCall) -> torch.Tensor:
+        """One call without a kept preparation (``fo.overlap`` prepares once per key)."""
+        return self.prepare(call).run(call.a, call.b, call.out, call.op)
+
+    def warm_up(self, key) -> bool:
+        """Whether a call of this (library, group, op, dtype) must run with host syncs first
+        (then marked as done); in CUDA-graph capture that is an error that says what to do."""
+        if key in self._warmed:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "the first call of this shape, op and process group cannot be captured in a CUDA "
+                "graph: it loads its kernels with host synchronisation. Run it once outside the "
+                "capture (a warm-up call, as torch.cuda.graphs recommends), then capture")
+        self._warmed.add(key)
+        return True
+
+    def trace(self, call: OverlapCall):
+        """Run the call with the monitor on: each tile's completion (GPU global timer) and CTA,
+        each group's transfer (CUDA events), on one clock whose origin is the GEMM's launch.
+        The tile clock is aligned so that the last tile ends when the GEMM kernel does."""
+        plan = call.plan
+        monitor = torch.zeros(plan.num_tiles, 2, dtype=torch.int64, device=call.a.device)
+        stamps: dict = {}
+        prepared = CudaCall(self, call, python_path=True)
+        prepared.run_python(call, prepared.state(), monitor, stamps)
+        torch.cuda.synchronize(call.a.device)
+        origin = stamps["launch"][0]
+        gemm_s = origin.elapsed_time(stamps["gemm_end"][0]) / 1e3
+        mon = monitor.cpu()
+        ends = ((mon[:, 0] - mon[:, 0].max()).double() / 1e9 + gemm_s).clamp(min=0)
+        since = lambda events: [origin.elapsed_time(e) / 1e3 for e in events]  # noqa: E731
+        return TileTrace.from_stamps(
+            wave_size=plan.wave_size, group_sizes=plan.group_sizes, item_end=ends.tolist(),
+            item_worker=(mon[:, 1] & 0xFFFFFFFF).tolist(),
+            transfer_start=since(stamps["transfer_start"]),
+            transfer_end=since(stamps["transfer_end"]), call_end=since(stamps["end"])[0],
+            clock="tiles: device globaltimer aligned to the GEMM's end; transfers: CUDA events")
+
+
+NCCL_DTYPES = {"bfloat16": 9, "float16": 6, "float32": 7}
+COLLECTIVES = {"allreduce": 1, "reduce_scatter": 2, "all_to_all": 3}
+
+
+def _current_stream_getter():
+    """The fastest way to read the current stream's raw handle (a per-call read)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+class CudaCall(PreparedCall):
+    """The prepared calls of one key on the cuda backend (see the module docstring).
+
+    ``run`` costs a few microseconds of Python: find this stream's state, check the operands'
+    alignment, one native call that issues the GEMM, every wait and collective, and the
+    post-reorder."""
+
+    def __init__(self, backend: CudaBackend, call: OverlapCall, python_path: bool = False):
+        super().__init__(backend, call)
         plan, a, device = call.plan, call.a, call.a.device
+        self.device, self.index = device, device.index
+        self.kind = call.op if isinstance(call.op, str) else "custom"
+        self.tables = backend.plan_tables(plan, device)
+        self.gemm, self.col, self.arch = backend.gemm_for(plan, self.tables, call.b)
+        self.k = a.shape[1] if self.arch != 80 else -(-a.shape[1] // 8) * 8
+        self.direct = self._takes_directly(a, call.b)
+        self.workspace = backend._workspace(self.gemm, plan, self.k, device)
+        self.wait = wait_mode()
+        self.runtime = kernels.runtime_library()
+        self.current_stream = _current_stream_getter()
+        group = call.group
+        self.python_path = python_path or self.kind == "custom" or (
+            group is not None and not nccl.uses_nccl(group)) or (
+            self.kind == "all_to_all" and call.world_size > 1 and call.recv_splits is None)
+        self.comm = nccl.communicator(group, device) if group is not None and not self.python_path else None
+        self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
+                         plan.dtype)
+        self._states: dict[int, StreamState] = {}
+        first = self.state(self.current_stream(self.index))
+        with torch.cuda.device(device):
+            # The layouts of the regions and of the post-reorder, from the first call: with a
+            # communicator, all_to_all's counts are exchanged here, once.
+            exchange = RegionExchange(call, first.packed)
+            self.staging_numel = exchange.staging.numel() if exchange.staging is not first.packed else None
+            if self.staging_numel is not None:
+                first.staging = exchange.staging
+            self.blocks = self._unpack_tables(exchange)
+            self.steps, self.num_steps, self.per_step = self._steps(call, exchange)
+        if not self.python_path:
+            self._make_native(first)
+
+    # ---- operands ------------------------------------------------------------------------
+    def _takes_directly(self, a, b) -> bool:
+        """Whether the key's strides let the kernel read a and b in place (per call only
+        their base addresses are checked for 16-byte alignment)."""
+        b_rows = b.t() if self.col else b
+        ok = lambda t: t.stride(1) == 1 and t.stride(0) % (ALIGN_BYTES // t.element_size()) == 0  # noqa: E731
+        return ok(a) and ok(b_rows) and self.k == a.shape[1]
+
+    def operands(self, a, b):
+        """(a, lda, b, ldb) for the kernel; copies only when a and b cannot be read in place."""
+        if self.direct and (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0:
+            return a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if self.col else b.stride(0)
+        a_op, b_op, _ = CudaBackend._operands(self.arch, a, b, self.col)
+        self._keep = (a_op, b_op)  # alive until the launch is queued
+        return a_op.data_ptr(), a_op.stride(0), b_op.data_ptr(), b_op.stride(0)
+
+    # ---- tables built once -----------------------------------------------------------------
+    def _unpack_tables(self, exchange) -> list:
+        """Per received block: (byte offset in out, tiles table, source offsets) on the device."""
+        out, tables = exchange.call.out, []
+        for rows_view, tiles, offsets in exchange.block_layouts():
+            if not tiles:
+                continue
+            start = rows_view.data_ptr() - out.data_ptr()
+            rects = torch.tensor([(t.row0, t.rows, t.col0, t.cols) for t in tiles],
+                                 dtype=torch.int32).to(self.device)
+            offs = torch.tensor(offsets, dtype=torch.int64).to(self.device)
+            tables.append((start, rects, offs))
+        return tables
+
+    def _steps(self, call, exchange):
+        """Each collective step's {send offset, send count, recv offset, recv count} (elements),
+        per peer for all_to_all: what the native call hands to NCCL."""
+        plan, world = call.plan, call.world_size
+        if self.kind == "all_to_all" and call.group is not None:
+            rows = []
+            for g in range(exchange.num_collectives):
+                region = plan.regions[g] if g < plan.num_groups else None
+                send_off = region.offset if region is not None else 0
+                counts = exchange.recv_counts[g]
+                recv_off = exchange.recv_offsets[g]
+                for peer in range(world):
+                    sent = region.dest_numels[peer] if region is not None else 0
+                    rows += [send_off, sent, recv_off, counts[peer]]
+                    send_off += sent
+                    recv_off += counts[peer]
+            return rows, exchange.num_collectives, world
+        rows = []
+        for g, region in enumerate(plan.regions):
+            if self.kind == "reduce_scatter" and call.group is not None:
+                rows += [region.offset, region.numel, exchange.recv_offsets[g], region.numel // world]
+            else:
+                rows += [region.offset, region.numel, region.offset, region.numel]
+        return rows, plan.num_groups, 1
+
+    def _make_native(self, state: StreamState) -> None:
+        plan = self.template.plan
+        desc = CallDescription()
+        desc.abi_version = 1
+        desc.gemm_run = self.gemm.run_address
+        desc.L, desc.block_rows = len(plan.block_rows), plan.block_rows[0]
+        desc.N, desc.K = plan.n, self.k
+        desc.items, desc.item_group = self.tables.items.data_ptr(), self.tables.item_group.data_ptr()
+        desc.num_items, desc.num_ctas = plan.num_tiles, plan.wave_size
+        desc.workspace = self.workspace.data_ptr() if self.workspace is not None else None
+        desc.packed, desc.staging = state.packed.data_ptr(), state.staging.data_ptr()
+        desc.counters, desc.num_groups = state.counters.data_ptr(), plan.num_groups
+        desc.group_sizes = (c_int32 * plan.num_groups)(*plan.group_sizes)
+        desc.wait_mode = WAIT_MODES[self.wait]
+        desc.collective = COLLECTIVES[self.kind] if self.comm is not None else 0
+        desc.nccl_comm = self.comm
+        desc.nccl_dtype = NCCL_DTYPES[plan.dtype]
+        desc.num_steps, desc.per_step = self.num_steps, self.per_step
+        desc.steps = (c_int64 * max(1, len(self.steps)))(*self.steps)
+        desc.num_blocks = len(self.blocks)
+        desc.block_out_offset = (c_int64 * max(1, len(self.blocks)))(*[b[0] for b in self.blocks])
+        desc.block_tiles = (c_void_p * max(1, len(self.blocks)))(*[b[1].data_ptr() for b in self.blocks])
+        desc.block_offsets = (c_void_p * max(1, len(self.blocks)))(*[b[2].data_ptr() for b in self.blocks])
+        desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
+        desc.ldo, desc.elem_size = plan.n, state.packed.element_size()
+        desc.comm_stream = state.comm.cuda_stream
+        state.runtime = self.runtime
+        state.handle = self.runtime.call_create(desc)
+
+    # ---- per stream --------------------------------------------------------------------------
+    def state(self, stream: int | None = None) -> StreamState:
+        """This compute stream's state, made on its first call."""
+        if stream is None:
+            stream = self.current_stream(self.index)
+        state = self._states.get(stream)
+        if state is None:
+            plan = self.template.plan
+            state = StreamState(plan, self.device, plan.torch_dtype,
+                                getattr(self, "staging_numel", None))
+            if hasattr(self, "blocks") and not self.python_path:
+                self._make_native(state)
+            self._states[stream] = state
+        return state
+
+    # ---- the call ----------------------------------------------------------------------------
+    def run(self, a, b, out, op):
+        if torch.cuda.current_device() != self.index:
+            with torch.cuda.device(self.device):
+                return self.run(a, b, out, op)
+        stream = self.current_stream(self.index)
+        state = self._states.get(stream) or self.state(stream)
+        if self.python_path:
+            t = self.template
+            call = OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits)
+            self.run_python(call, state)
+            return call.out
+        warm = self.backend.warm_up(self.warm_key)
+        a_ptr, lda, b_ptr, ldb = self.operands(a, b)
+        err = self.runtime.call_run(state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream,
+                                    int(warm))
+        if err:
+            gemm_detail = self.gemm.lib.fo_last_error()
+            self.runtime.check(err, "fo_call_run" + (
+                f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
+        return out
+
+    def run_python(self, call: OverlapCall, state: StreamState, monitor=None,
+                   stamps: dict | None = None) -> None:
+        """The call from Python: custom ops, all_to_all without recv_splits, groups without
+        NCCL, and traces. ``stamps`` (a dict, trace mode): CUDA events at the GEMM's launch and
+        end, around each group's transfer (each transfer then ends on the communication stream
+        before the next starts) and at the end of the call."""
+        plan, device = call.plan, call.a.device
 
         def stamp(name, stream):
             if stamps is not None:
@@ -262,22 +513,20 @@ class CudaBackend(Backend):
                 stamps.setdefault(name, []).append(event)
 
         with torch.cuda.device(device):
-            runtime = kernels.runtime_library()
-            compute, comm = torch.cuda.current_stream(device), self._comm_stream(device)
-            packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=device)
-            exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
+            runtime = self.runtime
+            compute, comm = torch.cuda.current_stream(device), state.comm
+            exchange = RegionExchange(call, state.packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
             stamp("launch", compute)
-            state = self.launch_gemm(plan, a, call.b, packed, monitor=monitor, stream=compute)
+            self.backend.launch_gemm(plan, call.a, call.b, state.packed, monitor=monitor,
+                                     stream=compute, counters=state.counters)
             stamp("gemm_end", compute)
-            warm_key = (device, id(call.group), exchange.kind, plan.dtype)
-            first = warm_key not in self._warmed
+            first = self.backend.warm_up(self.warm_key)
             if first:  # load every kernel of the call on an idle device (see module doc)
                 compute.synchronize()
-            mode = wait_mode()
             with torch.cuda.stream(comm):
-                for g, size in enumerate(state.group_sizes):
-                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, mode,
+                for g, size in enumerate(plan.group_sizes):
+                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, self.wait,
                                          comm.cuda_stream)
                     stamp("transfer_start", comm)
                     exchange.start(g)
@@ -292,56 +541,16 @@ class CudaBackend(Backend):
             with torch.cuda.stream(comm):
                 runtime.reset_counters(state.counters.data_ptr(), plan.num_groups, comm.cuda_stream)
             compute.wait_stream(comm)
-            self._unpack(runtime, exchange, state, compute)
+            tables = self.blocks if self.kind != "all_to_all" or call.recv_splits is not None \
+                else self._unpack_tables(exchange)
+            out = call.out
+            for start, rects, offs in tables:
+                runtime.unpack_tiles(exchange.staging.data_ptr(), out.data_ptr() + start,
+                                     out.stride(0), rects.data_ptr(), offs.data_ptr(),
+                                     rects.shape[0], out.element_size(), compute.cuda_stream)
             stamp("end", compute)
             if first:
                 torch.cuda.synchronize(device)
-                self._warmed.add(warm_key)
-
-    def trace(self, call: OverlapCall):
-        """Run the call with the monitor on: each tile's completion (GPU global timer) and CTA,
-        each group's transfer (CUDA events), on one clock whose origin is the GEMM's launch.
-        The tile clock is aligned so that the last tile ends when the GEMM kernel does."""
-        from flashoverlap_core.tuning.trace import TileTrace
-
-        plan = call.plan
-        monitor = torch.zeros(plan.num_tiles, 2, dtype=torch.int64, device=call.a.device)
-        stamps: dict = {}
-        self._run(call, monitor, stamps)
-        torch.cuda.synchronize(call.a.device)
-        origin = stamps["launch"][0]
-        gemm_s = origin.elapsed_time(stamps["gemm_end"][0]) / 1e3
-        mon = monitor.cpu()
-        ends = ((mon[:, 0] - mon[:, 0].max()).double() / 1e9 + gemm_s).clamp(min=0)
-        since = lambda events: [origin.elapsed_time(e) / 1e3 for e in events]  # noqa: E731
-        return TileTrace.from_stamps(
-            wave_size=plan.wave_size, group_sizes=plan.group_sizes, item_end=ends.tolist(),
-            item_worker=(mon[:, 1] & 0xFFFFFFFF).tolist(),
-            transfer_start=since(stamps["transfer_start"]),
-            transfer_end=since(stamps["transfer_end"]), call_end=since(stamps["end"])[0],
-            clock="tiles: device globaltimer aligned to the GEMM's end; transfers: CUDA events")
-
-    def _unpack(self, runtime, exchange, state, stream) -> None:
-        """Post-communication reorder kernel, one launch per received block. The tile tables
-        of a plan's fixed layouts (all but all_to_all's) are built once and kept on the device."""
-        tables = state.unpack.get(exchange.kind) if exchange.kind != "all_to_all" else None
-        if tables is None:
-            tables = []
-            for rows_view, tiles, offsets in exchange.block_layouts():
-                if not tiles:
-                    continue
-                start = rows_view.data_ptr() - exchange.call.out.data_ptr()
-                rects = torch.tensor([(t.row0, t.rows, t.col0, t.cols) for t in tiles],
-                                     dtype=torch.int32).to(rows_view.device)
-                offs = torch.tensor(offsets, dtype=torch.int64).to(rows_view.device)
-                tables.append((start, rects, offs))
-            if exchange.kind != "all_to_all":
-                state.unpack[exchange.kind] = tables
-        out = exchange.call.out
-        for start, rects, offs in tables:
-            runtime.unpack_tiles(exchange.staging.data_ptr(), out.data_ptr() + start,
-                                 out.stride(0), rects.data_ptr(), offs.data_ptr(),
-                                 rects.shape[0], out.element_size(), stream.cuda_stream)
 
 
 def b_col_major(b: torch.Tensor) -> bool:

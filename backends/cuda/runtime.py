@@ -18,6 +18,24 @@ class GemmDescription(ctypes.Structure):
         "b_col_major", "cta_multiple")]
 
 
+class CallDescription(ctypes.Structure):
+    """fo_call_desc: a prepared overlapped call (see flashoverlap_cuda.h)."""
+
+    _fields_ = [
+        ("abi_version", c_int), ("gemm_run", c_void_p), ("L", c_int), ("block_rows", c_int),
+        ("N", c_int), ("K", c_int), ("items", c_void_p),
+        ("item_group", c_void_p), ("num_items", c_int), ("num_ctas", c_int),
+        ("workspace", c_void_p), ("packed", c_void_p), ("staging", c_void_p),
+        ("counters", c_void_p), ("num_groups", c_int), ("group_sizes", POINTER(c_int32)),
+        ("wait_mode", c_int), ("collective", c_int), ("nccl_comm", c_void_p),
+        ("nccl_dtype", c_int), ("num_steps", c_int), ("per_step", c_int),
+        ("steps", POINTER(c_int64)), ("num_blocks", c_int),
+        ("block_out_offset", POINTER(c_int64)), ("block_tiles", POINTER(c_void_p)),
+        ("block_offsets", POINTER(c_void_p)), ("block_num_tiles", POINTER(c_int32)),
+        ("ldo", c_int64), ("elem_size", c_int), ("comm_stream", c_void_p),
+    ]
+
+
 class KernelError(RuntimeError):
     """A CUDA call inside a kernel library failed."""
 
@@ -55,6 +73,7 @@ class GemmLibrary(_Library):
             c_void_p, c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p]
         lib.fo_gemm_run.restype = c_int
         self.description = lib.fo_gemm_describe().contents
+        self.run_address = ctypes.cast(lib.fo_gemm_run, c_void_p).value  # for fo_call_desc
         if self.description.abi_version != ABI_VERSION:
             raise KernelError(f"{path} has ABI version {self.description.abi_version}, "
                               f"expected {ABI_VERSION}: rebuild it (flashoverlap build)")
@@ -88,6 +107,59 @@ class RuntimeLibrary(_Library):
                                         c_int, c_void_p]
         lib.fo_unpack_tiles.restype = c_int
 
+        lib.fo_nccl_load.argtypes = [ctypes.c_char_p]
+        lib.fo_nccl_load.restype = c_int
+        lib.fo_nccl_version.argtypes = [POINTER(c_int)]
+        lib.fo_nccl_version.restype = c_int
+        lib.fo_nccl_unique_id.argtypes = [c_void_p]
+        lib.fo_nccl_unique_id.restype = c_int
+        lib.fo_nccl_comm_init.argtypes = [POINTER(c_void_p), c_int, c_void_p, c_int, c_int]
+        lib.fo_nccl_comm_init.restype = c_int
+        lib.fo_nccl_comm_destroy.argtypes = [c_void_p]
+        lib.fo_nccl_comm_destroy.restype = c_int
+        lib.fo_call_create.argtypes = [POINTER(CallDescription), POINTER(c_void_p)]
+        lib.fo_call_create.restype = c_int
+        lib.fo_call_run.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                    c_void_p, c_int]
+        lib.fo_call_run.restype = c_int
+        lib.fo_call_destroy.argtypes = [c_void_p]
+        lib.fo_call_destroy.restype = None
+        self.call_run = lib.fo_call_run  # the per-call entry point, bound once
+
+    # ---- NCCL, through the runtime object ----------------------------------------------------
+    def nccl_load(self, path: str | None) -> None:
+        self.check(self.lib.fo_nccl_load((path or "").encode()), "loading NCCL")
+
+    def nccl_version(self) -> int:
+        out = c_int(0)
+        self.check(self.lib.fo_nccl_version(ctypes.byref(out)), "ncclGetVersion")
+        return out.value
+
+    def nccl_unique_id(self) -> bytes:
+        buf = ctypes.create_string_buffer(128)
+        self.check(self.lib.fo_nccl_unique_id(buf), "ncclGetUniqueId")
+        return buf.raw
+
+    def nccl_comm_init(self, nranks: int, unique_id: bytes, rank: int, device: int) -> int:
+        comm = c_void_p(0)
+        buf = ctypes.create_string_buffer(unique_id, 128)
+        self.check(self.lib.fo_nccl_comm_init(ctypes.byref(comm), nranks, buf, rank, device),
+                   "ncclCommInitRank")
+        return comm.value
+
+    def nccl_comm_destroy(self, comm: int) -> None:
+        self.check(self.lib.fo_nccl_comm_destroy(comm), "ncclCommDestroy")
+
+    # ---- prepared calls ----------------------------------------------------------------------
+    def call_create(self, desc: CallDescription) -> int:
+        handle = c_void_p(0)
+        self.check(self.lib.fo_call_create(ctypes.byref(desc), ctypes.byref(handle)),
+                   "fo_call_create")
+        return handle.value
+
+    def call_destroy(self, handle: int) -> None:
+        self.lib.fo_call_destroy(handle)
+
     def wait_counter(self, counter_ptr: int, value: int, mode: str, stream: int) -> None:
         self.check(self.lib.fo_wait_counter(counter_ptr, value, WAIT_MODES[mode], stream),
                    "fo_wait_counter")
@@ -101,4 +173,5 @@ class RuntimeLibrary(_Library):
                                             stream), "fo_unpack_tiles")
 
 
-__all__ = ["GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES", "c_uint64"]
+__all__ = ["CallDescription", "GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES",
+           "c_uint64"]

@@ -102,6 +102,75 @@ FO_API cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, cons
                             const int64_t* src_offsets, int num_tiles, int elem_size,
                             cudaStream_t stream);
 
+// ---- NCCL, reached at run time (runtime object) ------------------------------------------
+// fo_nccl_load resolves NCCL from the libnccl.so.2 already loaded in the process (torch's), else
+// from `path`. Communicators are plain ncclComm_t handles (void* here); a unique id is 128 bytes.
+FO_API cudaError_t fo_nccl_load(const char* path);
+FO_API cudaError_t fo_nccl_version(int* version);
+FO_API cudaError_t fo_nccl_unique_id(void* id128);
+FO_API cudaError_t fo_nccl_comm_init(void** comm, int nranks, const void* id128, int rank, int device);
+FO_API cudaError_t fo_nccl_comm_destroy(void* comm);
+
+// ---- a prepared overlapped call (runtime object) -------------------------------------------
+// Everything one call of a fixed shape needs, built once (fo_call_create copies the host
+// arrays); fo_call_run then issues the whole call with no host synchronisation:
+//   compute: [wait for prior work of `comm_stream`'s previous call is implied by stream order]
+//            the signaling GEMM (through `gemm_run`, the fo_gemm_run of its library)
+//   comm:    waits for the compute stream's work before the call (event), then per collective
+//            step s: a device-side wait until counters[s] >= group_sizes[s] (s < num_groups),
+//            then the step's NCCL collective on its region of `packed` (into `staging`)
+//   compute: waits for the communication stream (event), then the post-reorder of every block
+//            from `staging` into `out`, which also zeroes the counters for the next call.
+// Collective kinds: 0 none (world size 1 without a communicator: no waits, no communication
+// stream; the post-reorder reads `packed`, which must then be `staging`),
+// 1 allreduce (in place), 2 reduce_scatter, 3 all_to_all (grouped send/recv per peer).
+// `steps`: int64, `per_step` entries of {send offset, send count, recv offset, recv count} per
+// step (elements; per_step = world size for all_to_all, else 1); a step may move nothing (an
+// all_to_all rank with fewer groups than a peer still takes part in the peer's step).
+// Unpack blocks: per block its byte offset in `out`, and device tables {row0, rows, col0, cols}
+// (int32) and source offsets in `staging` (int64) of its tiles, as fo_unpack_tiles takes them.
+typedef struct fo_call fo_call;
+typedef struct {
+  int abi_version;  // FO_CUDA_ABI_VERSION
+  // the GEMM (fo_gemm_run arguments that do not change between calls)
+  void* gemm_run;
+  int L, block_rows, N, K;
+  const int64_t* items;
+  const int32_t* item_group;
+  int num_items, num_ctas;
+  void* workspace;
+  // buffers and groups
+  void* packed;
+  void* staging;
+  int32_t* counters;
+  int num_groups;
+  const int32_t* group_sizes;  // host
+  int wait_mode;               // as fo_wait_counter
+  // the collective
+  int collective;
+  void* nccl_comm;
+  int nccl_dtype;
+  int num_steps, per_step;
+  const int64_t* steps;  // host
+  // post-reorder
+  int num_blocks;
+  const int64_t* block_out_offset;     // host, bytes
+  const int32_t* const* block_tiles;   // host array of device pointers
+  const int64_t* const* block_offsets; // host array of device pointers
+  const int32_t* block_num_tiles;      // host
+  int64_t ldo;                         // out row stride, elements
+  int elem_size;
+  cudaStream_t comm_stream;
+} fo_call_desc;
+
+FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);
+// One call. `warm` != 0: synchronise after each phase (a call's first run: every kernel it
+// launches, NCCL's too, is loaded while the device is idle; see GPU-FACTS on lazy loading).
+// a and b as fo_gemm_run takes them (lda, ldb: elements between their stored rows).
+FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const void* b,
+                               int64_t ldb, void* out, cudaStream_t stream, int warm);
+FO_API void fo_call_destroy(fo_call* call);
+
 FO_API const char* fo_last_error(void);
 
 #ifdef __cplusplus

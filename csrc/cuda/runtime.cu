@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "common.cuh"
+#include "nccl_loader.cuh"
 
 namespace fo::runtime {
 
@@ -89,8 +90,13 @@ __global__ void __launch_bounds__(kUnpackThreads) unpack_tiles(const char* __res
                                                                char* __restrict__ dst, int64_t ldd,
                                                                const int32_t* __restrict__ tiles,
                                                                const int64_t* __restrict__ src_offsets,
-                                                               int elem_size) {
+                                                               int elem_size, int32_t* reset,
+                                                               int num_reset) {
   const int t = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
+  // A prepared call zeroes its group counters here: every wait on them has passed (the stream
+  // waited for the communication stream), and it saves a launch per call.
+  if (t == 0 && part == 0)
+    for (int i = threadIdx.x; i < num_reset; i += kUnpackThreads) reset[i] = 0;
   const int row0 = tiles[4 * t], rows = tiles[4 * t + 1], col0 = tiles[4 * t + 2], cols = tiles[4 * t + 3];
   const char* s = src + src_offsets[t] * elem_size;
   char* d = dst + (int64_t(row0) * ldd + col0) * elem_size;
@@ -107,7 +113,40 @@ __global__ void __launch_bounds__(kUnpackThreads) unpack_tiles(const char* __res
     copy_tile(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint16_t*>(d), ldd_bytes / 2, rows, int(row_bytes / 2), part, parts);
 }
 
+// Split each tile over `parts` blocks so that small tile counts still fill the device.
+inline cudaError_t launch_unpack(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
+                                 const int64_t* src_offsets, int num_tiles, int elem_size,
+                                 int32_t* reset, int num_reset, cudaStream_t stream) {
+  const int parts = num_tiles >= 1024 ? 1 : (1024 + num_tiles - 1) / num_tiles < 8 ? (1024 + num_tiles - 1) / num_tiles : 8;
+  unpack_tiles<<<dim3(num_tiles, parts), kUnpackThreads, 0, stream>>>(
+      static_cast<const char*>(src), static_cast<char*>(dst), ldd, tiles, src_offsets, elem_size,
+      reset, num_reset);
+  FO_CUDA_CHECK(cudaGetLastError());
+  return cudaSuccess;
+}
+
+cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
+  if (mode == 0) {
+    StreamWaitValue32 fn;
+    cudaError_t err = stream_wait_value32(&fn);
+    if (err != cudaSuccess) return err;
+    CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter),
+                    cuuint32_t(value), CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS)
+      return fo::fail(cudaErrorUnknown, "cuStreamWaitValue32 failed with CUresult %d", int(r));
+    return cudaSuccess;
+  }
+  if (mode == 1) {
+    spin_wait<<<1, 1, 0, stream>>>(counter, value);
+    FO_CUDA_CHECK(cudaGetLastError());
+    return cudaSuccess;
+  }
+  return fo::fail(cudaErrorInvalidValue, "wait mode %d is not 0 (stream wait) or 1 (spin kernel)", mode);
+}
+
 }  // namespace fo::runtime
+
+#include "overlap_call.cuh"
 
 using namespace fo::runtime;
 
@@ -124,22 +163,7 @@ FO_API cudaError_t fo_load_kernels(void) {
 
 FO_API cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
   if (!counter) return fo::fail(cudaErrorInvalidValue, "fo_wait_counter: counter is null");
-  if (mode == 0) {
-    StreamWaitValue32 fn;
-    cudaError_t err = stream_wait_value32(&fn);
-    if (err != cudaSuccess) return err;
-    CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter),
-                    cuuint32_t(value), CU_STREAM_WAIT_VALUE_GEQ);
-    if (r != CUDA_SUCCESS)
-      return fo::fail(cudaErrorUnknown, "fo_wait_counter: cuStreamWaitValue32 failed with CUresult %d", int(r));
-    return cudaSuccess;
-  }
-  if (mode == 1) {
-    spin_wait<<<1, 1, 0, stream>>>(counter, value);
-    FO_CUDA_CHECK(cudaGetLastError());
-    return cudaSuccess;
-  }
-  return fo::fail(cudaErrorInvalidValue, "fo_wait_counter: mode %d is not 0 (stream wait) or 1 (spin kernel)", mode);
+  return wait_counter(counter, value, mode, stream);
 }
 
 FO_API cudaError_t fo_reset_counters(int32_t* counters, int n, cudaStream_t stream) {
@@ -162,12 +186,7 @@ FO_API cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, cons
     return fo::fail(cudaErrorInvalidValue, "fo_unpack_tiles: src, dst, tiles and src_offsets must be non-null, ldd >= 1");
   if (num_tiles > 0x7fffffff / 2)
     return fo::fail(cudaErrorInvalidValue, "fo_unpack_tiles: too many tiles (%d)", num_tiles);
-  // Split each tile over `parts` blocks so that small tile counts still fill the device.
-  const int parts = num_tiles >= 1024 ? 1 : (1024 + num_tiles - 1) / num_tiles < 8 ? (1024 + num_tiles - 1) / num_tiles : 8;
-  unpack_tiles<<<dim3(num_tiles, parts), kUnpackThreads, 0, stream>>>(
-      static_cast<const char*>(src), static_cast<char*>(dst), ldd, tiles, src_offsets, elem_size);
-  FO_CUDA_CHECK(cudaGetLastError());
-  return cudaSuccess;
+  return launch_unpack(src, dst, ldd, tiles, src_offsets, num_tiles, elem_size, nullptr, 0, stream);
 }
 
 FO_API const char* fo_last_error(void) { return fo::last_error_text().c_str(); }

@@ -1,0 +1,70 @@
+"""NCCL communicators for the native call path: one per (process group, device), made once.
+
+As vLLM's PyNccl does, the communicator is created through the user's own process group: rank 0
+of the group draws a unique id, the group broadcasts it, and every rank joins with
+``ncclCommInitRank``. NCCL itself is the libnccl.so.2 that the installed torch loaded (the
+runtime object resolves it with dlopen), so the two never disagree on the NCCL version.
+``FLASHOVERLAP_NCCL_LIBRARY`` names another library file to load when torch's is not loaded.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+
+ENV_LIBRARY = "FLASHOVERLAP_NCCL_LIBRARY"
+
+_lock = threading.Lock()
+_comms: dict = {}  # (group, device index) -> ncclComm_t (int)
+
+
+def uses_nccl(group) -> bool:
+    """Whether the process group's collectives on CUDA tensors go through NCCL."""
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return False
+
+
+def library_path() -> str | None:
+    """A libnccl.so.2 to load when the process has none loaded yet: the environment's choice,
+    else the one of the nvidia-nccl wheel next to torch."""
+    if os.environ.get(ENV_LIBRARY):
+        return os.environ[ENV_LIBRARY]
+    site = Path(torch.__file__).resolve().parents[1]
+    for candidate in sorted(site.glob("nvidia/nccl/lib/libnccl.so*")):
+        return str(candidate)
+    return None
+
+
+def version() -> int:
+    """NCCL's version code (e.g. 22809 for 2.28.9), loading NCCL if needed."""
+    runtime = kernels.runtime_library()
+    runtime.nccl_load(library_path())
+    return runtime.nccl_version()
+
+
+def communicator(group, device: torch.device) -> int:
+    """This rank's ncclComm_t for ``group`` on ``device``, created on first use (a collective:
+    every rank of the group must ask, in the same order, as for any collective)."""
+    key = (group, device.index)
+    with _lock:
+        comm = _comms.get(key)
+        if comm is not None:
+            return comm
+        runtime = kernels.runtime_library()
+        runtime.nccl_load(library_path())
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        uid = torch.zeros(128, dtype=torch.uint8)
+        if rank == 0:
+            uid = torch.frombuffer(bytearray(runtime.nccl_unique_id()), dtype=torch.uint8)
+        on_device = uid.to(device)
+        dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
+        comm = runtime.nccl_comm_init(world, bytes(on_device.cpu().numpy()), rank, device.index)
+        _comms[key] = comm
+        return comm

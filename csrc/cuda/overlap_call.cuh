@@ -1,0 +1,229 @@
+// A prepared overlapped call (fo_call_* in flashoverlap_cuda.h): the whole call issued by one
+// native function, so that a call costs microseconds of host time whatever its group count.
+// Included by runtime.cu after the runtime kernels.
+#pragma once
+#include <vector>
+
+#include "flashoverlap_cuda.h"
+#include "nccl_loader.cuh"
+
+struct fo_call {
+  fo_call_desc d;
+  std::vector<int32_t> group_sizes;
+  std::vector<int64_t> steps;
+  std::vector<int64_t> block_out_offset;
+  std::vector<const int32_t*> block_tiles;
+  std::vector<const int64_t*> block_offsets;
+  std::vector<int32_t> block_num_tiles;
+  cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
+  cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
+};
+
+namespace fo::runtime {
+
+using GemmRun = cudaError_t (*)(const void*, const void*, void*, int, int, int, int, int64_t,
+                                int64_t, const int64_t*, const int32_t*, int, int32_t*, int,
+                                uint64_t*, void*, cudaStream_t);
+
+inline cudaError_t check_desc(const fo_call_desc& d) {
+  if (d.abi_version != FO_CUDA_ABI_VERSION)
+    return fail(cudaErrorInvalidValue, "fo_call_create: descriptor ABI %d, library ABI %d",
+                d.abi_version, FO_CUDA_ABI_VERSION);
+  if (!d.gemm_run || !d.packed || !d.staging || !d.counters || (d.collective && !d.comm_stream))
+    return fail(cudaErrorInvalidValue,
+                "fo_call_create: gemm_run, packed, staging, counters (and with a collective, "
+                "comm_stream) are required");
+  if (d.num_groups < 1 || !d.group_sizes || d.per_step < 1 || (d.num_steps > 0 && !d.steps) ||
+      (d.collective != 0 && d.num_steps < d.num_groups))
+    return fail(cudaErrorInvalidValue,
+                "fo_call_create: need num_groups >= 1 with sizes, num_steps >= num_groups, "
+                "per_step >= 1 and the step table");
+  if (d.collective < 0 || d.collective > 3 || (d.collective != 0 && !nccl::loaded()) ||
+      (d.collective != 0 && !d.nccl_comm))
+    return fail(cudaErrorInvalidValue,
+                "fo_call_create: collective %d needs NCCL loaded (fo_nccl_load) and a communicator",
+                d.collective);
+  if (d.collective != 3 && d.per_step != 1)
+    return fail(cudaErrorInvalidValue, "fo_call_create: only all_to_all has per_step > 1");
+  if (d.wait_mode != 0 && d.wait_mode != 1)
+    return fail(cudaErrorInvalidValue, "fo_call_create: wait_mode %d is not 0 or 1", d.wait_mode);
+  if (d.elem_size != 2 && d.elem_size != 4)
+    return fail(cudaErrorInvalidValue, "fo_call_create: elem_size %d is not 2 or 4", d.elem_size);
+  if (d.num_blocks < 0 || (d.num_blocks > 0 && (!d.block_out_offset || !d.block_tiles ||
+                                                !d.block_offsets || !d.block_num_tiles)))
+    return fail(cudaErrorInvalidValue, "fo_call_create: incomplete unpack block tables");
+  return cudaSuccess;
+}
+
+// Step s's collective on the communication stream.
+inline cudaError_t launch_step(const fo_call& c, int s) {
+  const fo_call_desc& d = c.d;
+  const int64_t* e = c.steps.data() + int64_t(s) * d.per_step * 4;
+  char* packed = static_cast<char*>(d.packed);
+  char* staging = static_cast<char*>(d.staging);
+  const int64_t es = d.elem_size;
+  const nccl::Api& n = nccl::api();
+  auto comm = static_cast<nccl::Comm>(d.nccl_comm);
+  switch (d.collective) {
+    case 1:
+      if (e[1] > 0)
+        FO_NCCL_CHECK(n.AllReduce(packed + e[0] * es, packed + e[0] * es, size_t(e[1]),
+                                  d.nccl_dtype, nccl::kSum, comm, d.comm_stream));
+      return cudaSuccess;
+    case 2:
+      if (e[3] > 0)
+        FO_NCCL_CHECK(n.ReduceScatter(packed + e[0] * es, staging + e[2] * es, size_t(e[3]),
+                                      d.nccl_dtype, nccl::kSum, comm, d.comm_stream));
+      return cudaSuccess;
+    case 3: {
+      FO_NCCL_CHECK(n.GroupStart());
+      for (int peer = 0; peer < d.per_step; ++peer) {
+        const int64_t* p = e + 4 * peer;
+        if (p[1] > 0) {
+          nccl::Result r = n.Send(packed + p[0] * es, size_t(p[1]), d.nccl_dtype, peer, comm,
+                                  d.comm_stream);
+          if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
+        }
+        if (p[3] > 0) {
+          nccl::Result r = n.Recv(staging + p[2] * es, size_t(p[3]), d.nccl_dtype, peer, comm,
+                                  d.comm_stream);
+          if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
+        }
+      }
+      FO_NCCL_CHECK(n.GroupEnd());
+      return cudaSuccess;
+    }
+    default:
+      return cudaSuccess;  // world size 1 without a communicator: the identity
+  }
+}
+
+inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                            void* out, cudaStream_t stream, bool warm) {
+  const fo_call_desc& d = c.d;
+  // Without a collective (world size 1, no communicator) there is nothing to overlap: the
+  // GEMM and the post-reorder run on the caller's stream, which orders them.
+  const bool communicate = d.collective != 0;
+  if (communicate) {
+    // The communication stream's work must follow whatever the caller queued before this
+    // call (the inputs, and the previous call's reads of the packed buffer).
+    FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
+    FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
+  }
+  // The GEMM first: a waiter queued before its producer could deadlock (GPU-FACTS).
+  cudaError_t err = reinterpret_cast<GemmRun>(d.gemm_run)(
+      a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items, d.item_group,
+      d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
+  if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
+    return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
+  if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (int s = 0; communicate && s < d.num_steps; ++s) {
+    if (s < d.num_groups) {
+      err = wait_counter(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream);
+      if (err != cudaSuccess) return err;
+    }
+    err = launch_step(c, s);
+    if (err != cudaSuccess) return err;
+  }
+  if (communicate) {
+    if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+    FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
+    FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
+  }
+  bool reset = false;
+  for (int k = 0; k < d.num_blocks; ++k) {
+    if (c.block_num_tiles[k] == 0) continue;
+    err = launch_unpack(d.staging, static_cast<char*>(out) + c.block_out_offset[k], d.ldo,
+                        c.block_tiles[k], c.block_offsets[k], c.block_num_tiles[k], d.elem_size,
+                        reset ? nullptr : d.counters, reset ? 0 : d.num_groups, stream);
+    if (err != cudaSuccess) return err;
+    reset = true;
+  }
+  if (!reset) {  // nothing to unpack (a rank that receives no rows): reset on its own
+    reset_counters<<<1, 256, 0, stream>>>(d.counters, d.num_groups);
+    FO_CUDA_CHECK(cudaGetLastError());
+  }
+  if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return cudaSuccess;
+}
+
+}  // namespace fo::runtime
+
+extern "C" {
+
+FO_API cudaError_t fo_nccl_load(const char* path) { return fo::nccl::load(path); }
+
+FO_API cudaError_t fo_nccl_version(int* version) {
+  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  FO_NCCL_CHECK(fo::nccl::api().GetVersion(version));
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_unique_id(void* id128) {
+  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  FO_NCCL_CHECK(fo::nccl::api().GetUniqueId(static_cast<fo::nccl::UniqueId*>(id128)));
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_comm_init(void** comm, int nranks, const void* id128, int rank, int device) {
+  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  if (!comm || !id128 || nranks < 1 || rank < 0 || rank >= nranks)
+    return fo::fail(cudaErrorInvalidValue, "fo_nccl_comm_init: bad arguments (nranks %d, rank %d)",
+                    nranks, rank);
+  FO_CUDA_CHECK(cudaSetDevice(device));
+  fo::nccl::UniqueId id;
+  memcpy(&id, id128, sizeof(id));
+  FO_NCCL_CHECK(fo::nccl::api().CommInitRank(reinterpret_cast<fo::nccl::Comm*>(comm), nranks, id, rank));
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_comm_destroy(void* comm) {
+  if (!comm || !fo::nccl::loaded()) return cudaSuccess;
+  FO_NCCL_CHECK(fo::nccl::api().CommDestroy(static_cast<fo::nccl::Comm>(comm)));
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** out) {
+  if (!desc || !out) return fo::fail(cudaErrorInvalidValue, "fo_call_create: null argument");
+  cudaError_t err = fo::runtime::check_desc(*desc);
+  if (err != cudaSuccess) return err;
+  auto* c = new fo_call();
+  c->d = *desc;
+  c->group_sizes.assign(desc->group_sizes, desc->group_sizes + desc->num_groups);
+  c->steps.assign(desc->steps, desc->steps + int64_t(desc->num_steps) * desc->per_step * 4);
+  c->block_out_offset.assign(desc->block_out_offset, desc->block_out_offset + desc->num_blocks);
+  c->block_tiles.assign(desc->block_tiles, desc->block_tiles + desc->num_blocks);
+  c->block_offsets.assign(desc->block_offsets, desc->block_offsets + desc->num_blocks);
+  c->block_num_tiles.assign(desc->block_num_tiles, desc->block_num_tiles + desc->num_blocks);
+  // The descriptor's host arrays belong to the caller: point at our copies.
+  c->d.group_sizes = c->group_sizes.data();
+  c->d.steps = c->steps.data();
+  c->d.block_out_offset = c->block_out_offset.data();
+  c->d.block_tiles = c->block_tiles.data();
+  c->d.block_offsets = c->block_offsets.data();
+  c->d.block_num_tiles = c->block_num_tiles.data();
+  err = cudaEventCreateWithFlags(&c->inputs_ready, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->comm_done, cudaEventDisableTiming);
+  if (err != cudaSuccess) {
+    fo_call_destroy(c);
+    return fo::fail(err, "fo_call_create: cudaEventCreate: %s", cudaGetErrorString(err));
+  }
+  *out = c;
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const void* b,
+                               int64_t ldb, void* out, cudaStream_t stream, int warm) {
+  if (!call || !a || !b || !out)
+    return fo::fail(cudaErrorInvalidValue, "fo_call_run: call, a, b and out must be non-null");
+  return fo::runtime::run_call(*call, a, lda, b, ldb, out, stream, warm != 0);
+}
+
+FO_API void fo_call_destroy(fo_call* call) {
+  if (!call) return;
+  if (call->inputs_ready) cudaEventDestroy(call->inputs_ready);
+  if (call->comm_done) cudaEventDestroy(call->comm_done);
+  delete call;
+}
+
+}  // extern "C"
