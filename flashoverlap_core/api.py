@@ -203,6 +203,12 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
     with _prepare_lock:
         entry = _prepared.get(key)
         if entry is None:
+            if _capturing(a.device):
+                raise ValueError(
+                    "the first call of this key (shapes, strides, dtype, op, group, plan) cannot be "
+                    "captured in a graph: preparing it loads kernels, builds tables and checks the "
+                    "plan across ranks, with host synchronisation. Run the call once outside the "
+                    "capture (a warm-up call), then capture")
             _agree_across_ranks(call, a.shape[0])
             if call.plan.strategy == "sequential":
                 prepared = SequentialCall(call)
@@ -214,6 +220,13 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
             while len(_prepared) > MAX_PREPARED:
                 _prepared.pop(next(iter(_prepared)))
     return entry.prepared.run(a, b, call.out, op)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device``'s type is being captured into a graph."""
+    module = getattr(torch, device.type, None)
+    check = getattr(module, "is_current_stream_capturing", None)
+    return bool(check is not None and check())
 
 
 def _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend
