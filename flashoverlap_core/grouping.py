@@ -32,6 +32,7 @@ def wave_group_sizes(num_tiles: int, wave_size: int, *, unit: int = 1, bytes_per
     return tuple(b - a for a, b in zip(edges, edges[1:]) if b > a)
 
 
-def one_group(num_tiles: int) -> tuple[int, ...]:
-    """No overlap: every tile in one group (the collective runs after the whole GEMM)."""
-    return (num_tiles,)
+def equal_splits(rows: int, world_size: int) -> list[int]:
+    """Rows per destination, as equal as possible (the first ``rows % world_size`` get one
+    more): the all_to_all the tools and the tuner run when no splits are given."""
+    return [rows // world_size + (r < rows % world_size) for r in range(world_size)]

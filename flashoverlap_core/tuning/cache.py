@@ -32,6 +32,7 @@ import torch.distributed as dist
 from filelock import FileLock
 
 from ..backend import Backend, OverlapSpec
+from ..devices import device_name
 from ..plan import Plan, block_rows_for
 from ..tiles import TileGrid
 
@@ -65,21 +66,6 @@ class Context:
 
     def key(self) -> dict:
         return asdict(self)
-
-
-def device_name(device_type: str) -> str:
-    """The current device's product name (the CPU's model name on the host)."""
-    if device_type == "cpu":
-        return _device_name("cpu", 0)
-    return _device_name(device_type, torch.get_device_module(device_type).current_device())
-
-
-@lru_cache(maxsize=16)
-def _device_name(device_type: str, index: int) -> str:
-    if device_type == "cpu":
-        from ..bench import device_name as host_name  # bench imports the API: import late
-        return host_name("cpu")
-    return torch.get_device_module(device_type).get_device_name(index)
 
 
 def collective_name(group) -> str:
