@@ -7,7 +7,7 @@ script) on an NPU host before quoting anything from it.
     torchrun --nproc-per-node 8 bench/ascend.py [--shapes 4096x8192x3584,...] [--dtype bfloat16]
 
 Per shape and op (allreduce, reduce_scatter), the median time of
-- ``sequential``: ``a @ b`` then the HCCL collective (``flashoverlap_core.bench.plain``);
+- ``sequential``: ``a @ b`` then the HCCL collective (``flashoverlap_core.tools.bench.plain``);
 - ``vendor``: ``torch_npu.npu_mm_all_reduce_base`` / ``npu_mm_reduce_scatter_base``;
 - ``flashoverlap``: ``fo.overlap(a, b, op, backend="ascend")``;
 each result's largest deviation from the sequential one, relative to its largest value.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import flashoverlap_core as fo
 from common import median_ms, table, write_result
 from flashoverlap_core import registry
-from flashoverlap_core.bench import plain
+from flashoverlap_core.tools.bench import plain
 
 SHAPES = "4096x8192x3584,8192x8192x3584,8192x8192x8192"
 VENDOR_WORLD_SIZES = (2, 4, 8, 16, 32)  # 16 and 32 on Atlas A3 only

@@ -4,11 +4,11 @@
         [--shapes MxNxK,...] [--ops allreduce,reduce_scatter,all_to_all] [--quick]
         [--robustness] [--json PATH]
 
-W ranks (flashoverlap_core.launch.RankPool, one per device). Per (shape, op), every rank
+W ranks (flashoverlap_core.tools.ranks.Ranks, one per device). Per (shape, op), every rank
 measures and the slowest rank counts (flashoverlap_core.tuning.measure.median_time):
 
 * T_gemm: the matmul alone; T_comm: the collective alone on the output's size;
-* sequential: the matmul, then torch.distributed's collective (flashoverlap_core.bench.plain);
+* sequential: the matmul, then torch.distributed's collective (flashoverlap_core.tools.bench.plain);
 * decomposition: backend 'decomposition' with the same groups as the predicted plan;
 * symm_mem: torch's fused matmul + reduce-scatter on symmetric memory, where it runs
   (reduce_scatter on CUDA; multicast stays off); otherwise "unavailable: <reason>";
@@ -50,9 +50,10 @@ from common import table
 from flashoverlap_core import registry
 from flashoverlap_core.api import overlap
 from flashoverlap_core.backend import Backend
-from flashoverlap_core.bench import (OPS, ROUNDING_UNITS, parse_ops, parse_shapes,
-                                     pick_hardware, plain)
-from flashoverlap_core.launch import RankError, RankPool, RankTimeout
+from flashoverlap_core.tools.args import UsageError, at_least, choices_arg, shapes_arg
+from flashoverlap_core.tools.bench import OPS, agreement_bound, max_abs, plain
+from flashoverlap_core.tools.hardware import pick_hardware
+from flashoverlap_core.tools.ranks import RankError, Ranks, RankTimeout
 from flashoverlap_core.tuning.measure import slowest, transfer_fn
 from flashoverlap_core.tuning.search import measured_candidates, predictive_search
 from flashoverlap_core.tuning.tuner import Job, Workload, build_model, measure_groupings
@@ -87,7 +88,7 @@ def llm_shapes(world: int) -> list[tuple[int, int, int]]:
 
 def default_shapes(world: int, quick: bool, on_cpu: bool) -> list[tuple[int, int, int]]:
     if on_cpu:
-        return parse_shapes(CPU_SHAPES)
+        return shapes_arg(CPU_SHAPES)
     if quick:
         return [(8192, 8192, 4096), (16384, 16384, 8192), (8192, 8192, max(1, 28672 // world)),
                 (4096, 4096, max(1, 4096 // world))]
@@ -97,10 +98,6 @@ def default_shapes(world: int, quick: bool, on_cpu: bool) -> list[tuple[int, int
 # ---------------------------------------------------------------------------------------------
 # On every rank
 # ---------------------------------------------------------------------------------------------
-def _max_abs(t) -> float:
-    return t.abs().max().item() if t.numel() else 0.0
-
-
 def _call(work: Workload, plan, backend: str):
     return overlap(work.a, work.b, work.job.op, plan=plan, send_splits=work.send,
                    recv_splits=work.recv, backend=backend)
@@ -138,10 +135,6 @@ def symm_mem_runner(work: Workload):
     except Exception as e:  # record why; every rank tries, so the ranks agree below
         return None, f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return fn, ""
-
-
-def _error_bound(base, expected, dtype) -> float:
-    return 2 * _max_abs(base - expected) + ROUNDING_UNITS * torch.finfo(dtype).eps * _max_abs(expected)
 
 
 def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
@@ -195,7 +188,7 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
     # Agreement with the sequential result, on this rank.
     expected = plain(op, work.a.double(), work.b.double())
     base = plain(op, work.a, work.b).double()
-    bound = _error_bound(base, expected, work.a.dtype)
+    bound = agreement_bound(base, expected, work.a.dtype)
     results = {"fo_predicted": work.run(fo_plan),
                "decomposition": _call(work, d_plan, "decomposition")}
     if out["fo_best_s"] is not None:
@@ -205,7 +198,7 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
     errors = {}
     for name, got in results.items():
         got = got.double()
-        errors[name] = (_max_abs(got - base) if got.shape == base.shape else math.inf)
+        errors[name] = (max_abs(got - base) if got.shape == base.shape else math.inf)
     out.update(errors=errors, bound=bound)
     return out
 
@@ -307,24 +300,6 @@ def skip_reason(shape, op, world) -> str:
     return ""
 
 
-class Pool:
-    """A RankPool, restarted after a case killed it."""
-
-    def __init__(self, hw, timeout: float, pg_timeout: float = 300.0):
-        self.hw, self.timeout, self.pg_timeout, self.pool = hw, timeout, pg_timeout, None
-
-    def run(self, fn, *args, timeout=None):
-        if self.pool is None or not self.pool.alive:
-            self.pool = RankPool(self.hw.world_size, self.hw.device_type, env=MULTICAST_OFF,
-                                 timeout=self.timeout, pg_timeout=self.pg_timeout)
-        return self.pool.run(fn, *args, timeout=timeout or self.timeout)
-
-    def close(self):
-        if self.pool is not None and self.pool.alive:
-            self.pool.close()
-        self.pool = None
-
-
 def rank_failure(hw, job: Job, pg_timeout: float, fail_at: int = 3) -> dict:
     """One rank raises at call ``fail_at``; how long the others took to fail (or whether the
     pool had to kill them: a hang)."""
@@ -333,19 +308,18 @@ def rank_failure(hw, job: Job, pg_timeout: float, fail_at: int = 3) -> dict:
     stamps = tempfile.mkdtemp(prefix="fo-rank-failure-")
     failing = hw.world_size - 1
     began = time.monotonic()
-    pool = RankPool(hw.world_size, hw.device_type, env=MULTICAST_OFF,
-                    timeout=pg_timeout + 120, pg_timeout=pg_timeout)
+    ranks = Ranks(hw.world_size, hw.device_type, env=MULTICAST_OFF, timeout=pg_timeout + 120,
+                  pg_timeout=pg_timeout)
     outcome = "no error"
     try:
-        pool.run(fail_on_rank, job, failing, fail_at, stamps, 100000,
-                 timeout=pg_timeout + 120)
+        ranks.run(fail_on_rank, job, failing, fail_at, stamps, 100000)
     except RankError as e:
         outcome = "RankError" + (" (pool killed ranks that did not answer)"
                                  if "did not answer" in str(e) else "")
     except RankTimeout as e:
         outcome = f"RankTimeout: {e}"
     finally:
-        pool.close(kill=not pool.alive)
+        ranks.close()
     elapsed = time.monotonic() - began
     found = {}
     for r in range(hw.world_size):
@@ -406,13 +380,15 @@ def summarise(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--world-size", type=int, help="ranks (default: every device; 2 on the CPU)")
+    p.add_argument("--world-size", type=at_least(1),
+                   help="ranks (default: every device; 2 on the CPU)")
     p.add_argument("--backend", help="FlashOverlap backend (default: the best accelerator one, "
                    "else reference)")
     p.add_argument("--device", help="device type for a backend of any device (reference)")
-    p.add_argument("--shapes", help="comma-separated per-rank MxNxK (default: the paper's and "
-                   "LLM tensor-parallel shapes; tiny ones on the CPU)")
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--shapes", type=shapes_arg,
+                   help="comma-separated per-rank MxNxK (default: the paper's and LLM "
+                   "tensor-parallel shapes; tiny ones on the CPU)")
+    p.add_argument("--ops", type=choices_arg(OPS), default=list(OPS))
     p.add_argument("--quick", action="store_true", help="a few shapes only")
     p.add_argument("--dtype", help="default: float32 on the CPU, bfloat16 on accelerators")
     p.add_argument("--iters", type=int, help="timed iterations (default 3 on the CPU, 10)")
@@ -431,11 +407,14 @@ def main(argv=None) -> int:
                    "multigpu-w<W>-<date>.json, or $FO_RESULTS_DIR)")
     args = p.parse_args(argv)
 
-    hw = pick_hardware(args.backend, args.world_size, args.device)
+    try:
+        hw = pick_hardware(args.backend, args.world_size, args.device)
+    except (UsageError, registry.BackendError) as e:
+        p.error(str(e))
     on_cpu = hw.device_type == "cpu"
     world = hw.world_size
-    shapes = parse_shapes(args.shapes) if args.shapes else default_shapes(world, args.quick, on_cpu)
-    ops = parse_ops(args.ops)
+    shapes = args.shapes or default_shapes(world, args.quick, on_cpu)
+    ops = args.ops
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     iters = args.iters or (3 if on_cpu else 10)
     tuned = type(registry.get(hw.target)).trace is not Backend.trace
@@ -444,7 +423,8 @@ def main(argv=None) -> int:
           f"{len(shapes)} shape(s) x {len(ops)} op(s)", flush=True)
 
     rows, robustness = [], {}
-    pool = Pool(hw, args.timeout)
+    ranks = Ranks(hw.world_size, hw.device_type, env=MULTICAST_OFF, timeout=args.timeout,
+                  pg_timeout=300.0)
     try:
         cases = [] if args.skip_bench else [(s, op) for s in shapes for op in ops]
         for i, (shape, op) in enumerate(cases, 1):
@@ -454,7 +434,7 @@ def main(argv=None) -> int:
                 continue
             job = Job(*shape, op, dtype, hw.target, iters, args.warmup, device_type=hw.device_type)
             try:
-                per_rank = pool.run(case_on_rank, job, cache, args.candidates, tuned)
+                per_rank = ranks.run(case_on_rank, job, cache, args.candidates, tuned)
                 rows.append(make_row(shape, op, dtype, world, hw.backend, per_rank))
             except (RankError, RankTimeout) as e:
                 rows.append(empty_row(shape, op, dtype, world, hw.backend, "error", str(e)))
@@ -473,7 +453,7 @@ def main(argv=None) -> int:
                     groups = next((r["groups_predicted"] for r in rows if r["op"] == op and
                                    r["shape"] == "x".join(map(str, shape))), None)
                     try:
-                        per_rank = pool.run(drift_on_rank, job, args.calls, groups)
+                        per_rank = ranks.run(drift_on_rank, job, args.calls, groups)
                         bad = sum(r["drifted"] for r in per_rank)
                         drift.append({"shape": job.shape, "op": op, "calls": args.calls,
                                       "drifted_calls": bad, "status": "ok" if bad == 0 else "DRIFT",
@@ -481,13 +461,13 @@ def main(argv=None) -> int:
                     except (RankError, RankTimeout) as e:
                         drift.append({"shape": job.shape, "op": op, "calls": args.calls,
                                       "status": "error", "detail": str(e)[:2000]})
-            pool.close()
+            ranks.close()
             shape, op = shapes[0], next((o for o in ops if not skip_reason(shapes[0], o, world)),
                                         ops[0])
             job = Job(*shape, op, dtype, hw.target, iters, args.warmup, device_type=hw.device_type)
             robustness = {"drift": drift, "rank_failure": rank_failure(hw, job, args.pg_timeout)}
     finally:
-        pool.close()
+        ranks.close()
 
     if rows:
         print(table(rows, ["shape", "op", "status", "t_gemm_ms", "t_comm_ms", "sequential_ms",

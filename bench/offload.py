@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import flashoverlap_core as fo
-from flashoverlap_core.ops import HostOffload
+from flashoverlap_core.transfers import HostOffload
 from common import median_ms, table, write_result
 
 SHAPES = [(8192, 8192, 8192), (8192, 8192, 16384), (4096, 8192, 16384), (16384, 8192, 4096),
@@ -58,7 +58,7 @@ def timeline(m, n, k, dtype, path):
     group, and each group's host transfer."""
     from flashoverlap_core import registry
     from flashoverlap_core.backend import OverlapCall
-    from flashoverlap_core.tuning.plot import plot_timeline
+    from flashoverlap_core.tools.plot import plot_timeline
 
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)

@@ -19,7 +19,7 @@ import flashoverlap_core as fo
 from flashoverlap_core import registry
 from flashoverlap_core.backend import OverlapCall
 from flashoverlap_core.decomposition import DecompositionBackend, EventSignals, HostStreams
-from flashoverlap_core.launch import RankPool
+from flashoverlap_core.tools.ranks import RankPool
 from flashoverlap_backends.ascend import AscendBackend, environment
 from flashoverlap_backends.ascend.acl import (AclUnavailable, AclValueOps, MonotonicCounter,
                                               ValueSignals)

@@ -14,7 +14,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def flashoverlap(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flashoverlap_core.cli", *args],
+    return subprocess.run([sys.executable, "-m", "flashoverlap_core.tools.cli", *args],
                           capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ, **(env or {})})
 

@@ -19,7 +19,7 @@ from flashoverlap_core import registry
 from flashoverlap_core.decomposition import (AcceleratorDecomposition, DecompositionBackend,
                                              HostStreams, compute_rect, packed_rects,
                                              rows_in_order, streams_for)
-from flashoverlap_core.launch import RankPool
+from flashoverlap_core.tools.ranks import RankPool
 
 SEED = 20261129
 

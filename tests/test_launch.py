@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap_core.launch import RankError, RankPool, RankTimeout
+from flashoverlap_core.tools.ranks import RankError, RankPool, RankTimeout
 
 
 def rank_and_size():

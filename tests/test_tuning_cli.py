@@ -1,5 +1,6 @@
 """``flashoverlap tune`` and ``flashoverlap trace`` on two CPU ranks, run as a user runs them:
-in a subprocess, under a timeout (through their modules until the top-level command lists them)."""
+in a subprocess, under a timeout; and every command's refusal of bad arguments: one line, exit
+status 2, before any rank starts."""
 from __future__ import annotations
 
 import json
@@ -8,29 +9,33 @@ import sys
 
 import pytest
 
-from flashoverlap_core.tuning import trace_main, tune_main
+from flashoverlap_core.tools.cli import main
 from flashoverlap_core.tuning.cache import FORMAT
 
 TIMEOUT = 240
 
 
-def command(module: str, *args: str, cache) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"flashoverlap_core.tuning.{module}", *args,
+def command(*args: str, cache) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashoverlap_core.tools.cli", *args,
                            "--cache", str(cache)], capture_output=True, text=True,
                           timeout=TIMEOUT)
 
 
-@pytest.mark.timeout(2 * TIMEOUT + 30)
+TUNE = ("tune", "--shapes", "512x256x16,256x128x8", "--op", "allreduce", "--world-size", "2",
+        "--backend", "reference", "--iters", "2", "--warmup", "1", "--exhaustive",
+        "--candidates", "4")
+
+
+@pytest.mark.timeout(3 * TIMEOUT + 30)
 def test_tune_then_trace_the_tuned_plan_on_two_cpu_ranks(tmp_path):
     cache, rows = tmp_path / "cache" / "tuning.json", tmp_path / "rows.json"
-    done = command("tune_cli", "--shapes", "512x256x16,256x128x8", "--op", "allreduce",
-                   "--world-size", "2", "--backend", "reference", "--iters", "2",
-                   "--warmup", "1", "--exhaustive", "--candidates", "4", "--json", str(rows),
-                   cache=cache)
+    done = command(*TUNE, "--json", str(rows), cache=cache)
     assert done.returncode == 0, done.stdout + done.stderr
     header = next(line for line in done.stdout.splitlines() if "predicted ms" in line)
-    assert "measured ms" in header and "sequential ms" in header
-    assert "] 4/4 " in done.stderr  # the progress bar: model and timings of both shapes
+    for column in ("measured ms", "sequential ms", "chosen: tiles per group", "fell back"):
+        assert column in header, header
+    # progress on plain lines (stderr is not a terminal): no carriage returns
+    assert "\r" not in done.stderr and "[4/4] done" in done.stderr, done.stderr
     stored = json.loads(cache.read_text())
     assert stored["format"] == FORMAT
     plans = {(e["key"]["M"], e["key"]["N"], e["key"]["K"]): e for e in stored["plans"]}
@@ -43,11 +48,20 @@ def test_tune_then_trace_the_tuned_plan_on_two_cpu_ranks(tmp_path):
     assert stored["curves"] and stored["gemm"] and stored["contention"]
     table = json.loads(rows.read_text())["rows"]
     assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in table)
+    assert all(r["source"] == "measured" for r in table)
     two_waves = next(r for r in table if r["shape"] == "512x256x16")
     assert two_waves["waves"] == 2 and two_waves["candidates_timed"] == 2  # [8] and [4, 4]
 
+    # a second run reuses what the cache holds: the same rows, nothing measured again
+    again = command(*TUNE, "--json", str(rows), cache=cache)
+    assert again.returncode == 0, again.stdout + again.stderr
+    reused = json.loads(rows.read_text())["rows"]
+    assert [r["source"] for r in reused] == ["cache", "cache"]
+    assert [r["measured_ms"] for r in reused] == [r["measured_ms"] for r in table]
+    assert "0 tuned plan(s) written" in again.stdout
+
     png = tmp_path / "timeline.png"
-    done = command("trace_cli", "--shape", "512x256x16", "--op", "allreduce", "--world-size",
+    done = command("trace", "--shape", "512x256x16", "--op", "allreduce", "--world-size",
                    "2", "--backend", "reference", "--tuned", "--out", str(png),
                    "--json", str(tmp_path / "trace.json"), cache=cache)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -56,17 +70,32 @@ def test_tune_then_trace_the_tuned_plan_on_two_cpu_ranks(tmp_path):
     tuned = plans[(512, 256, 16)]["value"]["plan"]["group_sizes"]
     assert traced["plan"]["group_sizes"] == tuned
     assert "no tuned plan" not in done.stderr
-    assert f"timeline written to {png}" in done.stdout
+    assert f"timeline written to {png.resolve()}" in done.stdout
 
 
-@pytest.mark.parametrize("main, argv, message", [
-    (tune_main, ["--shapes", "64x64"], "MxNxK"),
-    (tune_main, ["--shapes", "64x64x64", "--backend", "decomposition", "--world-size", "1"],
+@pytest.mark.parametrize("argv, message", [
+    (["tune", "--shapes", "64x64"], "MxNxK"),
+    (["tune", "--shapes", "64x64x64", "--backend", "decomposition", "--world-size", "1"],
      "Backend.trace()"),
-    (trace_main, ["--shape", "64x64x64", "--groups", "1,0"], "ints >= 1"),
+    (["tune", "--shapes", "63x64x64", "--op", "reduce_scatter", "--backend", "reference",
+      "--world-size", "2"], "divisible"),
+    (["trace", "--shape", "64x64x64", "--groups", "1,0"], "ints >= 1"),
+    (["trace", "--shape", "512x512x256", "--groups", "5,5", "--backend", "reference",
+      "--world-size", "2"], "must sum to the tile count"),
+    (["bench", "--world-size", "0"], "int >= 1"),
+    (["bench", "--ops", "allreduce,gather"], "allreduce, reduce_scatter, all_to_all"),
+    (["bench", "--backend", "no-such-backend"], "no-such-backend"),
+    (["bench", "--backend", "reference", "--device", "cpu", "--world-size", "1",
+      "--iters", "0"], "int >= 1"),
 ])
-def test_commands_refuse_what_they_cannot_do(main, argv, message, capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code != 0
-    assert message in str(exited.value.code) + capsys.readouterr().err
+def test_bad_arguments_are_one_line_and_exit_status_2(argv, message, capsys):
+    try:
+        status = main(argv)
+    except SystemExit as exited:
+        status = exited.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    first = err.splitlines()[0]
+    assert message in first and first.startswith(f"flashoverlap {argv[0]}: error: "), err
+    assert "Traceback" not in err
+

@@ -2,7 +2,7 @@
 GEMM-only plan must not carry reduce_scatter's output shape or all_to_all's splits)."""
 import pytest
 
-from flashoverlap_core.launch import RankPool
+from flashoverlap_core.tools.ranks import RankPool
 from flashoverlap_core.tuning.tuner import Job, ModelParts, build_model
 
 

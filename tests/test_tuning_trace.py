@@ -8,12 +8,12 @@ import torch
 import flashoverlap_core as fo
 from flashoverlap_core import registry
 from flashoverlap_core.backend import OverlapCall
-from flashoverlap_core.launch import RankPool
-from flashoverlap_core.ops import HostOffload
+from flashoverlap_core.tools.ranks import RankPool
+from flashoverlap_core.transfers import HostOffload
 from flashoverlap_core.tuning import measure
 from flashoverlap_core.tuning.model import Contention, CostCurve
 from flashoverlap_core.tuning.search import predictive_search
-from flashoverlap_core.tuning.trace import TileTrace
+from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tuning.tuner import Job, build_model, measure_groupings, trace_rank
 
 CPU = torch.device("cpu")

@@ -178,42 +178,30 @@ class Settings:
 
 
 class RankPools:
-    """One :class:`~flashoverlap_core.launch.RankPool` per world size, made on first use and
-    made again when a test killed it (a hang or a dead rank kills the pool)."""
+    """One :class:`~flashoverlap_core.tools.ranks.Ranks` per world size: a pool of spawned
+    ranks made on first use and made again when a test killed it (a hang, a dead rank, or
+    pytest-timeout cutting a call short)."""
 
     def __init__(self, s: Settings):
         self.settings = s
-        self._pools: dict = {}
-        self._interrupted: set[int] = set()
+        self._ranks: dict = {}
 
     def run(self, world_size: int, fn, *args, **kwargs) -> list:
-        """``fn(*args, **kwargs)`` on every rank of the pool of ``world_size``."""
-        from flashoverlap_core.launch import RankError, RankPool
+        """``fn(target, *args, **kwargs)`` on every rank of the pool of ``world_size``."""
+        from flashoverlap_core.tools.ranks import Ranks
 
         s = self.settings
         target = s.target
         s.check_world_size(world_size)
-        pool = self._pools.get(world_size)
-        if pool is not None and (world_size in self._interrupted or not pool.alive):
-            pool.close(kill=True)  # an earlier call was cut short: its ranks may be stuck
-            pool = None
-        if pool is None:
-            pool = RankPool(world_size, target.device_type, timeout=max(s.timeout, 120.0),
-                            env={"FLASHOVERLAP_BACKEND": s.backend_name})
-            self._pools[world_size] = pool
-        self._interrupted.add(world_size)  # stays set if pytest-timeout cuts the call short
-        try:
-            results = pool.run(fn, target, *args, timeout=s.timeout, **kwargs)
-        except RankError:  # every rank answered, or the pool killed itself: no loose ends
-            self._interrupted.discard(world_size)
-            raise
-        self._interrupted.discard(world_size)
-        return results
+        if world_size not in self._ranks:
+            self._ranks[world_size] = Ranks(world_size, target.device_type, timeout=s.timeout,
+                                            env={"FLASHOVERLAP_BACKEND": s.backend_name})
+        return self._ranks[world_size].run(fn, target, *args, **kwargs)
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close(kill=True)  # nothing left to run: no need to wait for a clean exit
-        self._pools.clear()
+        for ranks in self._ranks.values():
+            ranks.close(kill=True)  # nothing left to run: no need to wait for a clean exit
+        self._ranks.clear()
 
 
 @pytest.fixture(scope="session")

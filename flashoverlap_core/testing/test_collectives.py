@@ -3,7 +3,7 @@ import warnings
 
 import pytest
 
-from flashoverlap_core.launch import RankError, RankTimeout
+from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
 from .cases import rank_matrix
 from .plugin import settings

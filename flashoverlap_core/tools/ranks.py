@@ -1,10 +1,13 @@
-"""A pool of spawned ranks joined in one process group, for tests and benchmarks.
+"""Spawned ranks joined in one process group, for the tools, the tests and the benchmarks.
 
 ``RankPool(world_size, device_type)`` starts one process per rank (rank r on device r for an
 accelerator), initialises torch.distributed with torch's default collective library for that
 device type, and runs module-level functions on every rank at once. Nothing can hang the
 caller: every call has a timeout, after which the pool is killed and ``RankTimeout`` raised;
 an exception on a rank comes back as ``RankError`` with that rank's traceback.
+
+:class:`Ranks` is what a job with many calls holds: a pool started on first use and started
+again after a call killed it, or one rank run in the caller's own process.
 """
 from __future__ import annotations
 
@@ -139,6 +142,54 @@ class RankPool:
                 p.join(timeout=5)
         self._procs = []
         self._dir.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Ranks:
+    """Where a job's per-rank work runs: a :class:`RankPool` started on first use and started
+    again when a call killed it or was cut short (a timeout in the caller, an interrupt: its
+    ranks may be stuck in a collective). With ``in_process=True`` and one rank, the work runs
+    in the caller's process, without a process group, which is quicker.
+
+    :meth:`run` returns the per-rank results in rank order, like :meth:`RankPool.run`.
+    """
+
+    def __init__(self, world_size: int, device_type: str = "cpu", *, env: dict | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 60.0,
+                 in_process: bool = False):
+        self.world_size, self.device_type, self.timeout = world_size, device_type, timeout
+        self.env, self.pg_timeout = env, pg_timeout
+        self.in_process = in_process and world_size == 1
+        self.pool: RankPool | None = None
+        self._settled = True  # False while a call is out: a call cut short leaves it False
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        if self.in_process:
+            return [fn(*args, **kwargs)]
+        if self.pool is not None and not (self._settled and self.pool.alive):
+            self.close()
+        if self.pool is None:
+            self.pool = RankPool(self.world_size, self.device_type, env=self.env,
+                                 timeout=max(self.timeout, 120.0), pg_timeout=self.pg_timeout)
+        self._settled = False
+        try:
+            results = self.pool.run(fn, *args, timeout=timeout or self.timeout, **kwargs)
+        except RankError:  # every rank answered, or the pool killed itself: no loose ends
+            self._settled = True
+            raise
+        self._settled = True
+        return results
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks: cleanly when they are idle (unless ``kill``), else kill them."""
+        if self.pool is not None:
+            self.pool.close(kill=kill or not (self._settled and self.pool.alive))
+        self.pool, self._settled = None, True
 
     def __enter__(self):
         return self

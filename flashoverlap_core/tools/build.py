@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import registry
+from .. import registry
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

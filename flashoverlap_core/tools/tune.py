@@ -1,0 +1,186 @@
+"""``flashoverlap tune``: choose the wave groups of each shape and store them in the cache.
+
+For each shape, on the ranks: the timing model is measured (transfer cost curve, the GEMM's
+wave ends from traced calls, contention, a sequential call for calibration), the predictive
+search picks a grouping, and the chosen grouping, the heuristic one and one group are timed
+with real calls (``--exhaustive``: every candidate of the measured search too). The fastest
+measured grouping is stored for ``overlap`` to use, with its table row; the table shows
+predicted against measured times.
+
+What the cache already holds is reused: a shape tuned before is not measured again (its stored
+row is shown, marked "cache"), nor are the model's parts shared with other shapes. ``--refresh``
+measures everything again.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from .. import registry
+from ..collectives import resolve_group
+from ..plan import DTYPES, Plan
+from ..tuning.cache import ENV_CACHE, TuningCache, context_for, plan_key
+from ..tuning.search import measured_candidates, predictive_search
+from ..tuning.tuner import TRANSFERS, Job, build_model, measure_groupings
+from .args import UsageError, at_least, shapes_arg
+from .hardware import pick_hardware, require_trace
+from .progress import Progress
+from .ranks import Ranks
+from .table import format_table
+
+BATCH = 8  # groupings timed per step of the progress bar
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", required=True, type=shapes_arg,
+                        help="comma-separated per-rank MxNxK shapes of a [M,K] @ [K,N]")
+    parser.add_argument("--op", default="allreduce", choices=TRANSFERS,
+                        help="the transfer (default: allreduce; offload: every group copied "
+                        "to host memory, op=HostOffload, the transfer one device has)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="default: float32 on the CPU, bfloat16 on accelerators")
+    parser.add_argument("--world-size", type=at_least(1),
+                        help="ranks (default: every device of the backend; 2 on the CPU)")
+    parser.add_argument("--backend", help="default: FLASHOVERLAP_BACKEND, else the best "
+                        "available accelerator backend with devices, else reference")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="also time every candidate grouping (validation of the predictor)")
+    parser.add_argument("--candidates", type=at_least(1), default=64,
+                        help="at most this many groupings in the exhaustive search (default: 64)")
+    parser.add_argument("--iters", type=at_least(1), default=10,
+                        help="timed calls per measurement (default: 10)")
+    parser.add_argument("--warmup", type=at_least(0), default=3,
+                        help="untimed calls first (default: 3)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="measure again what the cache already holds: the tuned plans of "
+                        "these shapes and the model's parts (default: reuse them)")
+    parser.add_argument("--cache", help="the cache file (default: $FLASHOVERLAP_TUNING_CACHE, "
+                        "else ~/.cache/flashoverlap/tuning.json)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one step may take on the ranks (default: 600)")
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+
+
+def stored_row(job: Job, cache_path: str | None) -> dict | None:
+    """On a rank: the table row stored with the job's tuned plan, if the cache has one."""
+    backend = registry.get(job.backend)
+    group, _, world = resolve_group(None)
+    ctx = context_for(backend, job.device_type or backend.device_type or "cpu", group)
+    key = plan_key(ctx, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
+                   world_size=world, transfer=job.transfer)
+    value = TuningCache(cache_path).get("plans", key)
+    return value.get("row") if value is not None else None
+
+
+def tune_shape(ranks: Ranks, job: Job, args, progress: Progress) -> dict:
+    progress.begin(f"{job.shape}: measuring the model" + ("" if args.refresh else " (unless cached)"))
+    row = None if args.refresh else ranks.run(stored_row, job, args.cache)[0]
+    if row is not None:
+        progress.end()
+        progress.end()  # no groupings to time either
+        return {**row, "source": "cache"}
+    parts = ranks.run(build_model, job, args.cache, args.refresh)[0]
+    progress.end()
+    model = parts.model()
+    choice = predictive_search(model)
+    heuristic = tuple(parts.plan["group_sizes"])
+    groupings = list(dict.fromkeys([choice.group_sizes, heuristic, (model.num_tiles,)]))
+    if args.exhaustive:
+        groupings += [g for g in measured_candidates(model, args.candidates)
+                      if g not in groupings]
+    batches = [groupings[i:i + BATCH] for i in range(0, len(groupings), BATCH)]
+    progress.add(len(batches) - 1)
+    measured = {}
+    for batch in batches:
+        progress.begin(f"{job.shape}: timing {len(batch)} grouping(s)")
+        measured.update(zip(batch, ranks.run(measure_groupings, job, batch)[0]))
+        progress.end()
+    best = min(measured, key=measured.get)
+    row = {
+        "shape": job.shape, "op": job.op, "dtype": job.dtype, "backend": job.backend,
+        "waves": len(model.timing.wave_ends), "chosen_groups": list(choice.group_sizes),
+        "fell_back": choice.fell_back, "predicted_ms": choice.predicted_s * 1e3,
+        "measured_ms": measured[choice.group_sizes] * 1e3,
+        "sequential_predicted_ms": choice.sequential_s * 1e3,
+        "sequential_ms": measured[(model.num_tiles,)] * 1e3,
+        "heuristic_ms": measured[heuristic] * 1e3, "search_ms": choice.search_s * 1e3,
+        "stored_groups": list(best), "stored_ms": measured[best] * 1e3,
+        "contention": parts.contention.to_dict(), "candidates_timed": len(measured),
+        "source": "measured",
+    }
+    row["error_pct"] = 100 * (row["predicted_ms"] / row["measured_ms"] - 1)
+    if args.exhaustive:
+        row["exhaustive_best_ms"] = row["stored_ms"]
+        row["choice_vs_best"] = row["measured_ms"] / row["stored_ms"]
+    plan = Plan.from_dict({**parts.plan, "group_sizes": list(best)})
+    key = plan_key(parts.context, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
+                   world_size=plan.world_size, transfer=job.transfer)
+    TuningCache(args.cache).put("plans", key, {
+        "plan": plan.to_dict(), "measured_ms": row["stored_ms"],
+        "predicted_ms": row["predicted_ms"], "sequential_ms": row["sequential_ms"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "row": row})
+    return row
+
+
+# (header, row key, format); "tiles per group" lists group sizes, in tiles, in execution order
+COLUMNS = [("shape", "shape", "{}"), ("op", "op", "{}"), ("waves", "waves", "{}"),
+           ("chosen: tiles per group", "chosen_groups", "{}"), ("fell back", "fell_back", "{}"),
+           ("predicted ms", "predicted_ms", "{:.3f}"), ("measured ms", "measured_ms", "{:.3f}"),
+           ("error", "error_pct", "{:+.1f}%"), ("sequential ms", "sequential_ms", "{:.3f}"),
+           ("heuristic ms", "heuristic_ms", "{:.3f}"),
+           ("stored: tiles per group", "stored_groups", "{}"), ("stored ms", "stored_ms", "{:.3f}"),
+           ("search ms", "search_ms", "{:.1f}"), ("from", "source", "{}")]
+LEGEND = ("chosen: the predictive search's grouping (fell back: overlap was predicted not to pay, "
+          "so one group); predicted / measured ms: its call; sequential: one group, the GEMM "
+          "then the transfer; heuristic: overlap's default grouping; stored: the fastest "
+          "grouping timed, which overlap will use; from: measured now, or the cache (--refresh "
+          "measures again).")
+
+
+def _cell(value, fmt: str) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ",".join(map(str, value)) if len(value) <= 6 else f"{len(value)} groups"
+    return fmt.format(value)
+
+
+def table(rows: list[dict]) -> str:
+    cells = [[name for name, _, _ in COLUMNS]]
+    cells += [[_cell(r[key], fmt) for _, key, fmt in COLUMNS] for r in rows]
+    return "\n".join(format_table(cells, right=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    hw = pick_hardware(args.backend, args.world_size)
+    require_trace(hw.backend)
+    dtype = args.dtype or ("float32" if hw.device_type == "cpu" else "bfloat16")
+    shapes = args.shapes
+    if args.op == "reduce_scatter":
+        bad = ["x".join(map(str, s)) for s in shapes if s[0] % hw.world_size]
+        if bad:
+            raise UsageError(f"reduce_scatter needs M divisible by the world size "
+                             f"{hw.world_size}: {', '.join(bad)}")
+    cache = TuningCache(args.cache)
+    print(f"flashoverlap tune: backend {hw.backend} on {hw.world_size} {hw.device_type} "
+          f"rank(s) ({hw.reason}); {args.op}, {dtype}; cache {cache.path}", flush=True)
+    jobs = [Job(m, n, k, args.op, dtype, hw.backend, args.iters, args.warmup,
+                device_type=hw.device_type) for m, n, k in shapes]
+    progress = Progress(2 * len(jobs))
+    with Ranks(hw.world_size, hw.device_type, timeout=args.timeout, in_process=True) as ranks:
+        rows = [tune_shape(ranks, job, args, progress) for job in jobs]
+    progress.finish()
+    print(table(rows))
+    print(LEGEND)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"hardware": asdict(hw), "rows": rows}, indent=1))
+    fresh = sum(r["source"] == "measured" for r in rows)
+    print(f"{fresh} tuned plan(s) written to {cache.path}" if cache.path is not None else
+          f"the tuning cache is off ({ENV_CACHE}=off): nothing was stored")
+    return 0
+
