@@ -14,6 +14,11 @@ in row-major order (nothing to do for the default whole-row tiles of an allreduc
 are written straight into the output). Device-specific backends reuse the stream plumbing (:class:`DeviceStreams`)
 and may replace the events with their own group signals (see :meth:`signals`).
 
+``allgather`` runs the other way round (:meth:`DecompositionBackend.run_gather`): every
+chunk's all-gather is queued on the communication stream first; the compute stream multiplies
+this rank's own rows meanwhile, then waits for each chunk in turn and multiplies it, writing
+straight into the output.
+
 The host has no streams: :class:`HostStreams` runs the same code with no-op stream operations,
 and the overlap comes from the collectives being asynchronous.
 """
@@ -27,7 +32,8 @@ import torch
 
 from .backend import Backend, OverlapCall, OverlapSpec
 from .collectives import RegionExchange
-from .plan import CUSTOM_OP, Plan
+from .gather import GatherExchange
+from .plan import CUSTOM_OP, GATHER_OP, Plan
 
 DEFAULT_BAND_ROWS = 128
 # Sub-GEMMs with at most this many outputs get an fp32 result (see fp32_output). Larger ones
@@ -215,18 +221,29 @@ def fp32_output(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+def _wide(x: torch.Tensor, outputs: int) -> bool:
+    """Whether a sub-GEMM of ``outputs`` elements from ``x`` gets an fp32 result."""
+    return outputs <= WIDE_MAX_OUTPUT and fp32_output(x.device, x.dtype)
+
+
+def product_into(x: torch.Tensor, y: torch.Tensor, dest: torch.Tensor) -> None:
+    """``dest`` (any view holding the [rows of x, N] result in row order) = x @ y."""
+    if _wide(x, dest.numel()):
+        dest.copy_(torch.mm(x, y, out_dtype=torch.float32).view(dest.shape))
+    elif dest.is_contiguous():
+        torch.matmul(x, y, out=dest.view(x.shape[0], y.shape[1]))
+    else:
+        dest.copy_((x @ y).view(dest.shape))
+
+
 def compute_rect(a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, r: PackedRect) -> None:
     """Store the tiles of ``r`` of a @ b in their packed slots."""
     (r0, r1), (c0, c1) = r.rows, r.columns
     a_rows, b_cols = a[r0:r1], b[:, c0:c1]
-    wide = (r1 - r0) * (c1 - c0) <= WIDE_MAX_OUTPUT and fp32_output(a.device, a.dtype)
     if r.row_major:
-        rows = packed[r.offset:r.offset + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-        if wide:
-            rows.copy_(torch.mm(a_rows, b_cols, out_dtype=torch.float32))
-        else:
-            torch.matmul(a_rows, b_cols, out=rows)
+        product_into(a_rows, b_cols, packed[r.offset:r.offset + (r1 - r0) * (c1 - c0)])
         return
+    wide = _wide(a, (r1 - r0) * (c1 - c0))
     value = torch.mm(a_rows, b_cols, out_dtype=torch.float32) if wide else a_rows @ b_cols
     slots = packed.as_strided((r.bands, r.cols, r.tile_rows, r.tile_cols),
                               (r.band_stride, r.col_stride, r.tile_cols, 1),
@@ -269,6 +286,8 @@ class DecompositionBackend(Backend):
         return EventSignals(streams)
 
     def run(self, call: OverlapCall) -> torch.Tensor:
+        if call.plan.op == GATHER_OP:
+            return self.run_gather(call)
         a, b, plan = call.a, call.b, call.plan
         streams = self.streams(a.device)
         in_place = rows_in_order(plan)
@@ -289,6 +308,29 @@ class DecompositionBackend(Backend):
             exchange.wait()
         streams.join()
         return call.out if in_place else exchange.finish()
+
+    def run_gather(self, call: OverlapCall) -> torch.Tensor:
+        """allgather: every chunk's all-gather queued on the communication stream; on the
+        compute stream, this rank's own rows (one matmul), then per chunk a wait for it and
+        one matmul per run of other ranks' shards in it, stored straight into the output."""
+        b, plan, out, rank, w = call.b, call.plan, call.out, call.rank, call.world_size
+        streams = self.streams(call.a.device)
+        exchange = GatherExchange(call)
+        ready = streams.record()  # a's rows are ready on the compute stream
+        with streams.communicating():
+            streams.wait_event(ready)
+            for g in range(plan.num_groups):
+                exchange.start(g)
+        m = plan.shard_rows
+        product_into(exchange.local, b, out[rank * m:(rank + 1) * m])
+        shards = out.view(w, m, -1)
+        for g in range(plan.num_groups):
+            exchange.wait(g)
+            start, end = plan.chunk_rows(g)
+            for lo, hi in ((0, rank), (rank + 1, w)):
+                if lo < hi:
+                    product_into(exchange.chunk(g)[lo:hi].flatten(0, 1), b, shards[lo:hi, start:end])
+        return out
 
 
 class AcceleratorDecomposition(DecompositionBackend):

@@ -12,6 +12,15 @@ A plan is backend-neutral and inspectable. It fixes:
   part per destination, which is what ``reduce_scatter`` and ``all_to_all`` hand to the
   collective, and the parts a rank receives, concatenated over groups, are its block's tiles in
   schedule order: the post-communication reorder needs nothing but the block's shape.
+
+``allgather`` turns this around: the collective feeds the GEMM instead of consuming it. Its
+blocks are the source ranks' shards (m = M/W rows each), and group g is a *chunk of the
+gather*: the same run of whole row bands in every shard. The chunk's rows are gathered by one
+collective into a contiguous region of the packed buffer, which for this op holds the gathered
+rows of a ([M, K], chunk by chunk, each chunk source by source); the chunk's tiles depend on
+it. A rank computes its own shard's tiles first (they depend on nothing), then each chunk's
+other tiles as the chunk arrives (:meth:`Plan.local_tiles`, :meth:`Plan.arriving_tiles`). The
+output is written in place, row-major: there is no post-communication reorder.
 """
 from __future__ import annotations
 
@@ -23,9 +32,14 @@ import torch
 
 from .tiles import Schedule, TileGrid, TileRect
 
-OPS = ("allreduce", "reduce_scatter", "all_to_all")
+OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
+GATHER_OP = "allgather"  # the one op whose collective comes before the GEMM
 CUSTOM_OP = "custom"  # a callable op: one block, laid out like allreduce
 PLAN_OPS = OPS + (CUSTOM_OP,)
+STRATEGIES = ("overlap", "sequential")
+"""How a backend runs the plan: "overlap" (the groups' transfers overlapped with the GEMM) or
+"sequential" (the plain GEMM and one collective, one after the other: the tuner's fallback
+where overlapping would be slower; the groups are then unused)."""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FORMAT = "flashoverlap.plan/1"
 
@@ -68,12 +82,32 @@ def check_splits(name: str, splits, world_size: int, total: int | None) -> tuple
 
 
 def block_rows_for(op: str, m: int, world_size: int, send_splits) -> tuple[int, ...]:
-    """Rows of c sent to each destination (one block for allreduce / custom ops)."""
-    if op == "reduce_scatter":
+    """Rows of c sent to each destination (one block for allreduce / custom ops); for allgather
+    the rows of c computed from each source rank's shard."""
+    if op in ("reduce_scatter", GATHER_OP):
         return (m // world_size,) * world_size
     if op == "all_to_all" and send_splits is not None:
         return tuple(send_splits)
     return (m,)
+
+
+def group_unit(op: str, world_size: int, n: int, tile: tuple[int, int]) -> int:
+    """Tiles every group size must be a multiple of (with the default tile order):
+    reduce_scatter, the world size (each group holds the same rows for every rank); allgather,
+    one row band of every shard (W x column tiles: a group is a chunk of whole bands); else 1."""
+    if op == "reduce_scatter":
+        return world_size
+    if op == GATHER_OP:
+        return world_size * -(-n // tile[1])
+    return 1
+
+
+def transfer_bytes_per_tile(op: str, n: int, k: int, tile: tuple[int, int], itemsize: int) -> int:
+    """About how many bytes of the group's transfer each tile accounts for: its output, or for
+    allgather its share of the rows of a that its band brings (BM x K over the column tiles)."""
+    if op == GATHER_OP:
+        return max(1, tile[0] * k * itemsize // -(-n // tile[1]))
+    return tile[0] * tile[1] * itemsize
 
 
 @dataclass(frozen=True)
@@ -83,7 +117,8 @@ class Region:
     index: int
     offset: int  # elements from the start of the packed buffer
     numel: int
-    dest_numels: tuple[int, ...]  # contiguous part per destination block, in rank order
+    dest_numels: tuple[int, ...]  # contiguous part per destination block (allgather: per
+    # source shard), in rank order
 
 
 @dataclass(frozen=True)
@@ -102,6 +137,7 @@ class Plan:
     schedule: Schedule = field(default_factory=Schedule)
     send_splits: tuple[int, ...] | None = None
     backend: str | None = None
+    strategy: str = "overlap"  # one of STRATEGIES
 
     def __post_init__(self):
         for name in ("m", "n", "k"):
@@ -117,9 +153,15 @@ class Plan:
         _check_int("tile BN", self.tile[1], 1)
         if not isinstance(self.schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule, got {type(self.schedule).__name__}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"plan strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.op == "reduce_scatter" and self.m % self.world_size:
             raise ValueError(
                 f"reduce_scatter needs M divisible by the world size: M={self.m}, W={self.world_size}")
+        if self.op == GATHER_OP and self.m % self.world_size:
+            raise ValueError(
+                f"allgather needs M divisible by the world size (M = W x the rows of each rank's "
+                f"a): M={self.m}, W={self.world_size}")
         if self.send_splits is not None:
             if self.op != "all_to_all":
                 raise ValueError(f"send_splits only applies to all_to_all, not {self.op!r}")
@@ -146,6 +188,12 @@ class Plan:
                         f"reduce_scatter group {region.index} is unbalanced across ranks "
                         f"(elements per rank {list(region.dest_numels)}): with this tile order "
                         f"group sizes must be multiples of the world size {self.world_size}")
+        unit = group_unit(self.op, self.world_size, self.n, self.tile)
+        if self.op == GATHER_OP and any(s % unit for s in sizes):
+            raise ValueError(
+                f"allgather groups are chunks of whole row bands of every shard: group sizes "
+                f"must be multiples of {unit} tiles (W={self.world_size} x "
+                f"{unit // self.world_size} column tiles), got {list(sizes)}")
 
     # ---- derived layout -------------------------------------------------------------------
     @property
@@ -175,16 +223,56 @@ class Plan:
 
     @cached_property
     def groups(self) -> tuple[tuple[TileRect, ...], ...]:
-        """Tiles of each group, in execution order."""
+        """Tiles of each group, in execution order (allgather: the tiles of the chunk's bands
+        in every shard, in the grid's execution order)."""
         order, out, start = self.grid.execution_order, [], 0
+        if self.op == GATHER_OP:
+            return tuple(tuple(t for t in order if self._band(t) in range(*bands))
+                         for bands in self.chunk_bands)
         for size in self.group_sizes:
             out.append(order[start:start + size])
             start += size
         return tuple(out)
 
+    # ---- allgather: groups are chunks of the gather ---------------------------------------
+    @property
+    def shard_rows(self) -> int:
+        """allgather: rows of a on each rank (m = M / W)."""
+        return self.m // self.world_size
+
+    def _band(self, t: TileRect) -> int:
+        return (t.row0 - self.grid.block_starts[t.block]) // self.tile[0]
+
+    @cached_property
+    def chunk_bands(self) -> tuple[tuple[int, int], ...]:
+        """allgather: row bands [first, last) of every shard that group g gathers."""
+        per_band = group_unit(self.op, self.world_size, self.n, self.tile)
+        out, band = [], 0
+        for size in self.group_sizes:
+            out.append((band, band + size // per_band))
+            band += size // per_band
+        return tuple(out)
+
+    def chunk_rows(self, g: int) -> tuple[int, int]:
+        """allgather: rows [start, end) of every shard that group g gathers."""
+        first, last = self.chunk_bands[g]
+        return first * self.tile[0], min(last * self.tile[0], self.shard_rows)
+
+    def local_tiles(self, rank: int) -> tuple[TileRect, ...]:
+        """allgather: this rank's own shard's tiles, computed first (they need no transfer),
+        group by group."""
+        return tuple(t for tiles in self.groups for t in tiles if t.block == rank)
+
+    def arriving_tiles(self, rank: int, g: int) -> tuple[TileRect, ...]:
+        """allgather: the tiles computed once group g's chunk has arrived (the other shards')."""
+        return tuple(t for t in self.groups[g] if t.block != rank)
+
     @cached_property
     def packed_tiles(self) -> tuple[tuple[TileRect, int, int], ...]:
         """(tile, group, packed offset) for every tile, in packed-buffer order."""
+        if self.op == GATHER_OP:
+            raise ValueError("an allgather plan packs the gathered rows of a, not output tiles "
+                             "(see regions and chunk_rows); its output is written in place")
         out, offset = [], 0
         for g, tiles in enumerate(self.groups):
             for t in sorted(tiles, key=lambda t: (t.block, t.local)):
@@ -194,6 +282,14 @@ class Plan:
 
     @cached_property
     def regions(self) -> tuple[Region, ...]:
+        if self.op == GATHER_OP:  # the gathered rows of a, chunk by chunk, source by source
+            out = []
+            for g in range(self.num_groups):
+                start, end = self.chunk_rows(g)
+                part = (end - start) * self.k
+                out.append(Region(g, self.world_size * start * self.k, self.world_size * part,
+                                  (part,) * self.world_size))
+            return tuple(out)
         out, offset = [], 0
         blocks = len(self.block_rows)
         for g, tiles in enumerate(self.groups):
@@ -206,8 +302,14 @@ class Plan:
         return tuple(out)
 
     @property
+    def packed_shape(self) -> tuple[int, int]:
+        """The row-major array whose elements the packed buffer permutes: the output [M, N],
+        or for allgather the gathered a [M, K]."""
+        return (self.m, self.k) if self.op == GATHER_OP else (self.m, self.n)
+
+    @property
     def packed_numel(self) -> int:
-        return self.m * self.n
+        return self.packed_shape[0] * self.packed_shape[1]
 
     def wave_of_group(self, g: int) -> tuple[int, int]:
         """First and last wave (inclusive) that group g's tiles come from."""
@@ -229,7 +331,13 @@ class Plan:
                 torch.tensor(groups, dtype=torch.int32))
 
     def packed_index(self) -> torch.Tensor:
-        """Flat index into row-major c of every packed element (packed = c.flatten()[index])."""
+        """Flat index into the row-major ``packed_shape`` array (c, or for allgather the
+        gathered a) of every packed element (packed = c.flatten()[index])."""
+        if self.op == GATHER_OP:
+            rows = torch.cat([torch.arange(s * self.shard_rows + start, s * self.shard_rows + end)
+                              for g in range(self.num_groups) for start, end in [self.chunk_rows(g)]
+                              for s in range(self.world_size)])
+            return (rows.unsqueeze(1) * self.k + torch.arange(self.k)).flatten()
         parts = []
         for t, _, _ in self.packed_tiles:
             rows = torch.arange(t.row0, t.row0 + t.rows).unsqueeze(1) * self.n
@@ -259,7 +367,7 @@ class Plan:
             "wave_size": self.wave_size, "schedule": self.schedule.to_dict(),
             "group_sizes": list(self.group_sizes),
             "send_splits": list(self.send_splits) if self.send_splits is not None else None,
-            "backend": self.backend,
+            "backend": self.backend, "strategy": self.strategy,
         }
 
     @classmethod
@@ -272,7 +380,7 @@ class Plan:
                 dtype=d["dtype"], tile=tuple(d["tile"]), wave_size=d["wave_size"],
                 schedule=Schedule(**d["schedule"]), group_sizes=tuple(d["group_sizes"]),
                 send_splits=tuple(d["send_splits"]) if d.get("send_splits") is not None else None,
-                backend=d.get("backend"))
+                backend=d.get("backend"), strategy=d.get("strategy", "overlap"))
         except KeyError as e:
             raise ValueError(f"plan JSON lacks field {e}") from None
 
@@ -298,6 +406,11 @@ class Plan:
             f"swizzle={self.schedule.swizzle}",
             f"  waves: {self.num_waves} of {self.wave_size} tiles; {self.num_groups} group(s)",
         ]
+        if self.strategy != "overlap":
+            lines.append(f"  strategy {self.strategy}: the plain GEMM, then one collective "
+                         "(the groups are not used)")
+        if self.op == GATHER_OP:
+            return "\n".join(lines + self._describe_chunks(itemsize))
         for r in self.regions:
             w0, w1 = self.wave_of_group(r.index)
             per_dest = f", per rank {list(r.dest_numels)}" if len(r.dest_numels) > 1 else ""
@@ -307,6 +420,18 @@ class Plan:
                 f"{per_dest}")
         return "\n".join(lines)
 
+    def _describe_chunks(self, itemsize: int) -> list[str]:
+        lines = [f"  each rank computes its own shard's {self.num_tiles // self.world_size} tiles "
+                 "first, then each chunk's other tiles as it arrives"]
+        for r in self.regions:
+            start, end = self.chunk_rows(r.index)
+            lines.append(
+                f"  group {r.index}: gathers rows [{start}, {end}) of every shard, elements "
+                f"[{r.offset}, {r.offset + r.numel}) of a = {r.numel * itemsize / 2**20:.3f} MiB; "
+                f"{self.group_sizes[r.index]} tiles depend on it")
+        return lines
+
     def __repr__(self) -> str:
         return (f"Plan(op={self.op!r}, M={self.m}, N={self.n}, K={self.k}, W={self.world_size}, "
-                f"dtype={self.dtype}, tile={self.tile}, groups={list(self.group_sizes)})")
+                f"dtype={self.dtype}, tile={self.tile}, groups={list(self.group_sizes)}"
+                f"{'' if self.strategy == 'overlap' else f', strategy={self.strategy!r}'})")

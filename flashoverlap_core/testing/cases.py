@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "all_to_all")
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
 DTYPES = ("float32", "float16", "bfloat16")
 GROUPINGS = ("one", "per_wave", "uneven", "heuristic", "auto")
 """one group; one group per wave; random uneven explicit group_sizes; the backend's default
@@ -54,7 +54,8 @@ class Case:
     op: str  # one of COLLECTIVES, or "custom"
     world_size: int
     dtype: str
-    m: int  # rows of a (all_to_all: the most rows a rank has; ranks have 1..m)
+    m: int  # rows of a (all_to_all: the most rows a rank has; ranks have 1..m; allgather:
+    # every rank's rows, so the result has W*m)
     n: int
     k: int
     tile: tuple[int, int]

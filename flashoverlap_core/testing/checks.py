@@ -54,7 +54,10 @@ def expected(case: Case, seed: int, rank: int, call: int = 0) -> Expected:
             rows = slice(rank * case.m // w, (rank + 1) * case.m // w)
             ref, abs_c, abs_ab = ref[rows], abs_c[rows], abs_ab[rows]
         return Expected(ref, tolerance(case.torch_dtype, case.k, w, abs_c, abs_ab))
-    if case.op == "all_to_all":
+    if case.op == "allgather":  # every rank's rows, in rank order, times this rank's b
+        rows = torch.cat([rank_input(case, seed, src, call=call).a for src in range(w)])
+        ref, abs_ab = products(RankInput(rows, rank_input(case, seed, rank, call=call).b, None))
+    elif case.op == "all_to_all":
         refs, abs_abs = [], []
         for src in range(w):
             inp = rank_input(case, seed, src, call=call)

@@ -112,6 +112,19 @@ def _a2a(**kw):
     return lambda c: c.call(op="all_to_all", **kw)
 
 
+def _gather(out_rows=None, plan=None, **kw):
+    """An allgather call, with ``out`` of ``out_rows`` rows and a plan of op ``plan`` for M
+    rows (at W > 1 not the call's W x M) when given."""
+    def build(c):
+        args = dict(kw, op="allgather")
+        if out_rows is not None:
+            args["out"] = c.t(out_rows, N)
+        if plan is not None:
+            args["plan"] = c.plan(op=plan, world_size=c.world_size)
+        return c.call(**args)
+    return build
+
+
 INVALID = [
     Invalid("a-not-tensor", TypeError, "torch.Tensor", lambda c: c.call(a=[[1.0] * K] * M)),
     Invalid("b-not-tensor", TypeError, "torch.Tensor", lambda c: c.call(b=3.0)),
@@ -127,7 +140,7 @@ INVALID = [
     Invalid("empty-m", ValueError, ">= 1", lambda c: c.call(a=c.t(0, K))),
     Invalid("empty-n", ValueError, ">= 1", lambda c: c.call(b=c.t(K, 0))),
     Invalid("empty-k", ValueError, ">= 1", lambda c: c.call(a=c.t(M, 0), b=c.t(0, N))),
-    Invalid("op-unknown", ValueError, "op must be", lambda c: c.call(op="allgather")),
+    Invalid("op-unknown", ValueError, "op must be", lambda c: c.call(op="broadcast")),
     Invalid("op-type", TypeError, "op must be", lambda c: c.call(op=3)),
     Invalid("group-type", TypeError, "group", lambda c: c.call(group="world")),
     Invalid("backend-type", TypeError, "backend", lambda c: c.call(backend=3)),
@@ -150,6 +163,10 @@ INVALID = [
     Invalid("out-dtype", ValueError, "out", lambda c: c.call(out=c.t(M, N, dtype=c.other_dtype))),
     Invalid("out-device", ValueError, "out", lambda c: c.call(out=c.t(M, N, device="meta"))),
     Invalid("out-not-contiguous", ValueError, "contiguous", lambda c: c.call(out=c.t(N, M).t())),
+    Invalid("allgather-send-splits", ValueError, "all_to_all", _gather(send_splits=[M])),
+    Invalid("allgather-recv-splits", ValueError, "all_to_all", _gather(recv_splits=[M])),
+    Invalid("allgather-plan-other-op", ValueError, "does not fit", _gather(plan="allreduce")),
+    Invalid("allgather-out-shape", ValueError, "shape", _gather(out_rows=M + 1)),
     # on two ranks
     Invalid("reduce-scatter-m-not-divisible", ValueError, "divisible",
             lambda c: c.call(op="reduce_scatter", a=c.t(M + 1, K)), world_size=2),
@@ -165,6 +182,9 @@ INVALID = [
             lambda c: c.call(send_splits=[4, 4]), world_size=2),
     Invalid("plan-other-world-size", ValueError, "does not fit",
             lambda c: c.call(plan=c.plan(world_size=1)), world_size=2),
+    Invalid("allgather-out-local-rows", ValueError, "shape", _gather(out_rows=M), world_size=2),
+    Invalid("allgather-plan-local-rows", ValueError, "does not fit",  # a plan's M is W x m
+            _gather(plan="allgather"), world_size=2),
 ]
 BY_LABEL = {case.label: case for case in INVALID}
 
@@ -173,7 +193,7 @@ INVALID_PLANS = [  # (label, error, message word, fo.plan keyword arguments repl
     ("m-bool", TypeError, "int", dict(m=True)),
     ("k-float", TypeError, "int", dict(k=5.0)),
     ("world-size-zero", ValueError, ">= 1", dict(world_size=0)),
-    ("op-unknown", ValueError, "op must be", dict(op="allgather")),
+    ("op-unknown", ValueError, "op must be", dict(op="broadcast")),
     ("dtype-float64", TypeError, "not supported", dict(dtype=torch.float64)),
     ("reduce-scatter-m-not-divisible", ValueError, "divisible", dict(op="reduce_scatter", world_size=3)),
     ("a2a-without-send-splits", ValueError, "send_splits", dict(op="all_to_all", world_size=2)),
@@ -191,6 +211,10 @@ INVALID_PLANS = [  # (label, error, message word, fo.plan keyword arguments repl
     ("reduce-scatter-groups-unbalanced", ValueError, "unbalanced",
      dict(op="reduce_scatter", world_size=2, tile=(4, 3), group_sizes=[1, 3])),
     ("backend-type", TypeError, "backend", dict(backend=3)),
+    ("allgather-m-not-divisible", ValueError, "divisible", dict(op="allgather", world_size=3)),
+    ("allgather-splits", ValueError, "all_to_all", dict(op="allgather", send_splits=[M])),
+    ("allgather-groups-not-bands", ValueError, "band",  # tile 4x3: a band of 2 shards is 4 tiles
+     dict(op="allgather", world_size=2, tile=(4, 3), group_sizes=[1, 3])),
 ]
 
 
@@ -218,6 +242,18 @@ def attempt_on_rank(target, labels: list[str]) -> dict[str, tuple[tuple[str, ...
     results = {label: attempt(BY_LABEL[label].build, ctx) for label in labels}
     results["valid"] = attempt(lambda c: c.call(), ctx)
     return results
+
+
+def unequal_allgather_rows_on_rank(target) -> tuple[tuple[str, ...], str]:
+    """An allgather on two ranks whose a has M rows on rank 0 and M + 1 on rank 1. Only the
+    ranks together can see it, so it goes to the real backend, not a tripwire."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = target.device(rank)
+    ctx = Ctx(device, dist.get_world_size(), target.backend_name,
+              valid_dtype(target.backend_name, device.type))
+    return attempt(lambda c: c.call(op="allgather", a=c.t(M + rank, K)), ctx)
 
 
 def mismatched_recv_splits_on_rank(target) -> tuple[tuple[str, ...], str]:

@@ -15,7 +15,7 @@ import flashoverlap_core as fo
 from flashoverlap_core import registry
 from flashoverlap_core.backend import OverlapSpec
 from flashoverlap_core.grouping import wave_group_sizes
-from flashoverlap_core.plan import block_rows_for
+from flashoverlap_core.plan import GATHER_OP, block_rows_for, group_unit
 from flashoverlap_core.tiles import TileGrid
 
 from .cases import Case, rank_input, recv_splits, rank_rows, seed_of
@@ -35,6 +35,8 @@ def op_name(case: Case) -> str:
 def spec_of(case: Case, seed: int, rank: int, device_type: str) -> OverlapSpec:
     """What ``rank``'s call asks of the backend (to ask it whether it supports the call)."""
     m, splits = rank_rows(case, seed, rank)
+    if case.op == GATHER_OP:
+        m *= case.world_size  # the plan's M is the rows of the result
     return OverlapSpec(m, case.n, case.k, op_name(case), case.world_size, case.dtype, device_type,
                        case.layout, splits if case.splits != "none" else None)
 
@@ -42,7 +44,7 @@ def spec_of(case: Case, seed: int, rank: int, device_type: str) -> OverlapSpec:
 def explicit_group_sizes(case: Case, base: fo.Plan, rng: random.Random) -> tuple[int, ...] | None:
     """group_sizes for the case's grouping, over the base plan's tiles (None: plan's default)."""
     total = base.num_tiles
-    unit = case.world_size if case.op == "reduce_scatter" else 1
+    unit = group_unit(base.op, base.world_size, base.n, base.tile)
     if case.grouping == "one":
         return (total,)
     if case.grouping == "per_wave":

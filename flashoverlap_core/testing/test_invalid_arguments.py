@@ -6,7 +6,8 @@ import pytest
 import flashoverlap_core as fo
 
 from .invalid import (INVALID, INVALID_PLANS, K, M, N, Ctx, Invalid, attempt, attempt_on_rank,
-                      mismatched_recv_splits_on_rank, raised_by, tripwire, valid_dtype)
+                      mismatched_recv_splits_on_rank, raised_by, tripwire,
+                      unequal_allgather_rows_on_rank, valid_dtype)
 
 IN_PROCESS = [case for case in INVALID if case.world_size == 1]
 ON_RANKS = [case for case in INVALID if case.world_size > 1]
@@ -65,6 +66,15 @@ def test_recv_splits_that_disagree_with_the_senders(_fo_pool_set, fo_settings):
     for rank, (raised, message) in enumerate(_fo_pool_set.run(2, mismatched_recv_splits_on_rank)):
         assert "ValueError" in raised and "recv_splits" in message, (
             f"rank {rank}: expected a ValueError about recv_splits, got {raised[:1]} {message!r}")
+
+
+def test_allgather_with_unequal_rows(_fo_pool_set, fo_settings):
+    if 2 not in fo_settings.world_sizes:
+        pytest.skip(f"needs world size 2, not in --fo-world-sizes {list(fo_settings.world_sizes)}")
+    for rank, (raised, message) in enumerate(_fo_pool_set.run(2, unequal_allgather_rows_on_rank)):
+        assert "ValueError" in raised and "same rows" in message, (
+            f"rank {rank}: expected a ValueError saying the ranks need the same rows of a, "
+            f"got {raised[:1]} {message!r}")
 
 
 @pytest.mark.parametrize("call", ["overlap", "plan"])

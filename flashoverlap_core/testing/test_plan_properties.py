@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import flashoverlap_core as fo
-from flashoverlap_core.plan import PLAN_OPS, Plan, block_rows_for, dtype_name
+from flashoverlap_core.plan import (GATHER_OP, PLAN_OPS, STRATEGIES, Plan, block_rows_for, dtype_name,
+                                    group_unit)
 from flashoverlap_core.reorder import unpack_block
 from flashoverlap_core.tiles import RASTERS, Schedule, TileGrid
 
@@ -36,7 +37,8 @@ def send_splits(draw, m: int, world_size: int):
 def plans(draw) -> Plan:
     op = draw(st.sampled_from(PLAN_OPS))
     w = draw(st.integers(1, 5))
-    m = w * draw(st.integers(1, 10)) if op == "reduce_scatter" else draw(st.integers(1, 40))
+    blocks = op in ("reduce_scatter", GATHER_OP)  # M is W x the rows of each block
+    m = w * draw(st.integers(1, 10)) if blocks else draw(st.integers(1, 40))
     n = draw(st.integers(1, 40))
     splits = None
     if op == "all_to_all" and (w > 1 or draw(st.booleans())):
@@ -44,11 +46,12 @@ def plans(draw) -> Plan:
     tile = (draw(st.integers(1, 16)), draw(st.integers(1, 16)))
     schedule = Schedule(draw(st.sampled_from(RASTERS)), draw(st.integers(1, 4)))
     total = TileGrid(block_rows_for(op, m, w, splits), n, *tile, schedule).num_tiles
-    unit = w if op == "reduce_scatter" else 1
+    unit = group_unit(op, w, n, tile)
     groups = draw(st.integers(1, min(8, total // unit)))
     sizes = tuple(unit * s for s in compositions(draw, total // unit, groups, 1))
     return Plan(m, n, draw(st.integers(1, 64)), op, w, draw(st.sampled_from(["float32", "float16", "bfloat16"])),
-                tile, draw(st.integers(1, 8)), sizes, schedule, splits)
+                tile, draw(st.integers(1, 8)), sizes, schedule, splits,
+                strategy=draw(st.sampled_from(STRATEGIES)))
 
 
 def block_bounds(plan: Plan) -> list[tuple[int, int]]:
@@ -60,7 +63,7 @@ def block_bounds(plan: Plan) -> list[tuple[int, int]]:
 
 
 def check_invariants(plan: Plan) -> None:
-    m, n = plan.m, plan.n
+    m, n = plan.packed_shape  # allgather: the packed buffer holds the gathered a [M, K]
     index = plan.packed_index()
     # the packed layout is a permutation of the output's elements
     assert index.numel() == m * n == plan.packed_numel
@@ -73,9 +76,13 @@ def check_invariants(plan: Plan) -> None:
     offset = 0
     for g, region in enumerate(plan.regions):
         assert region.index == g and region.offset == offset
-        assert region.numel == sum(t.numel for t in plan.groups[g]) == sum(region.dest_numels)
+        assert region.numel == sum(region.dest_numels)
+        assert plan.op == GATHER_OP or region.numel == sum(t.numel for t in plan.groups[g])
         offset += region.numel
     assert offset == m * n
+    if plan.op == GATHER_OP:
+        check_gather_chunks(plan)
+        return
     for tile, g, off in plan.packed_tiles:
         r = plan.regions[g]
         assert r.offset <= off and off + tile.numel <= r.offset + r.numel
@@ -95,10 +102,36 @@ def check_invariants(plan: Plan) -> None:
             assert sum(r.dest_numels[d] for r in plan.regions) == rows * n
 
 
+def check_gather_chunks(plan: Plan) -> None:
+    """allgather: the chunks are consecutive runs of rows covering every shard; each group's
+    tiles are exactly those whose rows its chunk brings, and its region holds those rows of each
+    shard in rank order; a rank computes its own tiles first, then each chunk's other tiles."""
+    shard, w = plan.shard_rows, plan.world_size
+    chunks = [plan.chunk_rows(g) for g in range(plan.num_groups)]
+    assert chunks[0][0] == 0 and chunks[-1][1] == shard
+    assert all(end > start for start, end in chunks)
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    index = plan.packed_index()
+    for g, (start, end) in enumerate(chunks):
+        for t in plan.grid.execution_order:
+            row = t.row0 - t.block * shard
+            inside = start <= row and row + t.rows <= end
+            assert inside == (t in plan.groups[g]) and (inside or row + t.rows <= start or end <= row)
+        r = plan.regions[g]
+        rows = index[r.offset:r.offset + r.numel].view(w, end - start, plan.k)[:, :, 0] // plan.k
+        assert torch.equal(rows, torch.arange(w).unsqueeze(1) * shard + torch.arange(start, end))
+    for rank in range(w):
+        local = plan.local_tiles(rank)
+        arriving = [t for g in range(plan.num_groups) for t in plan.arriving_tiles(rank, g)]
+        assert {t.block for t in local} <= {rank} and rank not in {t.block for t in arriving}
+        assert len(local) + len(arriving) == plan.num_tiles
+        assert set(local) | set(arriving) == set(plan.grid.execution_order)
+
+
 def check_pack_unpack(plan: Plan) -> None:
     """Packing c, then unpacking what each destination receives (its part of every region,
     in group order) with unpack_block, gives c back."""
-    c = torch.randn(plan.m, plan.n, dtype=torch.float64)
+    c = torch.randn(*plan.packed_shape, dtype=torch.float64)
     packed = c.flatten()[plan.packed_index()]
     out = torch.full_like(c, float("nan"))
     for d, (lo, hi) in enumerate(block_bounds(plan)):
@@ -106,7 +139,10 @@ def check_pack_unpack(plan: Plan) -> None:
         for region in plan.regions:
             start = region.offset + sum(region.dest_numels[:d])
             parts.append(packed[start:start + region.dest_numels[d]])
-        unpack_block(torch.cat(parts), out[lo:hi], plan.tile, plan.schedule)
+        if plan.op == GATHER_OP:  # a shard's rows arrive row-major, chunk after chunk
+            out[lo:hi] = torch.cat(parts).view(hi - lo, -1)
+        else:
+            unpack_block(torch.cat(parts), out[lo:hi], plan.tile, plan.schedule)
     assert torch.equal(out, c)
 
 
@@ -135,7 +171,8 @@ def test_json_round_trip(plan):
 def backend_calls(draw):
     op = draw(st.sampled_from(PLAN_OPS))
     w = draw(st.integers(1, 4))
-    m = w * draw(st.integers(1, 300)) if op == "reduce_scatter" else draw(st.integers(1, 1200))
+    blocks = op in ("reduce_scatter", GATHER_OP)
+    m = w * draw(st.integers(1, 300)) if blocks else draw(st.integers(1, 1200))
     splits = draw(send_splits(m, w)) if op == "all_to_all" else None
     return dict(m=m, n=draw(st.integers(1, 1200)), k=draw(st.integers(1, 4097)), op=op,
                 world_size=w, dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
