@@ -8,40 +8,28 @@ alignment errors. Then it checks the post-reorder and the device-side waits (a c
 copies each group's region the moment its counter fires; the copies must equal the result), and
 times the GEMM against torch.matmul and the post-reorder against a device copy.
 
-Usage (GPU machine, objects prebuilt into $FLASHOVERLAP_CACHE_DIR by build.py):
+Usage (GPU machine, objects prebuilt into $FLASHOVERLAP_CACHE_DIR by `flashoverlap build`):
     FLASHOVERLAP_NO_JIT=1 python3 bench/kernels/gemm_check.py --out results.json
-Loads build.py and runtime.py by path, so nothing else of the backend needs to import.
+The plans, the tile order's cluster rule and the packed layout are the backend's own
+(flashoverlap_core.plan, backends/cuda/kernels.py), not copies.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from flashoverlap_core.plan import Plan  # noqa: E402
-from flashoverlap_core.tiles import Schedule  # noqa: E402
+from flashoverlap_backends.cuda import build, kernels
+from flashoverlap_backends.cuda import runtime as bind
+from flashoverlap_core.plan import Plan
+from flashoverlap_core.tiles import Schedule
 
-
-def load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-build = load_module("fo_build", ROOT / "backends/cuda/build.py")
-bind = load_module("fo_bind", ROOT / "backends/cuda/runtime.py")
 GemmConfig = build.GemmConfig
 
 # What this script checks and times (all must be prebuilt; a missing one is reported).
@@ -76,19 +64,15 @@ def round_up(x: int, m: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def item_table(plan):
+    """The plan's item and group tables, on the host and on the device (made once per plan)."""
     items, groups = plan.item_table()
     return items, groups, items.cuda(), groups.cuda()
 
 
 @functools.lru_cache(maxsize=None)
-def packed_index(plan, device="cuda"):
-    """plan.packed_index(), computed on the device (the same map, vectorized)."""
-    rect = torch.tensor([[t.row0, t.col0, t.cols, off, t.numel] for t, _, off in plan.packed_tiles],
-                        dtype=torch.int64, device=device)
-    row0, col0, cols, off, numel = rect.unbind(1)
-    tile = torch.repeat_interleave(torch.arange(len(rect), device=device), numel)
-    local = torch.arange(plan.packed_numel, device=device) - off[tile]
-    return (row0[tile] + local // cols[tile]) * plan.n + col0[tile] + local % cols[tile]
+def packed_index(plan):
+    """plan.packed_index() on the device (made once per plan)."""
+    return plan.packed_index().cuda()
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,23 +91,9 @@ def make_plan(cfg, m, n, k, blocks, max_ctas, group_waves=1.0, swizzle=2):
                 wave_size=max_ctas, group_sizes=tuple(sizes), schedule=Schedule(raster, swizzle))
 
 
-def cluster_ok(cfg, items: torch.Tensor, block_rows: int) -> bool:
-    """The kernel's cluster rule (flashoverlap_cuda.h): items of one cluster round agree."""
-    cm, cn = cfg.cluster_m, cfg.cluster_n
-    if cm * cn == 1:
-        return True
-    row0 = items[:, 0] * block_rows + items[:, 1] * cfg.tile_m
-    for base in range(0, len(items), cm * cn):
-        for r in range(1, cm * cn):
-            i = base + r
-            if i >= len(items):
-                break
-            rm, rn = r % cm, r // cm
-            if rn and row0[i] != row0[base + rm]:
-                return False
-            if rm and items[i, 2] != items[base + rn * cm, 2]:
-                return False
-    return True
+def cluster_ok(cfg, items: torch.Tensor) -> bool:
+    """The backend's rule: items of one cluster round can share operand tiles."""
+    return kernels.cluster_fits(items, (cfg.cluster_m, cfg.cluster_n))
 
 
 class Operands:
@@ -162,7 +132,7 @@ def check_case(lib, cfg, m, n, k, blocks, ctas, monitor=False, signal=True):
     """Correctness of one shape: packed vs reference, counters, monitor CTAs."""
     plan = make_plan(cfg, m, n, k, blocks, ctas)
     items_cpu, _, items, groups = item_table(plan)
-    if not cluster_ok(cfg, items_cpu, plan.block_rows[0]):
+    if not cluster_ok(cfg, items_cpu):
         return {"shape": [m, n, k, blocks], "skipped": "plan order does not suit the cluster"}
     ops = Operands(cfg, m, n, k)
     dt = TORCH_DTYPE[cfg.dtype]
@@ -222,7 +192,7 @@ def bench(fn, warmup=5, reps=20):
 def perf_case(lib, cfg, m, n, k, ctas, swizzle, signal=True):
     plan = make_plan(cfg, m, n, k, 1, ctas, swizzle=swizzle)
     items_cpu, _, items, groups = item_table(plan)
-    if not cluster_ok(cfg, items_cpu, plan.block_rows[0]):
+    if not cluster_ok(cfg, items_cpu):
         return None
     ops = Operands(cfg, m, n, k, reference=False)
     packed = torch.empty(m * n, dtype=TORCH_DTYPE[cfg.dtype], device="cuda")
