@@ -3,8 +3,10 @@
 # kernels), GPU tests, the conformance suite against `cuda`, and the benchmarks. Logs and
 # result JSON go to $OUT (the device tool brings them back). Every step runs under `timeout`.
 #
-#   bash ci/gpu.sh [STAGE...]   (default: build tests gemm reorder offload sm80 conformance
-#                                mainjob report; also: tuning)
+#   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
+#                                conformance mainjob report cache; also: tuning, e2e, compile)
+# The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
+# the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_NAME=gpu
@@ -12,14 +14,18 @@ LOG_NAME=gpu
 source ci/lib.sh
 
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests gemm reorder offload sm80 conformance mainjob report)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build tests callpath gemm reorder offload sm80 conformance mainjob report cache)
 
 run_stage() {  # the stages, most important first (a call may run out of time at the end)
   case $1 in
     # Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
     build) stage build 240 flashoverlap build --backend cuda --jobs 16 ;;
     report) stage report 60 flashoverlap report ;;
-    tests) stage tests 240 $PY -m pytest -q -p no:cacheprovider tests/gpu ;;
+    tests) stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu ;;
+    callpath) stage callpath 180 $PY bench/callpath.py ;;
+    e2e) stage e2e 180 $PY bench/e2e_mlp.py ;;
+    cache) tar -czf "$OUT/kernel-cache.tar.gz" -C "$PWD" .fo_build/cache \
+             && echo "cache: $(du -h "$OUT/kernel-cache.tar.gz" | cut -f1)" | tee -a "$SUMMARY" ;;
     # The Ampere/Ada (sm_80) kernels run on Hopper too: their correctness is checked here.
     sm80) FLASHOVERLAP_CUDA_ARCH=80 FO_STRESS_RUNS=200 stage sm80 120 $PY -m pytest -q \
             -p no:cacheprovider tests/gpu -k "world1 or stress or offload" ;;

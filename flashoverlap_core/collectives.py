@@ -237,3 +237,47 @@ class RegionExchange:
         for rows_view, tiles, offsets in self.block_layouts():
             unpack_tiles(self.staging, offsets, tiles, rows_view)
         return self.call.out
+
+
+# ---- the call as tables (for backends that issue it natively) ---------------------------------
+
+def collective_steps(exchange: RegionExchange) -> tuple[list[int], int, int]:
+    """The collectives of a call as a flat table, for a backend that issues them without
+    Python per group: ``(rows, num_steps, per_step)``, where step s has ``per_step`` entries
+    (one per peer for all_to_all, else one) of {send offset, send count, recv offset,
+    recv count}, in elements of the packed buffer (send) and the staging buffer (recv).
+    allreduce is in place (recv = send); reduce_scatter receives its 1/W part; all_to_all
+    sends each peer its part and receives each source's part at its place in the staging
+    buffer; a step past this rank's groups moves nothing but still takes part."""
+    call, plan, world = exchange.call, exchange.plan, exchange.call.world_size
+    rows: list[int] = []
+    if exchange.kind == "all_to_all" and call.group is not None:
+        for g in range(exchange.num_collectives):
+            region = plan.regions[g] if g < plan.num_groups else None
+            send_off = region.offset if region is not None else 0
+            recv_off = exchange.recv_offsets[g]
+            for peer, got in enumerate(exchange.recv_counts[g]):
+                sent = region.dest_numels[peer] if region is not None else 0
+                rows += [send_off, sent, recv_off, got]
+                send_off += sent
+                recv_off += got
+        return rows, exchange.num_collectives, world
+    for g, region in enumerate(plan.regions):
+        if exchange.kind == "reduce_scatter" and call.group is not None:
+            rows += [region.offset, region.numel, exchange.recv_offsets[g], region.numel // world]
+        else:
+            rows += [region.offset, region.numel, region.offset, region.numel]
+    return rows, plan.num_groups, 1
+
+
+def unpack_layouts(exchange: RegionExchange) -> list[tuple[int, list, list[int]]]:
+    """The post-communication reorder as tables: per received block with tiles, (its first
+    element in ``out``, its tiles as (row0, rows, col0, cols) relative to the block, each
+    tile's element offset in the staging buffer)."""
+    out, layouts = exchange.call.out, []
+    for rows_view, tiles, offsets in exchange.block_layouts():
+        if tiles:
+            start = (rows_view.data_ptr() - out.data_ptr()) // out.element_size()
+            layouts.append((start, [(t.row0, t.rows, t.col0, t.cols) for t in tiles], offsets))
+    return layouts
+

@@ -37,7 +37,7 @@ import torch
 from ctypes import c_int32, c_int64, c_void_p
 
 from flashoverlap_core.backend import Backend, OverlapCall, OverlapSpec, PreparedCall
-from flashoverlap_core.collectives import RegionExchange
+from flashoverlap_core.collectives import RegionExchange, collective_steps, unpack_layouts
 from flashoverlap_core.plan import GATHER_OP
 from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
@@ -373,7 +373,7 @@ class CudaCall(PreparedCall):
             if self.staging_numel is not None:
                 first.staging = exchange.staging
             self.blocks = self._unpack_tables(exchange)
-            self.steps, self.num_steps, self.per_step = self._steps(call, exchange)
+            self.steps, self.num_steps, self.per_step = collective_steps(exchange)
         if not self.python_path:
             self._make_native(first)
 
@@ -396,41 +396,10 @@ class CudaCall(PreparedCall):
     # ---- tables built once -----------------------------------------------------------------
     def _unpack_tables(self, exchange) -> list:
         """Per received block: (byte offset in out, tiles table, source offsets) on the device."""
-        out, tables = exchange.call.out, []
-        for rows_view, tiles, offsets in exchange.block_layouts():
-            if not tiles:
-                continue
-            start = rows_view.data_ptr() - out.data_ptr()
-            rects = torch.tensor([(t.row0, t.rows, t.col0, t.cols) for t in tiles],
-                                 dtype=torch.int32).to(self.device)
-            offs = torch.tensor(offsets, dtype=torch.int64).to(self.device)
-            tables.append((start, rects, offs))
-        return tables
-
-    def _steps(self, call, exchange):
-        """Each collective step's {send offset, send count, recv offset, recv count} (elements),
-        per peer for all_to_all: what the native call hands to NCCL."""
-        plan, world = call.plan, call.world_size
-        if self.kind == "all_to_all" and call.group is not None:
-            rows = []
-            for g in range(exchange.num_collectives):
-                region = plan.regions[g] if g < plan.num_groups else None
-                send_off = region.offset if region is not None else 0
-                counts = exchange.recv_counts[g]
-                recv_off = exchange.recv_offsets[g]
-                for peer in range(world):
-                    sent = region.dest_numels[peer] if region is not None else 0
-                    rows += [send_off, sent, recv_off, counts[peer]]
-                    send_off += sent
-                    recv_off += counts[peer]
-            return rows, exchange.num_collectives, world
-        rows = []
-        for g, region in enumerate(plan.regions):
-            if self.kind == "reduce_scatter" and call.group is not None:
-                rows += [region.offset, region.numel, exchange.recv_offsets[g], region.numel // world]
-            else:
-                rows += [region.offset, region.numel, region.offset, region.numel]
-        return rows, plan.num_groups, 1
+        size = exchange.call.out.element_size()
+        return [(start * size, torch.tensor(rects, dtype=torch.int32).to(self.device),
+                 torch.tensor(offsets, dtype=torch.int64).to(self.device))
+                for start, rects, offsets in unpack_layouts(exchange)]
 
     def _make_native(self, state: StreamState) -> None:
         plan = self.template.plan

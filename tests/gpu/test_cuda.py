@@ -7,13 +7,14 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 import torch
 
 import flashoverlap_core as fo
-from flashoverlap_core.ops import HostOffload
+from flashoverlap_core.transfers import HostOffload
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,6 +30,19 @@ REASON = _cuda_reason()
 if REASON and os.environ.get("FLASHOVERLAP_REQUIRE_HW") == "1":
     raise RuntimeError(f"FLASHOVERLAP_REQUIRE_HW=1 but {REASON}")
 needs_cuda = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+@pytest.fixture
+def nccl_group():
+    """A NCCL process group of one rank, so that the calls' collectives really run (and are
+    captured and replayed in graphs)."""
+    import torch.distributed as dist
+
+    store = tempfile.mktemp(prefix="fo-gpu-test-")
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def _inputs(m, n, k, dtype, col_major=True, seed=None):
@@ -97,7 +111,62 @@ def test_signal_ordering_stress():
 
 
 @needs_cuda
-def test_back_to_back_bitwise_stable_memory_flat():
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("shape", [(1, 4096, 512), (7, 127, 33), (1000, 1000, 1000), (4097, 384, 72)])
+def test_native_call_with_nccl_matches_float64(op, shape, nccl_group):
+    """The native call path (one fo_call_run: GEMM, waits, NCCL, post-reorder) at world size 1
+    with a real NCCL communicator, back to back with poisoned outputs."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for col_major in (True, False):
+            for _ in range(3):
+                a, b = _inputs(*shape, dtype, col_major)
+                out = torch.full((shape[0], shape[1]), float("nan"), device="cuda", dtype=dtype)
+                assert fo.overlap(a, b, op, out=out) is out
+                torch.cuda.synchronize()
+                _check(out, a, b)
+
+
+@needs_cuda
+def test_two_streams_share_nothing(nccl_group):
+    """Two calls of the same key in flight on two streams: their own counters, buffers and
+    communication streams, so 1,000 rounds stay exact and nothing hangs."""
+    rounds = int(os.environ.get("FO_CONCURRENT_ROUNDS", "1000"))
+    m, n, k = 1024, 2048, 512
+    plan = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda", group_sizes=None)
+    inputs = [_inputs(m, n, k, torch.bfloat16, seed=s) for s in (1, 2)]
+    expected = [fo.overlap(a, b, plan=plan) for a, b in inputs]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for i in range(rounds):
+        for (a, b), out, s in zip(inputs, outs, streams):
+            with torch.cuda.stream(s):
+                fo.overlap(a, b, plan=plan, out=out)
+        if i % 250 == 249 or i == rounds - 1:
+            torch.cuda.synchronize()
+            for out, want in zip(outs, expected):
+                assert torch.equal(out, want), f"round {i}: a call was disturbed by the other stream"
+            for out in outs:
+                out.fill_(float("nan"))
+
+
+@needs_cuda
+def test_first_call_inside_graph_capture_is_a_clear_error(nccl_group):
+    a, b = _inputs(640, 896, 128, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with pytest.raises(ValueError, match="outside the capture"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            fo.overlap(a, b)
+    out = fo.overlap(a, b)  # the same call eagerly, then captured: works
+    torch.cuda.synchronize()
+    _check(out, a, b)
+
+
+@needs_cuda
+def test_back_to_back_bitwise_stable_memory_flat(nccl_group):
     calls = int(os.environ.get("FO_REPEAT_CALLS", "10000"))
     a, b = _inputs(2048, 2048, 512, torch.bfloat16)
     first = fo.overlap(a, b, backend="cuda")
@@ -114,20 +183,22 @@ def test_back_to_back_bitwise_stable_memory_flat():
 
 @needs_cuda
 @pytest.mark.parametrize("wait", ["stream_wait_value", "spin_kernel"])
-def test_graph_replays_bitwise_stable(wait, monkeypatch):
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+def test_graph_replays_bitwise_stable(wait, op, monkeypatch, nccl_group):
     monkeypatch.setenv("FLASHOVERLAP_CUDA_WAIT", wait)
     replays = int(os.environ.get("FO_GRAPH_REPLAYS", "10000"))
     a, b = _inputs(1024, 3072, 256, torch.bfloat16)
-    plan = fo.plan(1024, 3072, 256, dtype=torch.bfloat16, backend="cuda")
+    plan = fo.plan(1024, 3072, 256, op=op, dtype=torch.bfloat16, backend="cuda")
     out = torch.empty(1024, 3072, device="cuda", dtype=torch.bfloat16)
-    fo.overlap(a, b, plan=plan, out=out)  # warm-up (loads every kernel)
+    fo.overlap(a, b, op, plan=plan, out=out)  # warm-up (loads every kernel)
     torch.cuda.synchronize()
     expected = out.clone()
+    _check(out, a, b)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
-            fo.overlap(a, b, plan=plan, out=out)
+            fo.overlap(a, b, op, plan=plan, out=out)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for i in range(replays):

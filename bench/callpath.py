@@ -1,0 +1,191 @@
+"""Host cost of the call a user makes: ``fo.overlap(a, w.t(), op="allreduce")``.
+
+On one GPU with an NCCL process group of one rank (bf16), per shape:
+- host µs per call: wall time to issue N calls (no sync inside) / N, for the call with default
+  arguments, with an explicit 4-group plan, and for ``a @ b``;
+- device-bound time per call: N back-to-back eager calls (default arguments) / N, against the
+  same call replayed from a CUDA graph, and ``a @ b``.
+On the CPU (reference backend, 16x16x16): µs per call with default arguments, with a callable
+op, and with an explicit plan (the same plan), over ``a @ b``.
+
+Summary: ``max_host_us`` (the 4-group allreduce over the shapes), ``max_host_us_default``,
+``min_eager_vs_graph`` (graph time / eager time over shapes whose graph time is >= 0.1 ms),
+``max_default_minus_plan_us`` (default arguments over an explicit plan, GPU), and the CPU
+figures. Result: bench/results/callpath-<device>-<date>.json (or $FO_RESULTS_DIR).
+
+    python bench/callpath.py [--shapes 1x4096x4096,...] [--cpu-only]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap_core as fo
+from common import table, write_result
+
+SHAPES = ["1x4096x4096", "8x4096x4096", "128x8192x4096", "3072x6144x5120", "4096x4096x4096",
+          "12288x4096x1536", "8192x8192x8192", "16384x8192x1024"]
+ISSUE = 20  # calls issued per host-time sample (the launch queue never fills)
+
+
+def host_us(fn, samples: int = 30) -> float:
+    """Median wall time to issue ``ISSUE`` calls of ``fn`` (device idle at the start), per call."""
+    out = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(ISSUE):
+            fn()
+        out.append((time.perf_counter() - t) / ISSUE * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def device_ms(fn, calls: int = 50, samples: int = 7) -> float:
+    """Median time per call of ``calls`` back-to-back calls (events around the batch)."""
+    fn()
+    out = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / calls)
+    return statistics.median(out)
+
+
+def graph_ms(fn, calls: int = 50, samples: int = 7) -> float:
+    """Median time per call of one graph holding ``calls`` calls, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return device_ms(graph.replay, calls=1, samples=samples) / calls
+
+
+def four_groups(plan) -> list[int]:
+    """The plan's tiles cut into 4 groups of whole waves where possible (else equal parts)."""
+    tiles, wave = plan.num_tiles, plan.wave_size
+    unit = wave if tiles >= 4 * wave else 1
+    units = -(-tiles // unit)
+    cuts = [round(units * i / 4) * unit for i in range(1, 4)]
+    bounds = [0] + [min(c, tiles) for c in cuts] + [tiles]
+    sizes = [y - x for x, y in zip(bounds, bounds[1:]) if y > x]
+    return sizes
+
+
+def gpu_rows(shapes) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        m, n, k = map(int, shape.split("x"))
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        b = w.t()
+        base = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda")
+        plan4 = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda",
+                        group_sizes=four_groups(base))
+        default = lambda: fo.overlap(a, b, op="allreduce")  # noqa: E731 - what users call
+        planned = lambda: fo.overlap(a, b, op="allreduce", plan=plan4)  # noqa: E731
+        matmul = lambda: a @ b  # noqa: E731
+        ref = (a.float() @ b.float())
+        got = default()
+        torch.cuda.synchronize()
+        err = ((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+        row = {
+            "shape": shape, "groups_default": None, "groups_plan4": list(plan4.group_sizes),
+            "host_us_default": host_us(default), "host_us_plan4": host_us(planned),
+            "host_us_matmul": host_us(matmul),
+            "eager_ms_default": device_ms(default), "graph_ms_default": graph_ms(default),
+            "eager_ms_plan4": device_ms(planned), "graph_ms_plan4": graph_ms(planned),
+            "matmul_ms": device_ms(matmul), "max_rel_err": err,
+        }
+        row["eager_vs_graph"] = row["graph_ms_default"] / row["eager_ms_default"]
+        row["eager_vs_graph_plan4"] = row["graph_ms_plan4"] / row["eager_ms_plan4"]
+        row["vs_matmul"] = row["matmul_ms"] / row["eager_ms_default"]
+        rows.append(row)
+        print(table([row], ["shape", "host_us_default", "host_us_plan4", "host_us_matmul",
+                            "eager_ms_default", "graph_ms_default", "matmul_ms", "max_rel_err"]),
+              flush=True)
+    return rows
+
+
+def cpu_figures() -> dict:
+    """µs per call on the CPU, reference backend, 16x16x16, float32, over ``a @ b``."""
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    plan = fo.plan(16, 16, 16, dtype=torch.float32, backend="reference", b_layout="row")
+    op = lambda region, index: None  # noqa: E731
+    custom_plan = fo.plan(16, 16, 16, op="custom", dtype=torch.float32, backend="reference",
+                          b_layout="row")
+    cases = {
+        "default": lambda: fo.overlap(a, b, backend="reference"),
+        "plan": lambda: fo.overlap(a, b, plan=plan),
+        "callable": lambda: fo.overlap(a, b, op, backend="reference"),
+        "callable_plan": lambda: fo.overlap(a, b, op, plan=custom_plan),
+        "matmul": lambda: a @ b,
+    }
+    for fn in cases.values():
+        for _ in range(200):
+            fn()
+    samples = {name: [] for name in cases}
+    for _ in range(15):  # interleaved rounds, the fastest of each: robust to a busy machine
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            samples[name].append((time.perf_counter() - t) / 200 * 1e6)
+    out = {f"cpu_us_{name}": min(values) for name, values in samples.items()}
+    out["cpu_default_minus_plan_us"] = out["cpu_us_default"] - out["cpu_us_plan"]
+    out["cpu_callable_minus_plan_us"] = out["cpu_us_callable"] - out["cpu_us_callable_plan"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="MxNxK list (default: %(default)s)")
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU figures")
+    args = parser.parse_args()
+    os.environ.setdefault("FLASHOVERLAP_TUNING_CACHE", "off")  # the heuristic plan, everywhere
+    summary = cpu_figures()
+    print({k: round(v, 2) for k, v in summary.items()}, flush=True)
+    rows = []
+    if not args.cpu_only and torch.cuda.is_available():
+        store = tempfile.mktemp(prefix="fo-callpath-")
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        rows = gpu_rows(args.shapes.split(","))
+        long = [r for r in rows if r["graph_ms_default"] >= 0.1]
+        summary.update({
+            "max_host_us": max(r["host_us_plan4"] for r in rows),
+            "max_host_us_default": max(r["host_us_default"] for r in rows),
+            "max_default_minus_plan_us": max(r["host_us_default"] - r["host_us_plan4"] for r in rows),
+            "min_eager_vs_graph": min(r["eager_vs_graph"] for r in long) if long else None,
+            "max_rel_err": max(r["max_rel_err"] for r in rows),
+        })
+        summary["met"] = bool(summary["max_host_us"] <= 30 and summary["max_host_us_default"] <= 30
+                              and (summary["min_eager_vs_graph"] or 0) >= 0.95
+                              and summary["cpu_default_minus_plan_us"] <= 15
+                              and summary["cpu_callable_minus_plan_us"] <= 15)
+        dist.destroy_process_group()
+    print(summary, flush=True)
+    device = "h200" if rows and "H200" in torch.cuda.get_device_name() else ("cpu" if not rows else "gpu")
+    write_result(f"callpath-{device}", rows, {"summary": summary, "collective": "nccl, 1 rank",
+                                              "dtype": "bfloat16"},
+                 device_type="cuda" if rows else "cpu")
+
+
+if __name__ == "__main__":
+    main()
