@@ -3,24 +3,35 @@ transfer (op=HostOffload: every group copied to pinned host memory as soon as it
 
     python bench/tuning.py [--shapes 8192x8192x8192,...] [--candidates 32] [--timeline PNG]
 
-Per shape: the timing model is measured (the GEMM's wave ends from the backend's traced calls,
-the offload's cost curve, contention, one sequential call for calibration), the predictive
-search picks a grouping, and every candidate of the measured ("exhaustive") search -- every
-grouping over a grid of up to --candidates wave boundaries, plus the predicted choice and the
-heuristic grouping -- is timed with real fo.overlap calls. Reported:
+Per shape: the timing model is measured (the GEMM's wave ends from traced one-group calls, the
+offload's cost curve, the contention fitted to traced overlapped calls, the one-group call for
+calibration, the plain path: torch.matmul then one copy), the predictive search picks a
+grouping -- or the plain path where overlap is not predicted to beat it -- and every candidate
+of the measured ("exhaustive") search is timed with real fo.overlap calls: every grouping over
+a grid of up to --candidates wave boundaries, the predicted choice, the heuristic grouping,
+groupings that differ only in the order of their groups, and the plain path. Every candidate
+is timed in --rounds rounds (each round times every candidate once, in a shuffled order, as
+--iters back-to-back calls), so each measurement comes with its spread (noise).
 
-* predicted against measured T_overlap for every (shape, grouping) pair (target: within 10%);
-  the one-group pair is the calibration point of the model, so the summary leaves it out;
-* the predictive choice's measured time against the fastest candidate (target: within 3%);
-* the search's time, per shape and on a 500-wave model built from the measured parts (< 1 s).
+Reported, and the targets (all on this script's full default run):
+* predicted against measured T_overlap for every (shape, grouping) pair: within 10%. The
+  groupings the model was fitted to (one group: calibration; the traced calibration groupings:
+  contention) are left out of the summary. The spread of the rounds is reported beside it, and
+  the order-blind model (no contention, no stream delays) for comparison;
+* the predictive choice's measured time against the fastest candidate: within 3%;
+* the search's time, per shape and on a 500-wave model built from the measured parts: < 1 s;
+* the order study: measured, predicted and order-blind times of groupings that are
+  permutations of each other, with traces of them (per group: ready, transfer start and end,
+  measured and predicted).
 
-Writes bench/results/tuning-*.json and a timeline PNG of the chosen plan of the first shape
-(tiles by completion time and CTA, the measured and the predicted transfers). Needs a backend
-that implements Backend.trace() (default: cuda).
+Writes bench/results/tuning-*.json (with the command) and a timeline PNG of the chosen plan of
+the first shape. Needs a backend that implements Backend.trace() (default: cuda).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import statistics
 import sys
 import tempfile
@@ -30,47 +41,133 @@ from pathlib import Path
 import numpy as np
 from common import RESULTS, table, write_result
 
-from flashoverlap_core.tuning.model import GemmTiming, OverlapModel
-from flashoverlap_core.tuning.plot import plot_timeline
-from flashoverlap_core.tuning.search import measured_candidates, predictive_search
-from flashoverlap_core.tuning.trace import TileTrace
-from flashoverlap_core.tuning.tuner import Job, build_model, measure_groupings, trace_rank
+from flashoverlap_core.api import forget_prepared
+from flashoverlap_core.tile_trace import TileTrace
+from flashoverlap_core.tools.plot import plot_timeline
+from flashoverlap_core.tuning.model import Contention, GemmTiming, OverlapModel
+from flashoverlap_core.tuning.search import SEQUENTIAL, measured_candidates, predictive_search
+from flashoverlap_core.tuning.tuner import (Job, build_model, calibration_groupings,
+                                            sample_groupings, trace_rank)
 
 SHAPES = ("8192x8192x8192,8192x8192x4096,4096x8192x8192,16384x8192x2048,8192x4096x16384,"
           "4096x4096x8192")
-ERROR_TARGET, CHOICE_TARGET = 0.10, 1.03
+ERROR_TARGET, CHOICE_TARGET, SEARCH_TARGET_S = 0.10, 1.03, 1.0
+# Issue 16's permutations, in eighths of the waves ([512, 384, 128] of 1024 tiles, ...).
+ORDER_PATTERNS = ((4, 3, 1), (4, 1, 3), (2, 2, 3, 1), (2, 3, 2, 1), (2, 2, 1, 3))
+MAX_PERMUTATIONS = 6  # of the chosen grouping, in the order study
 
 
-def tune_shape(job: Job, cache: str, candidates: int) -> tuple[list[dict], dict, object]:
+def order_study(model: OverlapModel, chosen: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Groupings that differ only in the order of their groups: issue 16's (where the waves
+    are a multiple of 8) and up to MAX_PERMUTATIONS orders of the chosen grouping's groups."""
+    waves, wave = model.timing.num_waves, model.timing.wave_size
+    out = []
+    if waves % 8 == 0 and model.num_tiles == waves * wave:
+        out += [tuple(p * waves // 8 * wave for p in pattern) for pattern in ORDER_PATTERNS]
+    if len(set(chosen)) > 1:
+        orders = dict.fromkeys(itertools.permutations(chosen))
+        out += list(itertools.islice(orders, MAX_PERMUTATIONS))
+    return list(dict.fromkeys(out))
+
+
+def ms(seconds: float) -> float:
+    return round(float(seconds) * 1e3, 4)
+
+
+def pair_rows(job, model, blind, samples, flags) -> list[dict]:
+    """One row per timed grouping: predicted (and order-blind) against measured, with the
+    measurement's spread over the rounds."""
+    rows = []
+    for sizes, rounds in samples.items():
+        if sizes == SEQUENTIAL:
+            continue
+        measured = statistics.median(rounds)
+        predicted, unaware = float(model.predict(sizes)), float(blind.predict(sizes))
+        rows.append({
+            "shape": job.shape, "groups": len(sizes), "group_sizes": list(sizes),
+            "predicted_ms": ms(predicted), "blind_ms": ms(unaware), "measured_ms": ms(measured),
+            "rounds_ms": [ms(r) for r in rounds],
+            "spread_pct": round(100 * (max(rounds) - min(rounds)) / measured, 2),
+            "error_pct": round(100 * (predicted / measured - 1), 2),
+            "blind_error_pct": round(100 * (unaware / measured - 1), 2),
+            **{name: sizes in members for name, members in flags.items()}})
+    return rows
+
+
+def traced_orders(job, model, groupings) -> list[dict]:
+    """A traced call of each grouping against the model's schedule (trace clock, ms)."""
+    out = []
+    for sizes in groupings:
+        trace = TileTrace.from_dict(trace_rank(job, sizes)["trace"])
+        call = model.simulate(sizes)
+        out.append({
+            "shape": job.shape, "group_sizes": list(sizes),
+            "measured": {"ready": [ms(r) for r in trace.group_ready()],
+                         "start": [ms(s) for s in trace.transfer_start],
+                         "end": [ms(e) for e in trace.transfer_end],
+                         "gemm_end": ms(trace.gemm_end), "call_end": ms(trace.call_end or 0)},
+            "predicted": {"ready": [ms(g.ready_at) for g in call.groups],
+                          "start": [ms(g.start) for g in call.groups],
+                          "end": [ms(g.end) for g in call.groups],
+                          "gemm_end": ms(float(call.when(model.timing.end)))}})
+    return out
+
+
+def tune_shape(job: Job, cache: str, candidates: int):
     parts = build_model(job, cache)
     model = parts.model()
-    choice = predictive_search(model)
+    blind = dataclasses.replace(model, contention=Contention()).calibrated(parts.sequential_s)
+    choice = predictive_search(model, plain_s=parts.plain_s)
+    chosen = SEQUENTIAL if choice.strategy == SEQUENTIAL else choice.group_sizes
     heuristic = tuple(parts.plan["group_sizes"])
-    groupings = measured_candidates(model, candidates, extra=[choice.group_sizes, heuristic])
-    measured = dict(zip(groupings, measure_groupings(job, groupings)))
-    best = min(measured, key=measured.get)
-    pairs = []
-    for sizes, seconds in measured.items():
-        predicted = model.predict(sizes)
-        pairs.append({
-            "shape": job.shape, "groups": len(sizes), "group_sizes": list(sizes),
-            "predicted_ms": round(predicted * 1e3, 4), "measured_ms": round(seconds * 1e3, 4),
-            "error_pct": round(100 * (predicted / seconds - 1), 2),
-            "calibration": sizes == (model.num_tiles,), "chosen": sizes == choice.group_sizes,
-            "heuristic": sizes == heuristic, "best": sizes == best})
+    best_overlap = choice.group_sizes if not choice.fell_back else (model.num_tiles,)
+    order = order_study(model, best_overlap)
+    groupings = measured_candidates(model, candidates, extra=[choice.group_sizes, heuristic,
+                                                              *order])
+    samples = dict(zip(groupings + [SEQUENTIAL],
+                       sample_groupings(job, groupings + [SEQUENTIAL])))
+    medians = {g: statistics.median(v) for g, v in samples.items()}
+    best = min(medians, key=medians.get)
+    flags = {"calibration": {(model.num_tiles,)} | set(calibration_groupings(model)),
+             "chosen": {chosen}, "heuristic": {heuristic}, "best": {best}, "order": set(order)}
+    pairs = pair_rows(job, model, blind, samples, flags)
     summary = {
         "shape": job.shape, "waves": model.timing.num_waves, "tiles": model.num_tiles,
-        "wave_size": model.timing.wave_size, "chosen_groups": list(choice.group_sizes),
-        "fell_back": choice.fell_back, "chosen_ms": round(measured[choice.group_sizes] * 1e3, 4),
-        "best_ms": round(measured[best] * 1e3, 4), "best_groups": list(best),
-        "heuristic_ms": round(measured[heuristic] * 1e3, 4),
-        "sequential_ms": round(measured[(model.num_tiles,)] * 1e3, 4),
-        "gemm_ms": round(model.timing.end * 1e3, 4),
-        "transfer_ms": round(parts.cost(model.prefix_bytes[-1]) * 1e3, 4),
-        "choice_vs_best": round(measured[choice.group_sizes] / measured[best], 4),
-        "search_ms": round(choice.search_s * 1e3, 3), "candidates": len(measured),
-        "contention": parts.contention.to_dict(), "post_ms": round(parts.post_s * 1e3, 4)}
-    return pairs, summary, model
+        "wave_size": model.timing.wave_size, "strategy": choice.strategy,
+        "chosen_groups": list(choice.group_sizes), "fell_back": choice.fell_back,
+        "chosen_ms": ms(medians[chosen]), "best_ms": ms(medians[best]),
+        "best_groups": best if best == SEQUENTIAL else list(best),
+        "choice_vs_best": round(medians[chosen] / medians[best], 4),
+        "chosen_spread_pct": spread_pct(samples[chosen]),
+        "best_spread_pct": spread_pct(samples[best]),
+        "plain_ms": ms(medians[SEQUENTIAL]), "vs_plain": round(medians[chosen] /
+                                                               medians[SEQUENTIAL], 4),
+        "heuristic_ms": ms(medians[heuristic]), "one_group_ms": ms(medians[(model.num_tiles,)]),
+        "predicted_ms": ms(choice.predicted_s), "gemm_ms": ms(model.timing.end),
+        "transfer_ms": ms(parts.cost(model.prefix_bytes[-1])),
+        "search_ms": round(choice.search_s * 1e3, 3), "candidates": len(samples),
+        "contention": parts.contention.to_dict(), "post_ms": ms(parts.post_s)}
+    forget_prepared()  # the prepared calls of this shape's plans hold device buffers
+    return pairs, summary, model, traced_orders(job, model, order)
+
+
+def spread_pct(rounds) -> float:
+    return round(100 * (max(rounds) - min(rounds)) / statistics.median(rounds), 2)
+
+
+def order_families(pairs) -> list[dict]:
+    """The timed groupings of each shape that are permutations of one another (>= 2 orders)."""
+    families: dict = {}
+    for r in pairs:
+        families.setdefault((r["shape"], tuple(sorted(r["group_sizes"]))), []).append(r)
+    out = []
+    for (shape, _), rows in families.items():
+        if len(rows) < 2:
+            continue
+        out.append({"shape": shape, "orders": [r["group_sizes"] for r in rows],
+                    **{key: [r[key] for r in rows] for key in
+                       ("measured_ms", "predicted_ms", "blind_ms", "spread_pct")}})
+    return out
 
 
 def search_time_on_500_waves(model) -> float:
@@ -88,6 +185,35 @@ def search_time_on_500_waves(model) -> float:
     return time.perf_counter() - began
 
 
+def overall(pairs, shapes, search_500: float, began: float) -> dict:
+    validated = [r for r in pairs if not r["calibration"]]
+    errors = [abs(r["error_pct"]) / 100 for r in validated]
+    blind = [abs(r["blind_error_pct"]) / 100 for r in validated]
+    spreads = [r["spread_pct"] / 100 for r in pairs]
+    summary = {
+        "pairs": len(validated),
+        "max_abs_error": round(max(errors), 4),
+        "median_abs_error": round(statistics.median(errors), 4),
+        "within_10pct": round(sum(e <= ERROR_TARGET for e in errors) / len(errors), 3),
+        "blind_max_abs_error": round(max(blind), 4),
+        "blind_median_abs_error": round(statistics.median(blind), 4),
+        "noise": {"median_spread": round(statistics.median(spreads), 4),
+                  "p90_spread": round(float(np.percentile(spreads, 90)), 4),
+                  "max_spread": round(max(spreads), 4)},
+        "max_choice_vs_best": max(s["choice_vs_best"] for s in shapes),
+        "max_vs_plain": max(s["vs_plain"] for s in shapes),
+        "max_search_ms": max(s["search_ms"] for s in shapes),
+        "search_ms_500_waves": round(search_500 * 1e3, 2),
+        "elapsed_s": round(time.perf_counter() - began, 1),
+        "targets": {"error": ERROR_TARGET, "choice_vs_best": CHOICE_TARGET,
+                    "search_s": SEARCH_TARGET_S},
+    }
+    summary["met"] = bool(summary["max_abs_error"] <= ERROR_TARGET
+                          and summary["max_choice_vs_best"] <= CHOICE_TARGET
+                          and max(search_500, summary["max_search_ms"] / 1e3) < SEARCH_TARGET_S)
+    return summary
+
+
 def timeline(job: Job, model, group_sizes, path: Path) -> None:
     traced = trace_rank(job, group_sizes)
     trace = TileTrace.from_dict(traced["trace"])
@@ -98,7 +224,7 @@ def timeline(job: Job, model, group_sizes, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def main() -> int:
+def arguments():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated MxNxK")
     p.add_argument("--backend", default="cuda")
@@ -106,50 +232,49 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="device type of the tensors")
     p.add_argument("--candidates", type=int, default=32,
                    help="groupings of the measured search per shape (plus the chosen one)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7, help="samples of each candidate")
+    p.add_argument("--iters", type=int, default=5, help="back-to-back calls per sample")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trace-reps", type=int, default=5, help="traced calls per model part")
     p.add_argument("--cache", help="tuning cache (default: a fresh one, so all is measured)")
     p.add_argument("--timeline", default=str(RESULTS / "tuning-timeline.png"))
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    began = time.perf_counter()
+    args = arguments()
     cache = args.cache or str(Path(tempfile.mkdtemp(prefix="fo-tuning-")) / "tuning.json")
     jobs = [Job(*(int(x) for x in s.split("x")), "offload", args.dtype, args.backend,
-                args.iters, args.warmup, device_type=args.device)
-            for s in args.shapes.split(",")]
-    pairs, shapes, models = [], [], []
+                args.iters, args.warmup, args.trace_reps, device_type=args.device,
+                rounds=args.rounds) for s in args.shapes.split(",")]
+    pairs, shapes, models, traces = [], [], [], []
     for job in jobs:
         try:
-            rows, summary, model = tune_shape(job, cache, args.candidates)
+            rows, summary, model, traced = tune_shape(job, cache, args.candidates)
         except NotImplementedError as e:
             sys.exit(f"bench/tuning.py: {e}")
         pairs += rows
         shapes.append(summary)
         models.append(model)
-        print(f"{job.shape}: chosen {summary['chosen_groups']} {summary['chosen_ms']} ms, "
-              f"best {summary['best_groups']} {summary['best_ms']} ms, "
-              f"sequential {summary['sequential_ms']} ms", flush=True)
-    print(table(pairs, ["shape", "groups", "predicted_ms", "measured_ms", "error_pct", "chosen",
-                        "best"]))
-    print(table(shapes, ["shape", "waves", "chosen_ms", "best_ms", "choice_vs_best",
-                         "heuristic_ms", "sequential_ms", "gemm_ms", "transfer_ms", "search_ms"]))
-    validated = [abs(r["error_pct"]) / 100 for r in pairs if not r["calibration"]]
-    search_500 = search_time_on_500_waves(models[0])
-    summary = {
-        "pairs": len(validated),
-        "max_abs_error": round(float(max(validated)), 4),
-        "median_abs_error": round(float(statistics.median(validated)), 4),
-        "within_10pct": round(sum(e <= ERROR_TARGET for e in validated) / len(validated), 3),
-        "max_choice_vs_best": max(s["choice_vs_best"] for s in shapes),
-        "max_search_ms": max(s["search_ms"] for s in shapes),
-        "search_ms_500_waves": round(search_500 * 1e3, 2),
-        "targets": {"error": ERROR_TARGET, "choice_vs_best": CHOICE_TARGET, "search_s": 1.0},
-    }
-    summary["met"] = bool(summary["max_abs_error"] <= ERROR_TARGET
-                      and summary["max_choice_vs_best"] <= CHOICE_TARGET
-                      and search_500 < 1.0)
+        traces += traced
+        print(f"{job.shape}: {summary['strategy']} {summary['chosen_groups']} "
+              f"{summary['chosen_ms']} ms, best {summary['best_groups']} {summary['best_ms']} "
+              f"ms, plain {summary['plain_ms']} ms ({time.perf_counter() - began:.0f} s)",
+              flush=True)
+    print(table(pairs, ["shape", "group_sizes", "predicted_ms", "blind_ms", "measured_ms",
+                        "spread_pct", "error_pct", "chosen", "best"]))
+    print(table(shapes, ["shape", "waves", "strategy", "chosen_ms", "best_ms", "choice_vs_best",
+                         "plain_ms", "heuristic_ms", "gemm_ms", "transfer_ms", "search_ms"]))
+    families = order_families(pairs)
+    print(table(families, ["shape", "orders", "measured_ms", "predicted_ms", "blind_ms"]))
+    summary = overall(pairs, shapes, search_time_on_500_waves(models[0]), began)
     print(summary)
-    write_result("tuning", pairs, {"summary": summary, "shapes": shapes},
+    write_result("tuning", pairs, {"summary": summary, "shapes": shapes,
+                                   "order_study": {"families": families, "traces": traces}},
                  device_type=args.device)
-    timeline(jobs[0], models[0], tuple(shapes[0]["chosen_groups"]), Path(args.timeline))
+    if shapes[0]["strategy"] != SEQUENTIAL:
+        timeline(jobs[0], models[0], tuple(shapes[0]["chosen_groups"]), Path(args.timeline))
     return 0
 
 

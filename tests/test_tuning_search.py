@@ -71,14 +71,16 @@ def models(draw):
     points = sorted(set(draw(st.lists(st.integers(0, sum(sizes) * 2), min_size=1, max_size=4))))
     seconds = draw(st.lists(st.floats(0.0, 3.0), min_size=len(points), max_size=len(points)))
     contention = Contention(draw(st.sampled_from([1.0, 1.0, 1.2, 2.0, 3.5])),
-                            draw(st.sampled_from([1.0, 1.0, 1.3, 2.0, 4.0])))
+                            draw(st.sampled_from([1.0, 1.0, 1.3, 2.0, 4.0])),
+                            draw(st.sampled_from([0.0, 0.0, 0.05, 0.5])),
+                            draw(st.sampled_from([0.0, 0.0, 0.02, 0.3, 1.0])))
     return OverlapModel(GemmTiming(wave_size, tuple(np.cumsum(steps))),
                         np.concatenate([[0], np.cumsum(sizes)]) * 2,
                         CostCurve(tuple(points), tuple(sorted(seconds))), contention,
                         draw(st.floats(0.0, 1.0)), unit)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(models())
 def test_search_finds_the_optimum_of_every_wave_boundary_partition(model):
     brute = min(model.predict(sizes) for sizes in all_groupings(model))

@@ -8,7 +8,6 @@ every rank builds the same model and chooses the same plan.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from typing import Callable
 
@@ -16,18 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .model import Contention, CostCurve, GemmTiming
-
-MAX_SLOWDOWN = 8.0  # contention factors are clipped here (a measurement with almost no overlap)
+from .model import Contention, CostCurve, GemmTiming, OverlapModel, fit_contention
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-def current_device(device_type: str) -> torch.device:
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
 class Clock:
@@ -144,88 +135,59 @@ def measure_curve(send: Callable[[torch.Tensor], None] | None, sizes: list[int],
     return CostCurve(tuple(sizes), tuple(seconds))
 
 
-# ---- the GEMM ------------------------------------------------------------------------------------
-def traced_timing(trace_once: Callable[[], object], device: torch.device, group,
-                  reps: int = 5) -> tuple[GemmTiming, list]:
-    """The GEMM's wave ends from ``reps`` traced calls (``trace_once()`` returns a TileTrace of
-    a one-group call, so nothing runs beside the GEMM): per wave the slowest rank, then the
-    median over calls. Also returns this rank's traces."""
+# ---- back-to-back calls, in rounds --------------------------------------------------------------
+def sample_times(fns, device: torch.device, group, rounds: int = 5, calls: int = 5,
+                 warmup: int = 3, seed: int = 0) -> np.ndarray:
+    """Seconds per call of each of ``fns``: [len(fns), rounds].
+
+    A sample is ``calls`` calls queued back to back between two marks, divided by ``calls``:
+    the device time of a call when the host keeps ahead (as it does in a model's forward), not
+    the host's launch time, whose jitter would otherwise be measured too. Every round samples
+    every function once, in a shuffled order (the same on every rank), so that a drift of the
+    device over the run spreads over all of them instead of biasing the ones measured last;
+    the spread of the rounds is the measurement's noise. The slowest rank's time counts.
+    """
+    fns = list(fns)
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    clock, rng = Clock(device), np.random.default_rng(seed)
+    out = np.zeros((len(fns), rounds))
+    for r in range(rounds):
+        for i in rng.permutation(len(fns)):
+            line_up(device, group)
+            start = clock.mark()
+            for _ in range(calls):
+                fns[i]()
+            end = clock.mark()
+            clock.sync()
+            out[i, r] = clock.seconds(start, end) / calls
+    return slowest(out.ravel(), device, group).reshape(out.shape)
+
+
+# ---- traced calls: the GEMM alone, and what running together costs --------------------------
+def traced_calls(trace_once: Callable[[], object], device: torch.device, group,
+                 reps: int = 5) -> list:
+    """``reps`` traces (``trace_once()`` returns a TileTrace), every rank starting together."""
     traces = []
     for _ in range(reps):
         line_up(device, group)
         traces.append(trace_once())
+    return traces
+
+
+def gemm_timing(traces, device: torch.device, group) -> GemmTiming:
+    """The GEMM's wave ends from traces of one-group calls (nothing runs beside the GEMM):
+    per wave the slowest rank, then the median over calls."""
     ends = np.array([t.wave_ends() for t in traces])
     ends = slowest(ends.ravel(), device, group).reshape(ends.shape)
     ends = np.maximum.accumulate(np.median(ends, axis=0))
-    return GemmTiming(traces[0].wave_size, tuple(float(e) for e in ends)), traces
+    return GemmTiming(traces[0].wave_size, tuple(float(e) for e in ends))
 
 
-# ---- both at once -------------------------------------------------------------------------------
-def _run_together(gemm, transfers, clock: Clock, side) -> tuple[float, float, float, float]:
-    """Start of the GEMM, its end, start of the transfers, their end (seconds, one origin)."""
-    if clock.module is None:  # host: the transfers in a thread beside the GEMM
-        marks = {}
-
-        def beside():
-            marks["c0"] = time.perf_counter()
-            transfers()
-            marks["c1"] = time.perf_counter()
-
-        worker = threading.Thread(target=beside)
-        origin = time.perf_counter()
-        worker.start()
-        g0 = time.perf_counter()
-        gemm()
-        g1 = time.perf_counter()
-        worker.join()
-        return g0 - origin, g1 - origin, marks["c0"] - origin, marks["c1"] - origin
-    origin = clock.mark()
-    gemm()
-    g1 = clock.mark()
-    with clock.module.stream(side):
-        side.wait_event(origin)
-        c0 = clock.mark()
-        transfers()
-        c1 = clock.mark()
-    clock.sync()
-    return 0.0, clock.seconds(origin, g1), clock.seconds(origin, c0), clock.seconds(origin, c1)
-
-
-def _slowdown(alone: float, span: float, overlap: float) -> float:
-    """Rate-model slowdown of a job taking ``alone`` seconds by itself and ``span`` seconds
-    with ``overlap`` of them beside the other job: overlap/f + (span - overlap) = alone."""
-    extra = span - alone
-    if overlap <= 0 or extra <= 0:
-        return 1.0
-    if overlap <= extra:
-        return MAX_SLOWDOWN
-    return float(min(MAX_SLOWDOWN, overlap / (overlap - extra)))
-
-
-def measure_contention(gemm: Callable[[], object], send: Callable[[torch.Tensor], None] | None,
-                       region: torch.Tensor, device: torch.device, group, iters: int = 5,
-                       warmup: int = 2) -> Contention:
-    """How much the GEMM and the transfer slow each other: transfers of ``region`` back to back
-    on a side stream (a thread on the host) for about 60% of the GEMM's time, beside the GEMM."""
-    if send is None:
-        return Contention()
-    t_gemm = median_time(gemm, device, group, iters, warmup)
-    t_send = median_time(lambda: send(region), device, group, iters, warmup)
-    reps = int(min(1000, max(1, 0.6 * t_gemm / max(t_send, 1e-9))))
-
-    def transfers():
-        for _ in range(reps):
-            send(region)
-
-    clock = Clock(device)
-    side = clock.module.Stream(device=device) if clock.module is not None else None
-    spans = []
-    for i in range(warmup + iters):
-        line_up(device, group)
-        g0, g1, c0, c1 = _run_together(gemm, transfers, clock, side)
-        if i >= warmup:
-            spans.append((g1 - g0, c1 - c0, max(0.0, min(g1, c1) - max(g0, c0))))
-    gemm_span, comm_span, overlap = np.median(np.array(spans), axis=0)
-    factors = [_slowdown(t_gemm, gemm_span, overlap), _slowdown(reps * t_send, comm_span, overlap)]
-    gemm_factor, comm_factor = slowest(factors, device, group)
-    return Contention(float(gemm_factor), float(comm_factor))
+def contention(traces, model: OverlapModel, device: torch.device, group) -> Contention:
+    """:func:`~.model.fit_contention` of this rank's traces of overlapped calls; each part the
+    largest over the ranks (every rank builds the same model)."""
+    fitted = fit_contention(traces, model)
+    values = slowest([fitted.gemm, fitted.comm, fitted.gap_s, fitted.lag_s], device, group)
+    return Contention(*(float(v) for v in values))

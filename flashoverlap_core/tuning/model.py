@@ -1,21 +1,28 @@
 """The timing model of an overlapped call, and its simulation.
 
-Three measured pieces (see :mod:`~flashoverlap_core.tuning.measure`):
+Four measured pieces (see :mod:`~flashoverlap_core.tuning.measure` and :mod:`.tuner`):
 
 * :class:`GemmTiming`: when each wave of the GEMM ends, the GEMM alone on the device (no
   transfer beside it), from traced calls. A group can be sent once its last wave has ended.
-* :class:`CostCurve`: how long one transfer (collective or custom op) of a region takes,
-  against the region's bytes.
-* :class:`Contention`: how much slower each side runs while both run, as rate ratios: beside
-  a transfer the GEMM advances ``1/gemm`` of a second of its own work per second, and a
-  transfer beside the GEMM ``1/comm``.
+* :class:`CostCurve`: how long one transfer (collective or custom op) of a region takes by
+  itself, against the region's bytes.
+* :class:`Contention`: what running in one call costs, fitted to traced overlapped calls
+  (:func:`fit_contention`): each side's slowdown while both run, as rate ratios (beside a
+  transfer the GEMM advances ``1/gemm`` of a second of its own work per second, a transfer
+  beside the GEMM ``1/comm``), and the communication stream's fixed delays -- ``gap_s`` from
+  one transfer's end to the next one's start when that group was already finished (the wait is
+  passed at once), ``lag_s`` from a group's last tile to its transfer's start when the stream
+  was already waiting for it.
+* ``post_s``: the rest of the call (post-communication reorder, fixed overhead), calibrated so
+  that the one-group prediction is the measured one-group call; signed, since a trace's origin
+  may lie before the device starts the GEMM in a measured call (host launch time that
+  back-to-back calls hide).
 
 :class:`OverlapModel` joins them for one plan's tile grid and predicts the duration of a call
-for any grouping: group g's transfer starts when its tiles are ready and transfer g-1 has
-ended, and lasts its cost, slowed while the GEMM still runs (which is slowed in turn); the
-call ends with the last transfer, plus the post-communication reorder and the call's fixed
-overhead (``post_s``, calibrated so that the one-group prediction is the measured sequential
-time).
+for any grouping. The order of the groups matters through the GEMM: group g's transfer starts
+once its tiles are finished and transfer g-1 has ended (plus the stream's delay), and while a
+transfer runs the GEMM is slowed, which makes every later group ready later; so where the
+large groups sit decides how long the transfers wait and how long both run together.
 """
 from __future__ import annotations
 
@@ -24,6 +31,9 @@ from functools import cached_property
 
 import numpy as np
 import torch
+
+MAX_SLOWDOWN = 8.0  # contention factors are clipped here (a fit with almost no overlap)
+CLOCK_SLACK_S = 5e-6  # traces: tile and transfer stamps closer than this are not ordered
 
 
 @dataclass(frozen=True)
@@ -88,22 +98,29 @@ class CostCurve:
 
 @dataclass(frozen=True)
 class Contention:
-    """Slowdown of each side while the GEMM and a transfer run together (>= 1; 1 = none)."""
+    """What the GEMM and the transfers cost each other in one call (see the module docstring):
+    slowdowns (>= 1; 1 = none) and the communication stream's delays (seconds, >= 0)."""
 
     gemm: float = 1.0
     comm: float = 1.0
+    gap_s: float = 0.0
+    lag_s: float = 0.0
 
     def __post_init__(self):
         if not (self.gemm >= 1.0 and self.comm >= 1.0):
             raise ValueError(f"contention factors must be >= 1, got gemm={self.gemm}, "
                              f"comm={self.comm}")
+        if not (self.gap_s >= 0.0 and self.lag_s >= 0.0):
+            raise ValueError(f"stream delays must be >= 0, got gap_s={self.gap_s}, "
+                             f"lag_s={self.lag_s}")
 
     def to_dict(self) -> dict:
-        return {"gemm": self.gemm, "comm": self.comm}
+        return {"gemm": self.gemm, "comm": self.comm, "gap_s": self.gap_s, "lag_s": self.lag_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Contention":
-        return cls(float(d["gemm"]), float(d["comm"]))
+        return cls(float(d["gemm"]), float(d["comm"]), float(d.get("gap_s", 0.0)),
+                   float(d.get("lag_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -149,26 +166,55 @@ class GemmTiming:
 
 
 def advance_transfer(t, gemm_done, ready, work, gemm_end, contention: Contention):
-    """One group's transfer under the rate model; works on scalars and numpy arrays.
+    """One group's transfer under the model; works on scalars and numpy arrays.
 
-    ``t``: when the previous transfer ended; ``gemm_done``: the GEMM's progress then, in
-    seconds of GEMM-alone work; ``ready``: the GEMM progress at which the group's tiles are
-    finished; ``work``: the transfer's cost alone. Returns (start, end, GEMM progress at end).
+    ``t``: when the previous transfer ended (0 for the first group); ``gemm_done``: the GEMM's
+    progress then, in seconds of GEMM-alone work; ``ready``: the progress at which the group's
+    tiles are finished; ``work``: the transfer's cost alone. Until the transfer starts the GEMM
+    runs alone; then both run, each slowed, until one of them ends. Returns (start, progress at
+    start, end, progress at end). Starting later or with less progress never ends earlier (the
+    dynamic program of :mod:`.search` relies on it).
     """
-    gemm_done = np.asarray(gemm_done, dtype=np.float64)
-    start = t + np.maximum(ready - gemm_done, 0.0)  # the GEMM runs alone until the group is ready
-    gemm_done = np.maximum(gemm_done, ready)
-    both = np.minimum(work * contention.comm,
-                      np.maximum(gemm_end - gemm_done, 0.0) * contention.gemm)
-    end = start + both + (work - both / contention.comm)
-    return start, end, gemm_done + both / contention.gemm
+    k = contention
+    t = np.asarray(t, dtype=np.float64)
+    done = np.asarray(gemm_done, dtype=np.float64)
+    idle = np.where(done < ready, np.maximum(k.gap_s, ready - done + k.lag_s), k.gap_s)
+    start = t + idle
+    done = np.minimum(done + idle, gemm_end)  # the GEMM runs alone meanwhile
+    both = np.minimum(work * k.comm, np.maximum(gemm_end - done, 0.0) * k.gemm)
+    end = start + both + (work - both / k.comm)
+    return start, done, end, done + both / k.gemm
 
 
 @dataclass(frozen=True)
 class PredictedGroup:
-    ready: float  # GEMM-alone time at which its tiles are finished
+    ready: float  # GEMM-alone seconds of work after which its tiles are finished
+    ready_at: float  # when that is, in the call (later than ``ready`` when the GEMM was slowed)
     start: float
     end: float
+
+
+@dataclass(frozen=True)
+class PredictedCall:
+    """A predicted call (before ``post_s``): every group's transfer, and the GEMM's progress
+    over time as the breakpoints of a piecewise-linear, non-decreasing curve."""
+
+    groups: tuple[PredictedGroup, ...]
+    times: np.ndarray = field(compare=False)
+    progress: np.ndarray = field(compare=False)
+
+    @property
+    def end(self) -> float:
+        return self.groups[-1].end
+
+    def when(self, progress):
+        """When the GEMM reached ``progress`` seconds of its own work (array-friendly)."""
+        return _when(self.times, self.progress, progress)
+
+
+def _when(times, progress, value):
+    rising = np.concatenate([[True], np.diff(progress) > 0])
+    return np.interp(value, progress[rising], times[rising])
 
 
 @dataclass(frozen=True)
@@ -186,11 +232,8 @@ class OverlapModel:
     def for_plan(cls, plan, timing: GemmTiming, cost: CostCurve,
                  contention: Contention = Contention(), post_s: float = 0.0) -> "OverlapModel":
         """The model of ``plan``'s tile grid (its grouping does not matter)."""
-        itemsize = torch.empty((), dtype=plan.torch_dtype).element_size()
-        numel = np.fromiter((t.numel for t in plan.grid.execution_order), dtype=np.int64)
-        prefix = np.concatenate([[0], np.cumsum(numel)]) * itemsize
-        unit = plan.world_size if plan.op == "reduce_scatter" else 1
-        return cls(timing, prefix, cost, contention, post_s, unit)
+        return cls(timing, prefix_bytes(plan), cost, contention, post_s,
+                   plan.world_size if plan.op == "reduce_scatter" else 1)
 
     @property
     def num_tiles(self) -> int:
@@ -204,25 +247,119 @@ class OverlapModel:
         ends = ends // self.unit * self.unit
         return np.unique(np.append(ends[ends > 0], self.num_tiles))
 
-    def schedule(self, group_sizes) -> list[PredictedGroup]:
-        """Predicted ready, start and end of every group's transfer."""
+    def works(self, group_sizes) -> np.ndarray:
+        """Each group's transfer cost alone (seconds)."""
         sizes = np.asarray(group_sizes, dtype=np.int64)
         if sizes.sum() != self.num_tiles or (sizes < 1).any():
             raise ValueError(f"group sizes {list(group_sizes)} do not partition "
                              f"{self.num_tiles} tiles")
-        ends = np.cumsum(sizes)
-        works = self.cost(np.diff(self.prefix_bytes[np.concatenate([[0], ends])]))
-        t, done, out = 0.0, 0.0, []
-        for ready, work in zip(self.timing.ready(ends), np.atleast_1d(works)):
-            start, t, done = advance_transfer(t, done, float(ready), float(work),
-                                              self.timing.end, self.contention)
-            out.append(PredictedGroup(float(ready), float(start), float(t)))
-        return out
+        ends = np.concatenate([[0], np.cumsum(sizes)])
+        return np.atleast_1d(self.cost(np.diff(self.prefix_bytes[ends])))
+
+    def simulate(self, group_sizes) -> PredictedCall:
+        """The predicted call with this grouping (before ``post_s``)."""
+        works = self.works(group_sizes)
+        readies = self.timing.ready(np.cumsum(group_sizes))
+        t, done, spans, slow = 0.0, 0.0, [], self.contention.gemm
+        times, progress = [0.0], [0.0]
+        for ready, work in zip(readies, works):
+            start, at_start, end, after = (float(x) for x in advance_transfer(
+                t, done, float(ready), float(work), self.timing.end, self.contention))
+            # alone until the start (flat once the GEMM is done), then slowed beside the transfer
+            times += [t + (at_start - done), start, start + (after - at_start) * slow]
+            progress += [at_start, at_start, after]
+            spans.append((float(ready), start, end))
+            t, done = end, after
+        times, progress = np.array(times), np.array(progress)
+        ready_at = _when(times, progress, [r for r, _, _ in spans])
+        return PredictedCall(tuple(PredictedGroup(r, float(a), s, e)
+                                   for (r, s, e), a in zip(spans, ready_at)), times, progress)
+
+    def schedule(self, group_sizes) -> list[PredictedGroup]:
+        """Predicted ready, start and end of every group's transfer."""
+        return list(self.simulate(group_sizes).groups)
 
     def predict(self, group_sizes) -> float:
         """Predicted seconds of the whole call with this grouping."""
-        return self.schedule(group_sizes)[-1].end + self.post_s
+        return self.simulate(group_sizes).end + float(self.post_s)
 
     def sequential(self) -> float:
         """Predicted seconds with one group: the GEMM, then one transfer (no overlap)."""
         return self.predict((self.num_tiles,))
+
+    def calibrated(self, one_group_s: float) -> "OverlapModel":
+        """This model with ``post_s`` set so that the one-group prediction is ``one_group_s``
+        (a measured one-group call)."""
+        raw = self.simulate((self.num_tiles,)).end
+        return OverlapModel(self.timing, self.prefix_bytes, self.cost, self.contention,
+                            float(one_group_s - raw), self.unit)
+
+
+def prefix_bytes(plan) -> np.ndarray:
+    """Bytes of the first t tiles of ``plan``'s execution order, t = 0..T."""
+    itemsize = torch.empty((), dtype=plan.torch_dtype).element_size()
+    numel = np.fromiter((t.numel for t in plan.grid.execution_order), dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(numel)]) * itemsize
+
+
+# ---- fitting the contention to traced calls ----------------------------------------------------
+def slowdown(alone: float, span: float, overlap: float) -> float:
+    """Rate-model slowdown of a job taking ``alone`` seconds by itself and ``span`` seconds
+    with ``overlap`` of them beside the other job: overlap/f + (span - overlap) = alone."""
+    extra = span - alone
+    if overlap <= 0 or extra <= 0:
+        return 1.0
+    if overlap <= extra:
+        return MAX_SLOWDOWN
+    return float(min(MAX_SLOWDOWN, overlap / (overlap - extra)))
+
+
+@dataclass
+class _Samples:
+    gemm: list = field(default_factory=list)  # one slowdown per trace
+    overlap: list = field(default_factory=list)  # per transfer: seconds beside the GEMM
+    excess: list = field(default_factory=list)  # per transfer: duration - cost alone
+    gaps: list = field(default_factory=list)
+    lags: list = field(default_factory=list)
+
+    def add(self, trace, timing: GemmTiming, works: np.ndarray) -> None:
+        start = np.array(trace.transfer_start, dtype=np.float64)
+        end = np.array(trace.transfer_end, dtype=np.float64)
+        ready = np.array(trace.group_ready())
+        gemm_end = trace.gemm_end
+        beside = np.clip(np.minimum(end, gemm_end) - start, 0.0, None)
+        self.gemm.append(slowdown(timing.end, gemm_end, float(beside.sum())))
+        self.overlap += list(beside)
+        self.excess += list(end - start - works)
+        previous = np.concatenate([[-np.inf], end[:-1]])
+        chained = ready < previous - CLOCK_SLACK_S  # finished before the stream got to it
+        waited = ready > previous + CLOCK_SLACK_S
+        self.gaps += list(start[chained] - previous[chained])
+        self.lags += list(start[waited] - ready[waited])
+
+    def contention(self) -> Contention:
+        o, x = np.array(self.overlap), np.array(self.excess)
+        # duration - cost = overlap * (1 - 1/comm), least squares through the origin
+        slope = float(o @ x / (o @ o)) if (o @ o) > 0 else 0.0
+        comm = 1.0 / (1.0 - slope) if 0.0 < slope < 1.0 - 1.0 / MAX_SLOWDOWN else \
+            (MAX_SLOWDOWN if slope > 0 else 1.0)
+        median = lambda v: max(0.0, float(np.median(v))) if v else 0.0  # noqa: E731
+        return Contention(float(np.median(self.gemm)), comm, median(self.gaps),
+                          median(self.lags))
+
+
+def fit_contention(traces, model: OverlapModel) -> Contention:
+    """The contention that explains traced overlapped calls (any groupings of ``model``'s
+    grid, each with every transfer's start and end): the GEMM's slowdown from how much longer
+    it took than alone against how long transfers ran beside it; the transfers' from how much
+    longer each took than its cost alone against its time beside the GEMM; the gap and lag as
+    the medians of the stream's delays where a group was finished before, or after, the
+    stream got to its wait."""
+    samples = _Samples()
+    for trace in traces:
+        if None in trace.transfer_start or None in trace.transfer_end:
+            raise ValueError("fit_contention needs traces with every transfer's start and end")
+        samples.add(trace, model.timing, model.works(trace.group_sizes))
+    if not samples.gemm:
+        raise ValueError("fit_contention needs at least one trace")
+    return samples.contention()

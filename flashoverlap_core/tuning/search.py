@@ -1,14 +1,23 @@
-"""Choosing the grouping: dynamic programming over wave boundaries, and the candidate sets of
-the measured (exhaustive) search.
+"""Choosing the grouping: dynamic programming over wave boundaries, the never-slower fallback,
+and the candidate sets of the measured (exhaustive) search.
 
 Groups are runs of whole waves (``OverlapModel.boundaries``). Under the model, what happens
 after a group's transfer depends on the groups before it only through when that transfer
-ended and how far the GEMM had got by then, and ending earlier with the GEMM further along is
-never worse. So the best groupings of the first j boundaries extend best groupings of some
-first i by one group from i to j: a dynamic program over n boundaries in O(n^2), vectorised
-over i, keeping per boundary the histories that no other beats on both counts (one, unless the
-transfers slow the GEMM down). One group (no overlap) wins whenever overlap is not predicted to
-pay.
+ended and how far the GEMM had got by then (the state), and ending earlier with the GEMM further
+along is never worse: a later state is an earlier one shifted in time, and more progress at the
+same time means the next group is ready no later and less of the GEMM is left to slow the next
+transfer down. (This holds while running both together beats running them one after the other,
+``gemm * (1 - 1/comm) <= 1``; beyond that the model says overlap does not pay, and a state
+that waited can beat one that did not -- the search then still returns a valid grouping, and
+the fallback below takes over.) So the best groupings of the first j boundaries extend best
+groupings of some first i by one group from i to j: a dynamic program over n boundaries in
+O(n^2), vectorised over i, keeping per boundary the states that no other beats on both counts
+(one, unless the transfers slow the GEMM down).
+
+Never slower: the grouping is used only when it is predicted to beat, by ``min_gain``, both the
+one-group overlapped call and the plain path (the device's own GEMM, then one collective;
+measured by the tuner); otherwise the choice is the faster of those two, and for the plain path
+its strategy is "sequential" (``Plan.strategy``).
 """
 from __future__ import annotations
 
@@ -21,16 +30,21 @@ import numpy as np
 
 from .model import OverlapModel, advance_transfer
 
+OVERLAP, SEQUENTIAL = "overlap", "sequential"  # Plan.strategy values
+
 
 @dataclass(frozen=True)
 class Choice:
     """The grouping chosen for a model, with its predicted and the sequential duration."""
 
     group_sizes: tuple[int, ...]
-    predicted_s: float
-    sequential_s: float
+    predicted_s: float  # of what is chosen (the plain path's measured time for "sequential")
+    sequential_s: float  # predicted, one group through the overlapped call
     search_s: float  # how long the search took
-    fell_back: bool  # overlap predicted not to pay: one group
+    fell_back: bool  # overlap predicted not to pay: one group, or the plain path
+    strategy: str = OVERLAP  # SEQUENTIAL: run the plain path (the groups are then unused)
+    plain_s: float | None = None  # the plain path, measured (None: not measured)
+    overlap_s: float | None = None  # the best grouping's prediction, chosen or not
 
 
 def sizes_from_ends(ends) -> tuple[int, ...]:
@@ -61,8 +75,8 @@ def best_ends(model: OverlapModel, max_states: int = 16) -> list[int]:
     count = 1
     for j in range(1, len(ends) + 1):
         work = model.cost(sent[j] - sent[at[:count]])
-        _, end, done = advance_transfer(finish[:count], progress[:count], ready[j - 1], work,
-                                        model.timing.end, model.contention)
+        _, _, end, done = advance_transfer(finish[:count], progress[:count], ready[j - 1], work,
+                                           model.timing.end, model.contention)
         order = np.lexsort((-done, end))
         further = done[order][1:] > np.maximum.accumulate(done[order])[:-1]
         front = order[np.concatenate([[True], further])]
@@ -82,17 +96,25 @@ def best_ends(model: OverlapModel, max_states: int = 16) -> list[int]:
 MIN_GAIN = 0.005  # overlap must be predicted to save 0.5%: below that, measurement noise decides
 
 
-def predictive_search(model: OverlapModel, min_gain: float = MIN_GAIN) -> Choice:
-    """The predicted-best grouping; one group unless overlap is predicted to be faster than the
-    sequential call by more than the fraction ``min_gain``."""
+def predictive_search(model: OverlapModel, min_gain: float = MIN_GAIN,
+                      plain_s: float | None = None) -> Choice:
+    """The predicted-best grouping, unless it is not predicted to be faster, by the fraction
+    ``min_gain``, than both the one-group call and the plain path (``plain_s``: its measured
+    seconds; None: not measured, so only one group is the alternative)."""
     began = time.perf_counter()
     sequential = model.sequential()
     best = sizes_from_ends(best_ends(model))
     predicted = model.predict(best)
-    fell_back = not predicted < sequential * (1.0 - min_gain)
-    if fell_back:
-        best, predicted = (model.num_tiles,), sequential
-    return Choice(best, predicted, sequential, time.perf_counter() - began, fell_back)
+    baseline = sequential if plain_s is None else min(sequential, plain_s)
+    if predicted < baseline * (1.0 - min_gain):
+        return Choice(best, predicted, sequential, time.perf_counter() - began, False,
+                      OVERLAP, plain_s, predicted)
+    if plain_s is not None and plain_s <= sequential:
+        choice = (model.num_tiles,), plain_s, SEQUENTIAL
+    else:
+        choice = (model.num_tiles,), sequential, OVERLAP
+    return Choice(choice[0], choice[1], sequential, time.perf_counter() - began, True,
+                  choice[2], plain_s, predicted)
 
 
 def all_groupings(model: OverlapModel, boundaries=None):

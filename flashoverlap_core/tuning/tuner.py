@@ -1,31 +1,41 @@
 """Tuning one shape, as every rank runs it.
 
-:func:`build_model` measures (or takes from the cache) the three parts of the timing model for
-a :class:`Job` and calibrates it against a measured sequential call; the caller runs
-:func:`~flashoverlap_core.tuning.search.search` on the result (it is the same on every rank)
-and :func:`measure_groupings` times real ``overlap`` calls of the candidate groupings. Both are
-module-level functions of picklable arguments, so a :class:`~flashoverlap_core.launch.RankPool`
-can run them on spawned ranks; they run in-process just as well (one rank, no process group).
+:func:`build_model` measures the parts of the timing model for a :class:`Job` on the kernel and
+transfer actually used -- the GEMM's wave ends from traced one-group calls, the contention
+fitted to traced overlapped calls (both measured afresh at every tuning, so they follow the
+kernel; only the transfer's cost curve, which does not depend on it, comes from the cache) --
+and calibrates it against the measured one-group call; it also measures the plain path (the
+device's own GEMM, then one collective). The caller runs
+:func:`~flashoverlap_core.tuning.search.predictive_search` on the result (it is the same on
+every rank), :func:`sample_groupings` / :func:`measure_groupings` time real ``overlap`` calls
+of candidate groupings, and :func:`tuned_plan` turns the choice and what was measured into the
+plan to store: never slower than the plain path. Everything here is a module-level function of
+picklable arguments, so a rank pool can run them on spawned ranks; they run in-process just as
+well (one rank, no process group).
 """
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from .. import registry
 from ..api import make_plan, overlap
 from ..backend import OverlapCall, OverlapSpec
-from ..bench import equal_splits
 from ..collectives import resolve_group
-from ..ops import HostOffload
+from ..grouping import equal_splits
 from ..plan import Plan
-from .cache import Context, TuningCache, context_for, kernel_key, transfer_key
-from .measure import (agree, current_device, log_sizes, measure_contention, measure_curve,
-                      line_up, median_time, traced_timing, transfer_fn)
+from ..tile_trace import TileTrace
+from ..transfers import HostOffload
+from .cache import Context, TuningCache, context_for, plan_key, transfer_key
+from ..devices import current_device
+from .measure import (agree, contention, gemm_timing, line_up, log_sizes, measure_curve,
+                      median_time, sample_times, traced_calls, transfer_fn)
 from .model import Contention, CostCurve, GemmTiming, OverlapModel
-from .trace import TileTrace
+from .search import SEQUENTIAL, Choice, sizes_from_ends
 
 TRANSFERS = ("allreduce", "reduce_scatter", "all_to_all", "offload")
 OFFLOAD = "offload"  # op=HostOffload: every group copied to host memory (one device suffices)
@@ -46,10 +56,14 @@ class Job:
     trace_reps: int = 5
     seed: int = 1234
     device_type: str | None = None  # default: the backend's (the host for backends of any device)
+    rounds: int = 3  # samples of ``iters`` back-to-back calls per timed grouping
 
     def __post_init__(self):
         if self.op not in TRANSFERS:
             raise ValueError(f"op must be one of {TRANSFERS}, got {self.op!r}")
+        if self.iters < 1 or self.rounds < 1 or self.warmup < 0 or self.trace_reps < 1:
+            raise ValueError(f"iters, rounds and trace_reps must be >= 1 and warmup >= 0, got "
+                             f"{self.iters}, {self.rounds}, {self.trace_reps}, {self.warmup}")
 
     @property
     def plan_op(self) -> str:
@@ -63,10 +77,6 @@ class Job:
     @property
     def shape(self) -> str:
         return f"{self.m}x{self.n}x{self.k}"
-
-
-def noop(region, index) -> None:
-    """A transfer that does nothing: the call is the GEMM, its signals and the reorder."""
 
 
 class Workload:
@@ -87,11 +97,10 @@ class Workload:
             self.send = equal_splits(job.m, self.world)
             self.recv = [self.send[self.rank]] * self.world
         self.base = self._plan(job.plan_op)
-        self.gemm_plan = self.one_group(self._plan("custom"))  # the GEMM with no transfer
         rows = {"reduce_scatter": job.m // self.world,
                 "all_to_all": sum(self.recv) if self.recv else job.m}.get(job.op, job.m)
         self.out = torch.empty(rows, job.n, dtype=dtype, device=self.device)
-        # the GEMM-only plan (a custom op) returns all M rows, whatever the job's collective
+        # a custom op's plan returns all M rows, whatever the job's collective
         self.gemm_out = (self.out if rows == job.m
                          else torch.empty(job.m, job.n, dtype=dtype, device=self.device))
         self.op = (HostOffload(self.base.packed_numel, dtype, self.device.type != "cpu")
@@ -115,7 +124,7 @@ class Workload:
         return dataclasses.replace(self.base, group_sizes=tuple(group_sizes))
 
     def run(self, plan: Plan, op=None):
-        if plan.op == "custom":  # the GEMM alone, or the offload: all rows, no splits
+        if plan.op == "custom":  # the offload: all rows, no splits
             return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
                            out=self.gemm_out, backend=self.backend.name)
         return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
@@ -134,6 +143,13 @@ class Workload:
         return self.base.packed_numel * self.a.element_size()
 
 
+@lru_cache(maxsize=1)
+def workload(job: Job) -> Workload:
+    """The job's workload on this rank, kept for the next step of the same job (its inputs and
+    the offload's pinned buffer are made once)."""
+    return Workload(job)
+
+
 @dataclass(frozen=True)
 class ModelParts:
     """What :func:`build_model` measured for a job (picklable, the same on every rank)."""
@@ -143,82 +159,124 @@ class ModelParts:
     cost: CostCurve
     contention: Contention
     sequential_s: float  # measured: the call with one group
-    post_s: float  # sequential_s - (GEMM end + one transfer of everything), as measured
+    post_s: float  # sequential_s - the uncalibrated one-group prediction (signed)
     context: Context
+    plain_s: float | None = None  # measured: the plain path (the device's GEMM, one collective)
 
     def model(self) -> OverlapModel:
-        """The model, calibrated: its one-group prediction is the measured sequential call.
-        What that call takes beyond the GEMM and one transfer is the post-communication
-        reorder and the call's fixed costs; a negative rest (noisy parts, or a trace whose
-        origin is earlier than the call's start) counts as none."""
+        """The model, calibrated: its one-group prediction is the measured one-group call."""
         return OverlapModel.for_plan(Plan.from_dict(self.plan), self.timing, self.cost,
-                                     self.contention, max(0.0, self.post_s))
+                                     self.contention, self.post_s)
 
 
-def _cached(cache: TuningCache, section: str, key: dict, kind, work: Workload, refresh: bool,
-            measure, usable=lambda value: True):
-    """A ``kind`` (CostCurve, GemmTiming, Contention) from the cache when every rank has a
-    usable one and ``refresh`` is off, else measured (and stored by rank 0)."""
-    found = None if refresh else cache.get(section, key)
-    found = kind.from_dict(found) if found is not None else None
-    if agree(found is not None and usable(found), work.device, work.group):
+def _cached_curve(cache: TuningCache, key: dict, work: Workload, refresh: bool, total: int,
+                  measure) -> CostCurve:
+    """The transfer's cost curve from the cache when every rank has one reaching ``total``
+    bytes and ``refresh`` is off, else measured (and stored by rank 0)."""
+    found = None if refresh else cache.get("curves", key)
+    found = CostCurve.from_dict(found) if found is not None else None
+    if agree(found is not None and found.max_bytes >= total, work.device, work.group):
         return found
     value = measure()
     if work.rank == 0:
-        cache.put(section, key, value.to_dict())
+        cache.put("curves", key, value.to_dict())
     return value
+
+
+def calibration_groupings(model: OverlapModel) -> list[tuple[int, ...]]:
+    """The groupings traced to fit the contention: one group per wave (transfers beside the
+    whole GEMM: both slowdowns, and each group's lag or gap), and half of the waves in a first
+    group, then one per wave (the next groups queue behind a long first transfer: gaps). None
+    when the tiles fit in one wave (nothing can overlap)."""
+    ends = [int(e) for e in model.boundaries()]
+    if len(ends) < 2:
+        return []
+    half = ends[(len(ends) - 1) // 2]
+    late = [half] + [e for e in ends if e > half]
+    return list(dict.fromkeys(sizes_from_ends(e) for e in (ends, late)))
 
 
 def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) -> ModelParts:
     """Measure the model of ``job`` on this rank's device and group (all ranks together);
-    reuses cached cost curves, GEMM timings and contention unless ``refresh``."""
-    work, cache = Workload(job), TuningCache(cache_path)
-    ctx, plan = work.context, work.base
-    send = transfer_fn(work.op, work.group, work.world)
+    reuses a cached cost curve of the transfer unless ``refresh``."""
+    work, cache = workload(job), TuningCache(cache_path)
+    plan, dev, group = work.base, work.device, work.group
+    send = transfer_fn(work.op, group, work.world)
     itemsize, total = work.a.element_size(), work.output_bytes()
     align = itemsize * (work.world if job.op in ("reduce_scatter", "all_to_all") else 1)
-    tile_bytes = plan.tile[0] * plan.tile[1] * itemsize
-    transfer = job.transfer or job.op
-
-    cost = _cached(
-        cache, "curves", transfer_key(ctx, transfer=transfer, world_size=work.world,
-                                      dtype=job.dtype), CostCurve, work, refresh,
-        lambda: measure_curve(send, log_sizes(min(tile_bytes, total), total, align),
-                              work.a.dtype, work.device, work.group, job.iters, job.warmup),
-        usable=lambda curve: curve.max_bytes >= total or send is None)
+    key = transfer_key(work.context, transfer=job.transfer or job.op, world_size=work.world,
+                       dtype=job.dtype)
+    cost = _cached_curve(cache, key, work, refresh, total, lambda: measure_curve(
+        send, log_sizes(min(plan.tile[0] * plan.tile[1] * itemsize, total), total, align),
+        work.a.dtype, dev, group, job.iters, job.warmup))
     one_group = work.one_group(plan)
     work.run(one_group)  # warm-up: loads every kernel before anything is traced
-    timing = _cached(
-        cache, "gemm", kernel_key(ctx, plan), GemmTiming, work, refresh,
-        lambda: traced_timing(lambda: work.trace(one_group), work.device, work.group,
-                              job.trace_reps)[0])
-    region = torch.zeros(max(align, total // 4 // align * align) // itemsize,
-                         dtype=work.a.dtype, device=work.device)
-    contention = _cached(
-        cache, "contention", {**kernel_key(ctx, plan), "transfer": transfer,
-                              "world_size": work.world}, Contention, work, refresh,
-        lambda: measure_contention(lambda: work.run(work.gemm_plan, noop), send, region,
-                                   work.device, work.group, max(3, job.iters // 2),
-                                   job.warmup))
-    sequential = work.time(lambda: work.run(one_group))
-    post = sequential - (timing.end + cost(total))
-    return ModelParts(plan.to_dict(), timing, cost, contention, sequential, post, ctx)
+    timing = gemm_timing(traced_calls(lambda: work.trace(one_group), dev, group,
+                                      job.trace_reps), dev, group)
+    bare = OverlapModel.for_plan(plan, timing, cost)
+    fit = Contention()
+    if send is not None and calibration_groupings(bare):
+        traces = []
+        for sizes in calibration_groupings(bare):
+            calibrating = work.plan(sizes)
+            work.run(calibrating)
+            traces += traced_calls(lambda: work.trace(calibrating), dev, group, job.trace_reps)
+        fit = contention(traces, bare, dev, group)
+    plain = dataclasses.replace(plan, strategy=SEQUENTIAL)
+    one_s, plain_s = (float(statistics.median(t)) for t in sample_times(
+        [lambda: work.run(one_group), lambda: work.run(plain)], dev, group, job.rounds,
+        job.iters, job.warmup, job.seed))
+    raw = OverlapModel.for_plan(plan, timing, cost, fit)
+    post = one_s - raw.simulate((raw.num_tiles,)).end
+    return ModelParts(plan.to_dict(), timing, cost, fit, one_s, post, work.context, plain_s)
+
+
+def sample_groupings(job: Job, groupings) -> list[list[float]]:
+    """Seconds per call (slowest rank) of the job's call with each grouping (group sizes, or
+    "sequential" for the plain path): ``job.rounds`` samples of ``job.iters`` back-to-back
+    calls each, the groupings shuffled in every round (:func:`~.measure.sample_times`)."""
+    work = workload(job)
+    plans = [dataclasses.replace(work.base, strategy=SEQUENTIAL) if sizes == SEQUENTIAL
+             else work.plan(sizes) for sizes in groupings]
+    samples = sample_times([lambda p=p: work.run(p) for p in plans], work.device, work.group,
+                           job.rounds, job.iters, job.warmup, job.seed)
+    return samples.tolist()
 
 
 def measure_groupings(job: Job, groupings) -> list[float]:
-    """Measured seconds (median, slowest rank) of the job's call with each grouping."""
-    work = Workload(job)
-    out = []
-    for sizes in groupings:
-        plan = work.plan(sizes)
-        out.append(work.time(lambda: work.run(plan)))
-    return out
+    """Measured seconds (median of :func:`sample_groupings`) of each grouping's call."""
+    return [statistics.median(s) for s in sample_groupings(job, groupings)]
+
+
+def tuned_plan(parts: ModelParts, choice: Choice, measured: dict | None = None) -> Plan:
+    """The plan to store for the job: the fastest of the groupings in ``measured`` (grouping ->
+    seconds; the predicted choice alone when None), unless the plain path is faster -- measured
+    (``parts.plain_s``) or predicted (``choice.strategy``) -- then the plain path (strategy
+    "sequential"): never slower than the GEMM followed by one collective."""
+    base = Plan.from_dict(parts.plan)
+    if choice.strategy == SEQUENTIAL:
+        return dataclasses.replace(base, group_sizes=(base.num_tiles,), strategy=SEQUENTIAL)
+    measured = measured or {}
+    best = min(measured, key=measured.get) if measured else choice.group_sizes
+    if parts.plain_s is not None and measured and measured[best] >= parts.plain_s:
+        return dataclasses.replace(base, group_sizes=(base.num_tiles,), strategy=SEQUENTIAL)
+    return dataclasses.replace(base, group_sizes=tuple(best))
+
+
+def store_plan(job: Job, parts: ModelParts, plan: Plan, cache_path: str | None = None,
+               **info) -> dict:
+    """Store ``plan`` as the job's tuned plan, where ``overlap`` looks it up (``info``: what
+    else the entry records, e.g. measured times); returns the cache key."""
+    key = plan_key(parts.context, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
+                   world_size=plan.world_size, transfer=job.transfer)
+    TuningCache(cache_path).put("plans", key, {"plan": plan.to_dict(), **info})
+    return key
 
 
 def trace_rank(job: Job, group_sizes=None) -> dict:
     """One traced call with ``group_sizes`` (default: the heuristic plan's), after a warm-up
     call: {"plan": Plan.to_dict(), "trace": TileTrace.to_dict()} of this rank."""
-    work = Workload(job)
+    work = workload(job)
     plan = work.plan(group_sizes) if group_sizes is not None else work.base
     work.run(plan)
     line_up(work.device, work.group)
