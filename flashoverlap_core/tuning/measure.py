@@ -140,12 +140,14 @@ def sample_times(fns, device: torch.device, group, rounds: int = 5, calls: int =
                  warmup: int = 3, seed: int = 0) -> np.ndarray:
     """Seconds per call of each of ``fns``: [len(fns), rounds].
 
-    A sample is ``calls`` calls queued back to back between two marks, divided by ``calls``:
-    the device time of a call when the host keeps ahead (as it does in a model's forward), not
-    the host's launch time, whose jitter would otherwise be measured too. Every round samples
-    every function once, in a shuffled order (the same on every rank), so that a drift of the
-    device over the run spreads over all of them instead of biasing the ones measured last;
-    the spread of the rounds is the measurement's noise. The slowest rank's time counts.
+    A sample is ``calls`` calls queued back to back between two marks, divided by ``calls``,
+    after one more call that the first mark queues behind: the device time of a call when the
+    host keeps ahead (as it does in a model's forward), not the host's launch time, whose
+    jitter would otherwise be measured too (on the host clock the calls are simply timed one
+    after the other). Every round samples every function once, in a shuffled order (the same
+    on every rank), so that a drift of the device over the run spreads over all of them
+    instead of biasing the ones measured last; the spread of the rounds is the measurement's
+    noise. The slowest rank's time counts.
     """
     fns = list(fns)
     for fn in fns:
@@ -156,6 +158,7 @@ def sample_times(fns, device: torch.device, group, rounds: int = 5, calls: int =
     for r in range(rounds):
         for i in rng.permutation(len(fns)):
             line_up(device, group)
+            fns[i]()  # the device is busy with it while the timed calls are queued
             start = clock.mark()
             for _ in range(calls):
                 fns[i]()
