@@ -15,10 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..collectives import reduce_scatter_single
 from .model import Contention, CostCurve, GemmTiming, OverlapModel, fit_contention
-
-# torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class Clock:
@@ -104,7 +102,7 @@ def transfer_fn(op, group, world_size: int) -> Callable[[torch.Tensor], None] | 
     if op == "allreduce":
         return lambda region: dist.all_reduce(region, group=group)
     if op == "reduce_scatter":
-        return lambda region: _reduce_scatter(region.new_empty(region.numel() // world_size),
+        return lambda region: reduce_scatter_single(region.new_empty(region.numel() // world_size),
                                               region, group=group)
     if op == "all_to_all":
         return lambda region: dist.all_to_all_single(torch.empty_like(region), region,
