@@ -2,6 +2,8 @@
 synthetic models (no device work)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,22 @@ def test_fit_recovers_the_contention_of_traced_calls(truth):
     assert fitted.comm == pytest.approx(truth.comm, rel=1e-6)
     assert fitted.gap_s == pytest.approx(truth.gap_s, abs=1e-9)
     assert fitted.lag_s == pytest.approx(truth.lag_s, abs=1e-9)
+
+
+def test_fit_counts_what_a_transfer_takes_beyond_its_cost_as_the_streams_delay():
+    """Each transfer takes 2 ms more in the call than alone (its cost curve): the fit keeps
+    the slowdowns and adds the 2 ms to the gap and the lag, which predicts the same calls."""
+    ends = tuple(0.1 * (w + 1) for w in range(12))
+    truth = Contention(1.2, 1.3, 1e-3, 4e-3)
+    in_call = model_of(ends, per_tile_s=0.15 / 4, wave_size=4, contention=truth, latency=2e-3)
+    alone = model_of(ends, per_tile_s=0.15 / 4, wave_size=4)
+    groupings = [(4,) * 12, (8, 4, 12, 24), (24, 8, 8, 8)]
+    fitted = fit_contention([synthetic_trace(in_call, g) for g in groupings[:2]], alone)
+    assert (fitted.gemm, fitted.comm) == pytest.approx((1.2, 1.3), rel=1e-6)
+    assert (fitted.gap_s, fitted.lag_s) == pytest.approx((3e-3, 6e-3), abs=1e-9)
+    model = replace(alone, contention=fitted)
+    for sizes in groupings:
+        assert model.predict(sizes) == pytest.approx(in_call.predict(sizes), rel=2e-3)
 
 
 def test_fit_refuses_traces_without_transfer_times():

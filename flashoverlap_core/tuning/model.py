@@ -26,7 +26,7 @@ large groups sit decides how long the transfers wait and how long both run toget
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -172,8 +172,9 @@ def advance_transfer(t, gemm_done, ready, work, gemm_end, contention: Contention
     progress then, in seconds of GEMM-alone work; ``ready``: the progress at which the group's
     tiles are finished; ``work``: the transfer's cost alone. Until the transfer starts the GEMM
     runs alone; then both run, each slowed, until one of them ends. Returns (start, progress at
-    start, end, progress at end). Starting later or with less progress never ends earlier (the
-    dynamic program of :mod:`.search` relies on it).
+    start, end, progress at end). Starting later, or with less progress, never ends earlier or
+    with more progress while ``gemm * (1 - 1/comm) <= 1`` (running both together beats running
+    them one after the other); the dynamic program of :mod:`.search` relies on it.
     """
     k = contention
     t = np.asarray(t, dtype=np.float64)
@@ -291,8 +292,7 @@ class OverlapModel:
         """This model with ``post_s`` set so that the one-group prediction is ``one_group_s``
         (a measured one-group call)."""
         raw = self.simulate((self.num_tiles,)).end
-        return OverlapModel(self.timing, self.prefix_bytes, self.cost, self.contention,
-                            float(one_group_s - raw), self.unit)
+        return replace(self, post_s=float(one_group_s - raw))
 
 
 def prefix_bytes(plan) -> np.ndarray:
@@ -339,22 +339,30 @@ class _Samples:
 
     def contention(self) -> Contention:
         o, x = np.array(self.overlap), np.array(self.excess)
-        # duration - cost = overlap * (1 - 1/comm), least squares through the origin
-        slope = float(o @ x / (o @ o)) if (o @ o) > 0 else 0.0
+        # What a transfer takes in the call beyond its cost alone, where the GEMM had ended
+        # (the stream's own cost, folded into its delays below); needs two such transfers.
+        alone = o <= CLOCK_SLACK_S
+        extra = float(np.median(x[alone])) if alone.sum() >= 2 else 0.0
+        # the rest of the excess = overlap * (1 - 1/comm): least squares through the origin
+        slope = float(o @ (x - extra) / (o @ o)) if (o @ o) > 0 else 0.0
         comm = 1.0 / (1.0 - slope) if 0.0 < slope < 1.0 - 1.0 / MAX_SLOWDOWN else \
             (MAX_SLOWDOWN if slope > 0 else 1.0)
-        median = lambda v: max(0.0, float(np.median(v))) if v else 0.0  # noqa: E731
-        return Contention(float(np.median(self.gemm)), comm, median(self.gaps),
-                          median(self.lags))
+        return Contention(float(np.median(self.gemm)), comm, _delay(self.gaps, extra),
+                          _delay(self.lags, extra))
+
+
+def _delay(samples: list, extra: float) -> float:
+    return max(0.0, (float(np.median(samples)) if samples else 0.0) + extra)
 
 
 def fit_contention(traces, model: OverlapModel) -> Contention:
     """The contention that explains traced overlapped calls (any groupings of ``model``'s
     grid, each with every transfer's start and end): the GEMM's slowdown from how much longer
     it took than alone against how long transfers ran beside it; the transfers' from how much
-    longer each took than its cost alone against its time beside the GEMM; the gap and lag as
-    the medians of the stream's delays where a group was finished before, or after, the
-    stream got to its wait."""
+    longer each took than its cost alone against its time beside the GEMM (beyond what the
+    transfers after the GEMM's end took more than alone, which counts as the stream's own
+    cost); the gap and lag as the medians of the stream's delays where a group was finished
+    before, or after, the stream got to its wait, plus that own cost."""
     samples = _Samples()
     for trace in traces:
         if None in trace.transfer_start or None in trace.transfer_end:
