@@ -123,6 +123,52 @@ def gpu_rows(shapes) -> list[dict]:
     return rows
 
 
+def breakdown(shape: str = "4096x4096x4096") -> dict:
+    """Host µs of the pieces of one 4-group allreduce call: the whole call, the backend's
+    prepared run without the API (out given), the native call alone, the same native call
+    without a communicator (no waits, no NCCL), the GEMM launch alone, and torch.empty."""
+    from flashoverlap_core import api, registry
+    from flashoverlap_core.backend import OverlapCall
+
+    m, n, k = map(int, shape.split("x"))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+    base = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda")
+    plan = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda", group_sizes=four_groups(base))
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    fo.overlap(a, b, plan=plan, out=out)
+    entry = next(e for e in api._prepared.values() if e.plan is plan)
+    prepared = entry.prepared
+    state = prepared.state()
+    stream = torch.cuda.current_stream().cuda_stream
+    backend = registry.get("cuda")
+    alone = backend.prepare(OverlapCall(a, b, plan, "allreduce", None, 0, 1, out))
+    alone.run(a, b, out, "allreduce")
+    alone_state = alone.state()
+    lda, ldb = a.stride(0), b.stride(1)
+    tables = prepared.tables
+    gemm = prepared.gemm
+    pieces = {
+        "call": lambda: fo.overlap(a, b, plan=plan, out=out),
+        "prepared_run": lambda: prepared.run(a, b, out, "allreduce"),
+        "native_call": lambda: prepared.runtime.call_run(state.handle, a.data_ptr(), lda,
+                                                         b.data_ptr(), ldb, out.data_ptr(), stream, 0),
+        "native_call_no_collective": lambda: alone.runtime.call_run(
+            alone_state.handle, a.data_ptr(), lda, b.data_ptr(), ldb, out.data_ptr(), stream, 0),
+        "gemm_launch": lambda: gemm.run(a.data_ptr(), b.data_ptr(), state.packed.data_ptr(), 1, m, n,
+                                        k, lda, ldb, tables.items.data_ptr(),
+                                        tables.item_group.data_ptr(), plan.num_tiles,
+                                        tables.counters.data_ptr(), plan.wave_size, None, None,
+                                        stream),
+        "torch_empty": lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
+    }
+    result = {name: host_us(fn) for name, fn in pieces.items()}
+    torch.cuda.synchronize()
+    tables.counters.zero_()
+    result["shape"], result["groups"] = shape, list(plan.group_sizes)
+    return result
+
+
 def cpu_figures() -> dict:
     """µs per call on the CPU, reference backend, 16x16x16, float32, over ``a @ b``."""
     a, b = torch.randn(16, 16), torch.randn(16, 16)
@@ -167,6 +213,9 @@ def main() -> None:
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
         rows = gpu_rows(args.shapes.split(","))
+        summary["breakdown_us"] = breakdown()
+        print("host us per piece:", {k: v if isinstance(v, (str, list)) else round(v, 2)
+                                     for k, v in summary["breakdown_us"].items()}, flush=True)
         long = [r for r in rows if r["graph_ms_default"] >= 0.1]
         summary.update({
             "max_host_us": max(r["host_us_plan4"] for r in rows),

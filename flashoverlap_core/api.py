@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import threading
 from typing import Callable
 
@@ -127,8 +128,9 @@ class _Prepared:
 
     def fits(self, out) -> bool:
         """Whether a later call's ``out`` (None or a tensor) can go straight to launch."""
-        return out is None or (out.shape == self.out_shape and out.dtype == self.dtype
-                               and out.device == self.device and out.is_contiguous())
+        return out is None or (isinstance(out, torch.Tensor) and out.shape == self.out_shape
+                               and out.dtype == self.dtype and out.device == self.device
+                               and out.is_contiguous())
 
     def run(self, a, b, out, op):
         if out is None and self.out_shape is not None:
@@ -180,6 +182,8 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
     b, _ = _from_dlpack(b)
     if out is not None:
         out, _ = _from_dlpack(out)
+    _check_tensor("a", a)  # neither a tensor nor a DLPack array: say so
+    _check_tensor("b", b)
     result = overlap(a, b, op, group, plan=plan, out=out, send_splits=send_splits,
                      recv_splits=recv_splits, backend=backend)
     return result if a_type is None else _to_array_type(result, a_type)
@@ -229,10 +233,12 @@ def _capturing(device: torch.device) -> bool:
     return bool(check is not None and check())
 
 
-def _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend
-                  ) -> tuple[OverlapCall, Backend]:
-    """Every argument checked (TypeError/ValueError, no device work), the backend chosen and
-    the plan made or checked: the call as the backend will see it."""
+def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_splits=None,
+                    recv_splits=None) -> dict:
+    """Every check of a call that needs no backend and no device work (TypeError/ValueError
+    saying what is wrong); what they found: m, n, k, op, dtype, group, rank, world_size, send,
+    recv, rows (of the result; None when only the ranks' splits tell). Also what the torch
+    custom ops run before their fake kernels."""
     _check_tensor("a", a)
     _check_tensor("b", b)
     (m, k), (kb, n) = a.shape, b.shape
@@ -255,7 +261,18 @@ def _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend
     rows = _output_rows(op_name, m, world, recv)
     if out is not None:
         _check_out(out, (rows, n) if rows is not None else None, a, n)
+    return dict(m=m, n=n, k=k, op=op_name, dtype=dtype, group=group, rank=rank,
+                world_size=world, send=send, recv=recv, rows=rows)
 
+
+def _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend
+                  ) -> tuple[OverlapCall, Backend]:
+    """Every argument checked (TypeError/ValueError, no device work), the backend chosen and
+    the plan made or checked: the call as the backend will see it."""
+    c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
+    m, n, k, op_name, dtype = c["m"], c["n"], c["k"], c["op"], c["dtype"]
+    group, rank, world, send, recv, rows = (c["group"], c["rank"], c["world_size"], c["send"],
+                                            c["recv"], c["rows"])
     spec = OverlapSpec(_result_rows(op_name, m, world), n, k, op_name, world, dtype,
                        a.device.type, b_layout(b), send)
     chosen = registry.select(spec, backend, plan.backend if plan is not None else None)
@@ -279,7 +296,11 @@ def _agree_across_ranks(call: OverlapCall, local_rows: int) -> None:
     result), and allgather's shards must have the same rows everywhere."""
     if call.group is None or call.world_size == 1:
         return
-    digest = hashlib.sha256(call.plan.to_json(sort_keys=True).encode()).hexdigest()[:16]
+    fields = call.plan.to_dict()
+    if call.plan.op == "all_to_all":  # each rank's rows, splits and groups are its own
+        for own in ("M", "send_splits", "group_sizes"):
+            fields.pop(own)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     mine = (digest, local_rows, call.plan.describe_grid(), call.plan.group_sizes)
     views = exchange_objects(mine, call.group)
     if call.plan.op == GATHER_OP and len({v[1] for v in views}) > 1:
@@ -368,5 +389,5 @@ def backends() -> list[registry.BackendStatus]:
     return registry.backends()
 
 
-__all__ = ["PreparedCall", "backends", "forget_prepared", "make_plan", "overlap", "plan",
-           "set_plan_lookup"]
+__all__ = ["PreparedCall", "backends", "check_arguments", "forget_prepared", "make_plan",
+           "overlap", "plan", "set_plan_lookup"]

@@ -20,7 +20,7 @@ import torch
 from .tiles import Schedule
 
 if TYPE_CHECKING:
-    from .tuning.trace import TileTrace
+    from .tile_trace import TileTrace
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Backend(abc.ABC):
     def trace(self, call: OverlapCall) -> "TileTrace":
         """Run the call like :meth:`run` (the result goes to ``call.out``) and report when each
         tile was finished, by which worker, and when each group's transfer ran: a
-        :class:`flashoverlap_core.tuning.trace.TileTrace`. Optional; the tuner and
+        :class:`flashoverlap_core.tile_trace.TileTrace`. Optional; the tuner and
         ``flashoverlap trace`` need it."""
         raise NotImplementedError(
             f"backend {self.name!r} cannot trace a call: it does not implement Backend.trace(), "

@@ -336,6 +336,9 @@ def _current_stream_getter():
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 class CudaCall(PreparedCall):
     """The prepared calls of one key on the cuda backend (see the module docstring).
 
@@ -447,7 +450,7 @@ class CudaCall(PreparedCall):
 
     # ---- the call ----------------------------------------------------------------------------
     def run(self, a, b, out, op):
-        if torch.cuda.current_device() != self.index:
+        if _current_device() != self.index:
             with torch.cuda.device(self.device):
                 return self.run(a, b, out, op)
         stream = self.current_stream(self.index)
