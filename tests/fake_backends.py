@@ -35,3 +35,28 @@ class FewDevices(ReferenceBackend):
 
     def device_count(self):
         return 1
+
+
+class FixedTiles(ReferenceBackend):
+    """Kernels for two tiles only, like an accelerator backend: the suite's small tiles are
+    refused, and its cases ask for the tile this backend declares instead."""
+
+    name = "fake-fixed-tiles"
+    TILES = ((8, 8), (16, 8))
+
+    def default_tile(self, spec):
+        return self.TILES[0]
+
+    def plan_reasons(self, plan):
+        if tuple(plan.tile) in self.TILES:
+            return []
+        return [f"no kernel for tile {tuple(plan.tile)} (fake backend: {list(self.TILES)})"]
+
+
+class NoTileFits(FixedTiles):
+    """Declares a default tile it has no kernel for: its tile cases must skip, saying why."""
+
+    name = "fake-no-tile-fits"
+
+    def default_tile(self, spec):
+        return (4, 4)

@@ -18,6 +18,29 @@ def test_reference_backend_passes_the_suite():
     assert result.returncode == 0, describe(result)
     assert counts.get("passed", 0) >= 150 and set(counts) <= {"passed", "warning"}, describe(result)
     assert "flashoverlap conformance: backend reference" in result.stdout
+    assert "backend-tile-for" not in result.stdout  # every tile ran as the case asks
+
+
+@pytest.mark.timeout(300)
+def test_a_backend_without_the_cases_tiles_runs_the_tile_it_declares():
+    """Cases whose small tile the backend has no kernel for run with its declared tile, and
+    their ids say so; none is turned into a warning or passes with a tile its id hides."""
+    result = run_suite("fake_backends:FixedTiles", "-k", "single_process", "-rA", timeout=240)
+    counts = summary(result)
+    assert result.returncode == 0 and set(counts) == {"passed", "deselected"}, describe(result)
+    substituted = [line for line in result.stdout.splitlines()
+                   if "backend-tile-for-" in line and "PASSED" in line]
+    assert substituted and all("-tile8x8-backend-tile-for-" in line for line in substituted), \
+        describe(result)
+
+
+@pytest.mark.timeout(300)
+def test_a_case_no_tile_of_the_backend_can_run_is_a_skip_with_the_reason():
+    result = run_suite("fake_backends:NoTileFits", "-k", "single_process and not auto", timeout=240)
+    counts = summary(result)
+    assert result.returncode == 0 and counts.get("skipped", 0) >= 5, describe(result)
+    assert "runs neither the case's tile" in result.stdout, describe(result)
+    assert "nor its own default tile (4, 4)" in result.stdout, describe(result)
 
 
 @pytest.mark.timeout(600)
@@ -34,7 +57,7 @@ def test_broken_backend_fails_the_suite(broken):
 @pytest.mark.timeout(300)
 def test_a_hang_is_a_failure_and_the_next_test_gets_a_fresh_pool():
     result = run_suite("broken_backends:HangsOnRank1", "--fo-world-sizes", "2", "--fo-timeout", "8",
-                       "-k", "W2-allreduce and (tile1x1 or tile16x2)", timeout=240)
+                       "-k", "W2-allreduce and (1x1x1 or tile16x2)", timeout=240)
     counts = summary(result)
     assert result.returncode == 1 and counts.get("failed") == 2 and "passed" not in counts, describe(result)
     # one failure report per test (the short summary may repeat the reason, or not)

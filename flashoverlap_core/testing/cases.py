@@ -65,6 +65,8 @@ class Case:
     splits: str = "send+recv"  # all_to_all only
     custom: str = "noop"  # custom op only
     calls: int = 1  # back-to-back calls with the same plan (fresh inputs each), e.g. 2
+    requested_tile: tuple[int, int] | None = None  # the shape's tile, when the backend has no
+    # kernel for it and ``tile`` is the one the backend declares instead (see runner.for_backend)
 
     @property
     def id(self) -> str:
@@ -72,8 +74,17 @@ class Case:
         if self.op == "all_to_all":
             op += "-" + self.splits
         return (f"W{self.world_size}-{op}-{self.dtype}-{self.m}x{self.n}x{self.k}-b{self.layout}-"
-                f"{self.grouping}-tile{self.tile[0]}x{self.tile[1]}-{'out' if self.poison_out else 'alloc'}"
+                f"{self.grouping}-{self._tile}-"
+                f"{'out' if self.poison_out else 'alloc'}"
                 f"{f'-x{self.calls}' if self.calls > 1 else ''}")
+
+    @property
+    def _tile(self) -> str:
+        if self.grouping == "auto":
+            return "tile-default"  # no plan is passed: overlap's own tile
+        note = ("" if self.requested_tile is None else
+                f"-backend-tile-for-{self.requested_tile[0]}x{self.requested_tile[1]}")
+        return f"tile{self.tile[0]}x{self.tile[1]}{note}"
 
     @property
     def torch_dtype(self) -> torch.dtype:

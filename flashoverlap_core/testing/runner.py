@@ -6,13 +6,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import flashoverlap_core as fo
-from flashoverlap_core import registry
 from flashoverlap_core.backend import OverlapSpec
 from flashoverlap_core.grouping import wave_group_sizes
 from flashoverlap_core.plan import GATHER_OP, block_rows_for, group_unit
@@ -58,10 +59,9 @@ def explicit_group_sizes(case: Case, base: fo.Plan, rng: random.Random) -> tuple
     return None
 
 
-def tile_refusal(backend_name: str, spec: OverlapSpec, tile: tuple[int, int]) -> list[str]:
+def tile_refusal(backend, spec: OverlapSpec, tile: tuple[int, int]) -> list[str]:
     """Why the backend has no kernel for ``tile`` (its ``plan_reasons`` for a one-group plan
-    with that tile); empty when it has one. Only such a refusal lets a case change its tile."""
-    backend = registry.get(backend_name)
+    with that tile); empty when it has one."""
     schedule = backend.schedule(spec)
     rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
     total = TileGrid(rows, spec.n, *tile, schedule).num_tiles
@@ -70,22 +70,61 @@ def tile_refusal(backend_name: str, spec: OverlapSpec, tile: tuple[int, int]) ->
     return backend.plan_reasons(plan)
 
 
-def case_plan(case: Case, seed: int, rank: int, backend: str, device_type: str
-              ) -> tuple[fo.Plan, list[str]]:
-    """(the plan the call uses, why the backend refused the case's small tile). With grouping
-    "auto" the call passes no plan; this is the one overlap makes by default."""
+def for_backend(case: Case, backend, seed: int, device_type: str) -> tuple[Case, str | None]:
+    """The case as ``backend`` runs it, and why it cannot (None when it can).
+
+    The shapes' small tiles make many tiles and groups. A backend whose kernels have other
+    tiles refuses them (``plan_reasons``); the case then asks for the tile the backend declares
+    for the call (``default_tile``) and its id says so (``-backend-tile-for-BMxBN``). A case
+    whose tile the backend refuses either way is a skip with both reasons: nothing runs with
+    another tile than its id shows."""
+    if case.grouping == "auto":  # no plan: overlap's own default tile
+        return case, None
+    spec = spec_of(case, seed, 0, device_type)
+    refused = tile_refusal(backend, spec, case.tile)
+    if not refused:
+        return case, None
+    declared = tuple(backend.default_tile(spec))
+    again = tile_refusal(backend, spec, declared)
+    if again:
+        return case, (f"backend {backend.name!r} runs neither the case's tile {case.tile} "
+                      f"({'; '.join(refused)}) nor its own default tile {declared} "
+                      f"({'; '.join(again)})")
+    return dataclasses.replace(case, tile=declared, requested_tile=case.tile), None
+
+
+def parametrize(metafunc, argname: str, cases: list[Case]) -> None:
+    """Parametrize ``argname`` with the cases as the backend under test runs them (see
+    :func:`for_backend`); left as they are when the backend is unavailable (every test then
+    skips with the reason)."""
+    from .plugin import settings
+
+    s = settings(metafunc.config)
+    backend, _ = s._resolved
+    params = []
+    for case in cases:
+        why = None
+        if backend is not None:
+            case, why = for_backend(case, backend, s.seed, backend.device_type or "cpu")
+        marks = [pytest.mark.skip(reason=why)] if why else []
+        params.append(pytest.param(case, id=case.id, marks=marks))
+    metafunc.parametrize(argname, params)
+
+
+def case_plan(case: Case, seed: int, rank: int, backend: str, device_type: str) -> fo.Plan:
+    """The plan the call uses: the case's tile and grouping. With grouping "auto" the call
+    passes no plan; this is the one overlap makes by default."""
     spec = spec_of(case, seed, rank, device_type)
     kwargs = dict(m=spec.m, n=case.n, k=case.k, op=spec.op, world_size=case.world_size,
                   dtype=case.dtype, backend=backend, send_splits=spec.send_splits, b_layout=case.layout)
     if case.grouping == "auto":
-        return fo.plan(**kwargs), []
-    refused = tile_refusal(backend, spec, case.tile)
-    base = fo.plan(tile=None if refused else case.tile, **kwargs)
+        return fo.plan(**kwargs)
+    base = fo.plan(tile=case.tile, **kwargs)
     rng = random.Random(seed_of(seed, case.id, "groups", rank if case.op == "all_to_all" else 0))
     sizes = explicit_group_sizes(case, base, rng)
     if sizes is None:
-        return base, refused
-    return fo.plan(tile=base.tile, group_sizes=sizes, **kwargs), refused
+        return base
+    return fo.plan(tile=base.tile, group_sizes=sizes, **kwargs)
 
 
 class RecordingOp:
@@ -170,10 +209,10 @@ def run_case(target, case: Case, seed: int) -> dict:
     """Run ``case`` on this rank and check it (see the module docstring)."""
     rank, world = rank_and_world()
     assert world == case.world_size, f"running a W={case.world_size} case on {world} rank(s)"
-    plan, refused_tile = case_plan(case, seed, rank, target.backend_name, target.device_type)
+    plan = case_plan(case, seed, rank, target.backend_name, target.device_type)
     problems = [p for call in range(case.calls) for p in call_once(target, case, seed, rank, plan, call)]
     assert not problems, f"case {case.id}, seed {seed}, rank {rank} ({plan!r}):\n  " + "\n  ".join(problems)
-    return {"groups": plan.num_groups, "tiles": plan.num_tiles, "tile_refused": refused_tile}
+    return {"groups": plan.num_groups, "tiles": plan.num_tiles, "tile": plan.tile}
 
 
 def unsupported(backend, case: Case, seed: int, device_type: str) -> str | None:

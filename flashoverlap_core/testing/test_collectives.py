@@ -1,19 +1,16 @@
 """The conformance matrix on spawned ranks (one pool per world size)."""
-import warnings
-
 import pytest
 
 from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
 from .cases import rank_matrix
 from .plugin import settings
-from .runner import run_case, unsupported
+from .runner import parametrize, run_case, unsupported
 
 
 def pytest_generate_tests(metafunc):
     if "rank_case" in metafunc.fixturenames:
-        cases = rank_matrix(settings(metafunc.config).world_sizes)
-        metafunc.parametrize("rank_case", cases, ids=[c.id for c in cases])
+        parametrize(metafunc, "rank_case", rank_matrix(settings(metafunc.config).world_sizes))
 
 
 def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_settings):
@@ -23,10 +20,7 @@ def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_setting
     try:
         results = fo_pools.run(rank_case.world_size, run_case, rank_case, fo_settings.seed)
     except (RankError, RankTimeout) as e:  # a wrong result or an exception on some rank; a hang
-        results, failure = None, f"{type(e).__name__}: {e}"
-    if results is None:
-        pytest.fail(failure, pytrace=False)
-    refused = next((r["tile_refused"] for r in results if r["tile_refused"]), None)
-    if refused:
-        warnings.warn(f"{fo_backend.name!r} has no kernel for tile {rank_case.tile} "
-                      f"({'; '.join(refused)}): the case ran with its default tile")
+        pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
+    ran = {tuple(r["tile"]) for r in results}
+    assert rank_case.grouping == "auto" or ran == {rank_case.tile}, (
+        f"the ranks ran tiles {ran}, the case is {rank_case.id}")
