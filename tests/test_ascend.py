@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -39,10 +41,65 @@ def test_backends_report_ascend_unavailable_without_torch_npu():
     assert AscendBackend().versions() == {} and AscendBackend().device_count() == 0
 
 
-def test_probe_gives_a_reason_or_an_npu():
+class FakeTorchNpu(types.ModuleType):
+    """A stand-in torch_npu: how many NPUs it sees, or that importing it fails."""
+
+    def __init__(self, npus: int):
+        super().__init__("torch_npu")
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+        self.__version__ = "2.5.1.fake"
+        self.npu = types.SimpleNamespace(device_count=lambda: npus)
+
+
+@pytest.fixture
+def fake_torch_npu(monkeypatch):
+    """Install a FakeTorchNpu (or, with npus=None, a torch_npu that fails to import)."""
+    def install(npus: int | None):
+        module = FakeTorchNpu(npus or 0)
+        monkeypatch.setattr(environment.importlib.util, "find_spec",
+                            lambda name, *a: module.__spec__ if name == "torch_npu" else None)
+        if npus is None:
+            def broken(name, *a):
+                raise ImportError("libhccl.so: cannot open shared object file")
+            monkeypatch.setattr(environment.importlib, "import_module", broken)
+        else:
+            monkeypatch.setitem(sys.modules, "torch_npu", module)
+        environment.probe_reason.cache_clear()
+        return module
+    yield install
+    environment.probe_reason.cache_clear()
+
+
+def test_probe_and_device_count_follow_what_torch_npu_sees(fake_torch_npu, monkeypatch):
+    fake_torch_npu(2)
+    assert AscendBackend().probe() is None and AscendBackend().device_count() == 2
+
+    monkeypatch.setenv(environment.VISIBLE_DEVICES, "")
+    fake_torch_npu(0)
     reason = AscendBackend().probe()
-    assert reason is None or reason.startswith("torch_npu")
-    assert (reason is None) == (environment.device_count() > 0)
+    assert reason == ("torch_npu sees no NPU with ASCEND_RT_VISIBLE_DEVICES='' "
+                      "(torch_npu.npu.device_count() == 0)")
+    assert AscendBackend().device_count() == 0
+
+
+def test_a_torch_npu_that_does_not_import_says_what_to_check(fake_torch_npu):
+    fake_torch_npu(None)
+    reason = AscendBackend().probe()
+    assert reason.startswith("torch_npu is installed but does not import (ImportError: libhccl")
+    assert "set_env.sh" in reason and AscendBackend().device_count() == 0
+
+
+def test_versions_name_torch_npu_cann_and_hccl(fake_torch_npu, monkeypatch):
+    module = fake_torch_npu(1)
+    utils = types.ModuleType("torch_npu.utils")
+    utils.get_cann_version = lambda module="CANN": {"CANN": "8.2.RC1", "HCCL": "8.2.3"}[module]
+    monkeypatch.setitem(sys.modules, "torch_npu.utils", utils)
+    assert AscendBackend().versions() == {"torch_npu": module.__version__, "cann": "8.2.RC1",
+                                          "hccl": "8.2.3"}
+    monkeypatch.delitem(sys.modules, "torch_npu.utils")  # torch_npu < 2.5: no get_cann_version
+    monkeypatch.setattr(module, "utils", None, raising=False)
+    versions = AscendBackend().versions()
+    assert versions["cann"].startswith("unknown (needs torch_npu.utils.get_cann_version")
 
 
 def test_asking_for_ascend_by_name_lists_every_backend_with_its_reason():
@@ -78,11 +135,14 @@ def test_bad_wait_modes_say_what_is_accepted():
         AscendBackend(wait="later")
 
 
-def test_wait_mode_defaults_to_event_and_reads_the_environment():
+def test_wait_mode_defaults_to_event_and_reads_the_environment(monkeypatch):
     assert wait_mode_from_env({}) == wait_mode_from_env({ENV_WAIT: ""}) == "event"
     assert wait_mode_from_env({ENV_WAIT: "value"}) == "value"
-    assert AscendBackend().wait in WAIT_MODES
-    assert AscendBackend(wait="value").wait == "value"
+    monkeypatch.delenv(ENV_WAIT, raising=False)
+    assert AscendBackend().wait == "event"
+    monkeypatch.setenv(ENV_WAIT, "value")
+    assert AscendBackend().wait == "value"
+    assert AscendBackend(wait="event").wait == "event"  # the argument wins over the environment
 
 
 # ---- the CANN lookup -------------------------------------------------------------------------

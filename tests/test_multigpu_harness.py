@@ -1,5 +1,6 @@
 """bench/multigpu.py on the CPU: a dry run at W=2 with tiny shapes (reference backend, gloo),
-and the robustness mode's rank-failure check finishing within its process-group timeout."""
+the robustness mode's rank-failure check finishing within its process-group timeout, and the
+default shapes running every op at every world size."""
 from __future__ import annotations
 
 import json
@@ -67,12 +68,17 @@ def test_rank_failure_fails_within_pg_timeout(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_llm_shapes_follow_the_world_size(world):
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_default_shapes_run_every_op_and_shard_k_by_the_world_size(world):
+    """No default shape is measured twice or skipped for an op at any world size, and every
+    LLM shape is a row-parallel layer: each rank holds 1/W of the hidden or FFN size as K."""
     import multigpu
 
-    shapes = multigpu.llm_shapes(world)
-    assert {n for _, n, _ in shapes} == {4096, 8192}
-    assert {m for m, _, _ in shapes} == {2048, 4096, 8192, 16384}
-    assert (8192, 8192, 28672 // world) in shapes and (8192, 8192, 8192 // world) in shapes
-    assert len(multigpu.paper_shapes()) == 27
+    for quick in (False, True):
+        shapes = multigpu.default_shapes(world, quick, on_cpu=False)
+        assert len(set(shapes)) == len(shapes), f"duplicate shapes (quick={quick})"
+        skipped = [(s, op) for s in shapes for op in multigpu.OPS
+                   if multigpu.skip_reason(s, op, world)]
+        assert not skipped, f"quick={quick}: {skipped}"
+    for m, n, k in multigpu.llm_shapes(world):
+        assert k * world in (n, multigpu.LLM_FFN[n]), (m, n, k)
