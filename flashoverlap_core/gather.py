@@ -74,13 +74,15 @@ def tile_rows(plan, t: TileRect) -> tuple[int, int]:
     return start, start + t.rows
 
 
-def execute_tiles(call: OverlapCall, recorder, acc: torch.dtype) -> torch.Tensor:
+def execute_tiles(call: OverlapCall, recorder, acc: torch.dtype,
+                  exchange: GatherExchange | None = None) -> torch.Tensor:
     """The reference execution: start every chunk's gather; compute this rank's own tiles;
     then, chunk by chunk, wait for the chunk and compute the tiles that read it. Each tile is
     accumulated in ``acc`` and written to its place in ``call.out``. ``recorder`` stamps the
-    tiles in this order; a transfer's end is stamped when the GEMM sees the chunk arrive."""
+    tiles in this order; a transfer's end is stamped when the GEMM sees the chunk arrive.
+    ``exchange`` replaces the transport (default: :class:`GatherExchange` of the call)."""
     plan, out, b = call.plan, call.out, call.b.to(acc)
-    exchange = GatherExchange(call)
+    exchange = exchange if exchange is not None else GatherExchange(call)
 
     def compute(tiles):
         for t in tiles:
