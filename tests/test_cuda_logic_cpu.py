@@ -1,0 +1,194 @@
+"""The cuda backend's pure-Python decisions, on the CPU (no GPU, no nvcc): which plans a
+cluster build can run (``kernels.cluster_fits``), which GEMM configurations are refused and why
+(``GemmConfig.problems``), and which calls and plans the backend declines
+(``unsupported_reasons``, ``plan_reasons``). The kernel architecture is forced through
+``FLASHOVERLAP_CUDA_ARCH``, so nothing asks a device."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashoverlap_core as fo
+from flashoverlap_backends.cuda import CudaBackend, build, kernels
+from flashoverlap_backends.cuda.backend import ENV_ARCH
+from flashoverlap_core.plan import block_rows_for
+from flashoverlap_core.tiles import RASTERS, Schedule, TileGrid
+
+ARCHS = sorted(kernels.CONFIGS)
+
+
+# ---- cluster_fits -----------------------------------------------------------------------------
+def cluster_rule(items: torch.Tensor, cluster: tuple[int, int]) -> bool:
+    """The rule written out item by item: in each complete round of cm*cn consecutive items,
+    the CTA at (rm, rn) of the cluster computes the column tile of the one at (0, rn) and the
+    rows (block, band) of the one at (rm, 0), so they can share what they load."""
+    cm, cn = cluster
+    size = cm * cn
+    rows = [tuple(r) for r in items[:, :2].tolist()]
+    cols = items[:, 2].tolist()
+    for base in range(0, len(cols) - size + 1, size):
+        for r in range(size):
+            rm, rn = r % cm, r // cm
+            if rows[base + r] != rows[base + rm] or cols[base + r] != cols[base + rn * cm]:
+                return False
+    return True
+
+
+def table(*items) -> torch.Tensor:
+    """An item table from (block, band, column tile) triples (packed offsets left at 0)."""
+    return torch.tensor([list(i) + [0] for i in items], dtype=torch.int64).view(-1, 4)
+
+
+def test_cluster_fits_hand_made_tables():
+    down_a_column = table((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))   # pairs share a column
+    along_a_row = table((0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1))     # pairs share rows
+    for items in (down_a_column, along_a_row):
+        assert kernels.cluster_fits(items, (1, 1))
+    assert kernels.cluster_fits(down_a_column, (2, 1))
+    assert not kernels.cluster_fits(down_a_column, (1, 2))
+    assert kernels.cluster_fits(along_a_row, (1, 2))
+    assert not kernels.cluster_fits(along_a_row, (2, 1))
+    # 2x2: ranks (0,0) (1,0) (0,1) (1,1): columns c, c, c', c' and rows r, r', r, r'
+    square = table((0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1))
+    assert kernels.cluster_fits(square, (2, 2))
+    assert not kernels.cluster_fits(table((0, 0, 0), (0, 1, 0), (0, 1, 1), (0, 0, 1)), (2, 2))
+    # the same band of another destination block is other rows
+    assert not kernels.cluster_fits(table((0, 0, 0), (1, 0, 1)), (1, 2))
+
+
+@st.composite
+def item_tables(draw):
+    """Item tables of real plans (any raster, swizzle, blocks, ragged grid), sometimes with
+    two items swapped."""
+    raster = draw(st.sampled_from(RASTERS))
+    schedule = Schedule(raster, draw(st.integers(1, 4)))
+    world = draw(st.integers(1, 3))
+    op = draw(st.sampled_from(["allreduce", "reduce_scatter"])) if world > 1 else "allreduce"
+    m = world * draw(st.integers(1, 12)) if op == "reduce_scatter" else draw(st.integers(1, 40))
+    n, tile = draw(st.integers(1, 40)), (draw(st.integers(1, 8)), draw(st.integers(1, 8)))
+    total = TileGrid(block_rows_for(op, m, world, None), n, *tile, schedule).num_tiles
+    plan = fo.Plan(m, n, 8, op, world, "bfloat16", tile, 4, (total,), schedule)
+    items, _ = plan.item_table()
+    if len(items) > 1 and draw(st.booleans()):
+        i, j = draw(st.integers(0, len(items) - 1)), draw(st.integers(0, len(items) - 1))
+        items[[i, j]] = items[[j, i]]
+    return items
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(items=item_tables(), cluster=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]))
+def test_cluster_fits_agrees_with_the_rule_on_real_plans(items, cluster):
+    assert kernels.cluster_fits(items, cluster) == cluster_rule(items, cluster)
+
+
+# ---- GemmConfig.problems ----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_configuration_a_plan_can_select_is_valid(arch):
+    configs = kernels.all_configs([arch])
+    assert configs and all(c.arch == arch and not c.problems() for c in configs)
+    assert {c.tile for c in configs} == {kernels.default_tile(arch)}
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    (dict(arch=70), "arch must be one of"),
+    (dict(dtype="float32"), "dtype must be one of"),
+    (dict(schedule="multistage"), "schedule for sm90"),
+    (dict(arch=80, tile_k=32, cluster_m=1, schedule="cooperative"), "schedule for sm80"),
+    (dict(stages=1), "stages must be 0 (auto) or 2..12"),
+    (dict(stages=13), "stages must be 0 (auto) or 2..12"),
+    (dict(tile_m=64), "cooperative tile_m must be a multiple of 128"),
+    (dict(tile_m=320, schedule="pingpong"), "pingpong tile_m must be a multiple of 64 up to 256"),
+    (dict(tile_n=8), "tile_n must be a multiple of 16 in 16..256"),
+    (dict(tile_n=272), "tile_n must be a multiple of 16 in 16..256"),
+    (dict(tile_k=8), "tile_k must be a multiple of 16 in 16..128"),
+    (dict(cluster_m=4, cluster_n=4), "product <= 8"),
+    (dict(cluster_m=0), "need sizes >= 1"),
+    (dict(arch=80, tile_m=96, tile_k=32, cluster_m=1, schedule="multistage"), "multiples of 64"),
+    (dict(arch=80, tile_m=256, tile_k=32, cluster_m=1, schedule="multistage"), "at most 128x256"),
+    (dict(arch=80, tile_k=16, cluster_m=1, schedule="multistage"), "sm80 tile_k must be 32 or 64"),
+    (dict(arch=80, tile_k=32, schedule="multistage"), "sm80 has no clusters"),
+])
+def test_invalid_configurations_say_what_is_wrong(fields, complaint):
+    with pytest.raises(ValueError, match="invalid GEMM config") as refused:
+        build.GemmConfig(**fields)
+    assert complaint in str(refused.value)
+
+
+def test_each_problem_is_reported_not_just_the_first():
+    with pytest.raises(ValueError) as refused:
+        build.GemmConfig(dtype="float64", stages=1, tile_k=8)
+    message = str(refused.value)
+    assert all(p in message for p in ("dtype must be", "stages must be", "tile_k must be"))
+
+
+# ---- unsupported_reasons and plan_reasons -----------------------------------------------------
+@pytest.fixture(params=ARCHS)
+def arch(request, monkeypatch) -> int:
+    monkeypatch.setenv(ENV_ARCH, str(request.param))
+    return request.param
+
+
+@pytest.fixture
+def backend(arch) -> CudaBackend:
+    return CudaBackend()
+
+
+def spec(**kw):
+    args = dict(m=256, n=512, k=64, op="allreduce", world_size=1, dtype="bfloat16",
+                device_type="cuda", b_layout="col", send_splits=None)
+    args.update(kw)
+    return fo.OverlapSpec(**args)
+
+
+def test_calls_the_kernels_can_run_are_supported(backend):
+    for dtype in kernels.DTYPES:
+        for op in ("allreduce", "reduce_scatter", "custom"):
+            assert backend.unsupported_reasons(spec(dtype=dtype, op=op, world_size=2)) == []
+    assert backend.unsupported_reasons(spec(op="all_to_all", world_size=2,
+                                            send_splits=(128, 128))) == []
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(dtype="float32"), "takes ['bfloat16', 'float16'], not float32"),
+    (dict(op="all_to_all", world_size=2, send_splits=(100, 156)), "unequal send_splits"),
+    (dict(op="allgather", world_size=2), "allgather needs a GEMM"),
+])
+def test_calls_the_kernels_cannot_run_are_declined_with_a_way_out(backend, kw, why):
+    reasons = backend.unsupported_reasons(spec(**kw))
+    assert len(reasons) == 1 and why in reasons[0] and "backend='decomposition'" in reasons[0]
+
+
+def one_group_plan(tile, op="allreduce", world=1, send=None, m=256):
+    rows = block_rows_for(op, m, world, send)
+    total = TileGrid(rows, 512, *tile, Schedule("n", 8)).num_tiles
+    return fo.Plan(m, 512, 64, op, world, "bfloat16", tile, 4, (total,), Schedule("n", 8), send)
+
+
+def test_plans_with_a_kernel_tile_are_accepted(backend, arch):
+    for tile in kernels.supported_tiles(arch):
+        assert backend.plan_reasons(one_group_plan(tile)) == []
+        assert backend.plan_reasons(one_group_plan(tile, "reduce_scatter", 2)) == []
+    assert backend.default_tile(spec()) in kernels.supported_tiles(arch)
+
+
+@pytest.mark.parametrize("tile", [(64, 64), (128, 64), (256, 128), (8, 8)])
+def test_a_tile_without_a_kernel_names_the_tiles_there_are(backend, arch, tile):
+    [reason] = backend.plan_reasons(one_group_plan(tile))
+    assert f"tile {tile} has no CUDA kernel on sm_{arch}" in reason
+    for available in kernels.supported_tiles(arch):
+        assert str(available) in reason
+
+
+def test_destination_blocks_of_unequal_rows_are_refused(backend, arch):
+    tile = kernels.default_tile(arch)
+    reasons = backend.plan_reasons(one_group_plan(tile, "all_to_all", 2, (100, 156)))
+    assert reasons == ["destination blocks of unequal rows need a grouped GEMM"]
+    assert backend.plan_reasons(one_group_plan(tile, "all_to_all", 2, (128, 128))) == []
+
+
+def test_a_bad_forced_architecture_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(ENV_ARCH, "75")
+    with pytest.raises(ValueError, match=f"{ENV_ARCH} must be 80 or 90, got '75'"):
+        CudaBackend().plan_reasons(one_group_plan((128, 128)))
