@@ -6,11 +6,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import flashoverlap_core as fo
 from flashoverlap_core.tile_trace import TileTrace
-from flashoverlap_core.tuning.model import (Contention, CostCurve, GemmTiming, OverlapModel,
-                                            advance_transfer, fit_contention, slowdown)
-from flashoverlap_core.tuning.search import SEQUENTIAL, predictive_search
+from flashoverlap_core.tuning.model import (Contention, CostCurve, GatherModel, GemmTiming,
+                                            OverlapModel, advance_transfer, fit_contention,
+                                            slowdown)
+from flashoverlap_core.tuning.search import SEQUENTIAL, all_groupings, predictive_search
 
 
 def model_of(wave_ends, per_tile_s=1.0, wave_size=1, contention=Contention(), post=0.0,
@@ -157,3 +161,52 @@ def test_overlap_that_beats_the_plain_path_is_kept_and_a_faster_plain_path_wins(
     assert choice.predicted_s < 5.5 * (1 - 0.005)
     faster = predictive_search(model, plain_s=choice.predicted_s * 0.99)
     assert faster.strategy == SEQUENTIAL and faster.overlap_s == choice.predicted_s
+
+
+# ---- allgather: the transfer first, the computation after it --------------------------------
+def gather_model(band_s: float, bands=4, world=2, contention=Contention()) -> GatherModel:
+    """``bands`` row bands per shard of one-tile waves taking 1 s; one byte per tile, so a
+    band of every shard is ``world`` bytes, gathered in ``band_s`` seconds."""
+    tiles = bands * world
+    cost = CostCurve.affine(0.0, world / band_s, tiles)
+    return GatherModel(GemmTiming(1, tuple(float(w + 1) for w in range(tiles))),
+                       np.arange(tiles + 1), cost, world, contention, 0.0, world)
+
+
+def test_gather_model_by_hand():
+    fast = gather_model(1.0)  # own shard 4 s, the gather 1 s per band
+    assert fast.sequential() == 8.0  # everything arrived at 4 s, the rest 4 s
+    assert fast.predict((2, 2, 2, 2)) == 8.0  # never waits
+    slow = gather_model(2.0)
+    assert slow.sequential() == 12.0  # waits for the whole gather: 8 s, then 4 s
+    assert slow.predict((2, 2, 2, 2)) == 9.0  # arrivals at 2, 4, 6, 8; the last band exposed
+    assert slow.predict((6, 2)) == 10.0  # 6 s, 3 tiles, then the last band at 8 + 1
+    lagged = gather_model(2.0, contention=Contention(gap_s=0.5, lag_s=0.25))
+    # chunk 1 arrives at 4, computed from 4.25 to 6.25; chunk 2 at 4 + 0.5 + 4, from 8.75
+    assert lagged.predict((4, 4)) == pytest.approx(10.75)
+    with pytest.raises(ValueError, match="row bands"):
+        slow.predict((3, 5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7), st.integers(2, 4), st.floats(0.1, 4.0),
+       st.sampled_from([0.0, 0.3]), st.sampled_from([0.0, 0.2, 1.0]))
+def test_search_finds_the_best_chunks_of_a_gather(bands, world, band_s, gap, lag):
+    model = gather_model(band_s, bands, world, Contention(gap_s=gap, lag_s=lag))
+    brute = min(model.predict(sizes) for sizes in all_groupings(model))
+    choice = predictive_search(model, min_gain=0.0)
+    assert choice.predicted_s == pytest.approx(brute, rel=1e-9)
+    assert all(s % model.unit == 0 for s in choice.group_sizes)
+
+
+def test_gather_model_of_a_plan():
+    plan = fo.plan(2 * 300, 512, 64, op="allgather", world_size=2, backend="reference",
+                   dtype="float32")
+    timing = GemmTiming(plan.wave_size, tuple(1e-3 * (w + 1) for w in range(
+        -(-plan.num_tiles // plan.wave_size))))
+    model = GatherModel.for_plan(plan, timing, CostCurve.affine(1e-5, 1e10, 1 << 20))
+    bands = -(-plan.shard_rows // plan.tile[0])
+    assert model.unit * bands == plan.num_tiles
+    assert model.prefix_bytes[-1] == 2 * 300 * 64 * 4  # all of the gathered a
+    assert list(model.boundaries()) == [model.unit * (b + 1) for b in range(bands)]
+    assert model.predict(plan.group_sizes) > 0

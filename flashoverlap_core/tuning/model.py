@@ -32,6 +32,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ..plan import group_unit
+
 MAX_SLOWDOWN = 8.0  # contention factors are clipped here (a fit with almost no overlap)
 CLOCK_SLACK_S = 5e-6  # traces: tile and transfer stamps closer than this are not ordered
 
@@ -276,6 +278,19 @@ class OverlapModel:
         return PredictedCall(tuple(PredictedGroup(r, float(a), s, e)
                                    for (r, s, e), a in zip(spans, ready_at)), times, progress)
 
+    # the state of the search (:func:`~.search.best_ends`): two numbers, lower is better
+    def initial(self) -> tuple[float, float]:
+        """Before the first group: (when the last transfer ended, -the GEMM's progress)."""
+        return 0.0, 0.0
+
+    def step(self, previous, ended, behind, tiles: int):
+        """The state after one more group, from the tile count ``previous`` (arrays of states)
+        up to ``tiles``: (when its transfer ends, -the GEMM's progress then)."""
+        work = self.cost(self.prefix_bytes[tiles] - self.prefix_bytes[previous])
+        _, _, end, done = advance_transfer(ended, -np.asarray(behind), self.timing.ready(tiles),
+                                           work, self.timing.end, self.contention)
+        return end, -done
+
     def schedule(self, group_sizes) -> list[PredictedGroup]:
         """Predicted ready, start and end of every group's transfer."""
         return list(self.simulate(group_sizes).groups)
@@ -293,6 +308,86 @@ class OverlapModel:
         (a measured one-group call)."""
         raw = self.simulate((self.num_tiles,)).end
         return replace(self, post_s=float(one_group_s - raw))
+
+
+@dataclass(frozen=True)
+class GatherModel:
+    """Predicts an allgather call (the collective feeds the GEMM) for any grouping into chunks.
+
+    Every chunk's gather is launched at once, in group order, back to back on the
+    communication stream (``gap_s`` between two); the GEMM first computes the rank's own
+    shard's tiles, which need nothing, then group by group the other shards' tiles, each group
+    once its chunk has arrived (``lag_s`` after). The GEMM's speed is its alone speed per wave
+    of tiles, every wait starting a new wave; the last group's computation is always exposed
+    (the mirror image of the output-side ops, whose last transfer is). The slowdowns of
+    :class:`Contention` are not modelled here: no backend traces an allgather GEMM yet to fit
+    them to.
+    """
+
+    timing: GemmTiming  # the GEMM alone (its wave time)
+    prefix_bytes: np.ndarray = field(compare=False)  # gathered bytes of the first t tiles' bands
+    cost: CostCurve  # one chunk's all-gather, against the gathered bytes
+    world_size: int
+    contention: Contention = Contention()
+    post_s: float = 0.0
+    unit: int = 1  # tiles of one row band of every shard: groups are whole bands
+
+    @classmethod
+    def for_plan(cls, plan, timing: GemmTiming, cost: CostCurve,
+                 contention: Contention = Contention(), post_s: float = 0.0) -> "GatherModel":
+        """The model of an allgather ``plan``'s grid (its grouping does not matter)."""
+        itemsize = torch.empty((), dtype=plan.torch_dtype).element_size()
+        unit = group_unit(plan.op, plan.world_size, plan.n, plan.tile)
+        rows = np.minimum(np.arange(plan.num_tiles + 1) / unit * plan.tile[0], plan.shard_rows)
+        gathered = (rows * plan.k * itemsize * plan.world_size).astype(np.int64)
+        return cls(timing, gathered, cost, plan.world_size, contention, post_s, unit)
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.prefix_bytes) - 1
+
+    def boundaries(self) -> np.ndarray:
+        """Where a chunk may end: after every row band."""
+        return np.arange(self.unit, self.num_tiles + 1, self.unit)
+
+    def compute(self, tiles):
+        """GEMM-alone seconds for ``tiles`` tiles started together (whole waves)."""
+        t = self.timing
+        wave_s = (t.end - t.wave_ends[0]) / (t.num_waves - 1) if t.num_waves > 1 else t.end
+        return -(-np.asarray(tiles) // t.wave_size) * wave_s
+
+    def initial(self) -> tuple[float, float]:
+        """(when the GEMM is free, when the last chunk launched so far arrives): the own
+        shard's tiles first, from the GEMM's start (its first wave's end less a wave)."""
+        t = self.timing
+        start = t.wave_ends[0] - float(self.compute(1)) if t.num_waves > 1 else 0.0
+        return start + float(self.compute(self.num_tiles // self.world_size)), 0.0
+
+    def step(self, previous, free, arrived, tiles: int):
+        """The state after one more chunk, from tile count ``previous`` up to ``tiles``."""
+        previous = np.asarray(previous)
+        k = self.contention
+        moved = self.cost(self.prefix_bytes[tiles] - self.prefix_bytes[previous])
+        arrived = np.asarray(arrived) + np.where(previous > 0, k.gap_s, 0.0) + moved
+        remote = (tiles - previous) * (self.world_size - 1) // self.world_size
+        return np.maximum(free, arrived + k.lag_s) + self.compute(remote), arrived
+
+    def predict(self, group_sizes) -> float:
+        """Predicted seconds of the whole call with this grouping."""
+        sizes = np.asarray(group_sizes, dtype=np.int64)
+        if sizes.sum() != self.num_tiles or (sizes < 1).any() or (sizes % self.unit).any():
+            raise ValueError(f"group sizes {list(group_sizes)} are not whole row bands "
+                             f"({self.unit} tiles) partitioning {self.num_tiles} tiles")
+        free, arrived = self.initial()
+        previous = 0
+        for end in np.cumsum(sizes):
+            free, arrived = self.step(previous, free, arrived, int(end))
+            previous = int(end)
+        return float(free) + float(self.post_s)
+
+    def sequential(self) -> float:
+        """Predicted seconds with one chunk: the whole gather, then the other shards' tiles."""
+        return self.predict((self.num_tiles,))
 
 
 def prefix_bytes(plan) -> np.ndarray:

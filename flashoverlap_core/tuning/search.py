@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import OverlapModel, advance_transfer
+from .model import OverlapModel
 
 OVERLAP, SEQUENTIAL = "overlap", "sequential"  # Plan.strategy values
 
@@ -54,38 +54,37 @@ def sizes_from_ends(ends) -> tuple[int, ...]:
 
 
 def best_ends(model: OverlapModel, max_states: int = 16) -> list[int]:
-    """The group ends that finish the last transfer earliest (dynamic program, see the module
-    docstring).
+    """The group ends that finish the call earliest (dynamic program, see the module
+    docstring); ``model`` is an OverlapModel or a GatherModel.
 
-    A state is a history ending a transfer at a boundary: (when the transfer ended, how far
-    the GEMM had got). Per boundary only the states no other state beats on both counts are
-    kept (earlier and further is never worse); with no GEMM slowdown there is only ever one.
-    Beyond ``max_states`` of them, the earliest, the furthest and states evenly spread between
-    them are kept (exact on every small case tested against brute force; on 500 waves within
-    0.2% of keeping twice as many).
+    A state is a history ending a group at a boundary, two numbers that are better lower
+    (``model.initial`` / ``model.step``; for the output-side ops when the group's transfer
+    ended and minus how far the GEMM had got). Per boundary only the states no other state
+    beats on both counts are kept; with no GEMM slowdown there is only ever one. Beyond
+    ``max_states`` of them, the extremes and states evenly spread between them are kept (exact
+    on every small case tested against brute force; on 500 waves within 0.2% of keeping twice
+    as many).
     """
     ends = model.boundaries()
-    ready = model.timing.ready(ends)
-    sent = model.prefix_bytes[np.concatenate([[0], ends])]
-    # Every kept state, in boundary order: its boundary (0: nothing sent yet), when its
-    # transfer ended, the GEMM's progress then, and the state it came from. State 0 is the start.
+    tiles = np.concatenate([[0], ends])
+    # Every kept state, in boundary order: its boundary (0: nothing sent yet), its two numbers
+    # and the state it came from. State 0 is the start.
     room = len(ends) * max_states + 1
     at, parent = np.zeros(room, np.int64), np.full(room, -1, np.int64)
-    finish, progress = np.zeros(room), np.zeros(room)
+    first, second = np.zeros(room), np.zeros(room)
+    first[0], second[0] = model.initial()
     count = 1
     for j in range(1, len(ends) + 1):
-        work = model.cost(sent[j] - sent[at[:count]])
-        _, _, end, done = advance_transfer(finish[:count], progress[:count], ready[j - 1], work,
-                                           model.timing.end, model.contention)
-        order = np.lexsort((-done, end))
-        further = done[order][1:] > np.maximum.accumulate(done[order])[:-1]
-        front = order[np.concatenate([[True], further])]
+        a, b = model.step(tiles[at[:count]], first[:count], second[:count], int(ends[j - 1]))
+        order = np.lexsort((b, a))
+        better = b[order][1:] < np.minimum.accumulate(b[order])[:-1]
+        front = order[np.concatenate([[True], better])]
         if len(front) > max_states:  # keep the extremes and states spread between them
             front = front[np.unique(np.linspace(0, len(front) - 1, max_states).round().astype(int))]
         new = slice(count, count + len(front))
-        at[new], finish[new], progress[new], parent[new] = j, end[front], done[front], front
+        at[new], first[new], second[new], parent[new] = j, a[front], b[front], front
         count += len(front)
-    state = int(np.flatnonzero(at[:count] == len(ends))[np.argmin(finish[new])])
+    state = int(np.flatnonzero(at[:count] == len(ends))[np.argmin(first[new])])
     chosen = []
     while state > 0:
         chosen.append(int(ends[at[state] - 1]))
