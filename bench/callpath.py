@@ -124,7 +124,8 @@ def gpu_rows(shapes) -> list[dict]:
 
 
 def breakdown(shape: str = "4096x4096x4096") -> dict:
-    """Host µs of the pieces of one 4-group allreduce call: the whole call, the backend's
+    """Host µs of the pieces of one 4-group allreduce call: the whole call (and without the
+    torch-integration layer above the API), the backend's
     prepared run without the API (out given), the native call alone, the same native call
     without a communicator (no waits, no NCCL), the GEMM launch alone, and torch.empty."""
     from flashoverlap_core import api, registry
@@ -150,6 +151,7 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
     gemm = prepared.gemm
     pieces = {
         "call": lambda: fo.overlap(a, b, plan=plan, out=out),
+        "api_call": lambda: api.overlap(a, b, plan=plan, out=out),  # without the torch-op layer
         "prepared_run": lambda: prepared.run(a, b, out, "allreduce"),
         "native_call": lambda: prepared.runtime.call_run(state.handle, a.data_ptr(), lda,
                                                          b.data_ptr(), ldb, out.data_ptr(), stream, 0),

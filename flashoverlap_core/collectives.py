@@ -40,10 +40,17 @@ def resolve_group(group) -> tuple[object | None, int, int]:
     return group, rank, dist.get_world_size(group)
 
 
-def current_default_group():
-    """The default process group, or None when torch.distributed is not initialised (cheap:
-    it is part of every call's key)."""
-    return dist.group.WORLD if dist.is_initialized() else None
+def _default_group_reader():
+    """A function giving the default process group, or None when torch.distributed is not
+    initialised. It is part of every call's key, so it reads torch's own record directly where
+    this torch has it (about 0.1 us instead of 0.5)."""
+    world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+    if world is not None and isinstance(getattr(type(world), "default_pg", None), property):
+        return lambda: world.default_pg
+    return lambda: dist.group.WORLD if dist.is_initialized() else None
+
+
+current_default_group = _default_group_reader()
 
 
 def exchange_objects(obj, group) -> list:
