@@ -126,7 +126,7 @@ def test_min_gain_keeps_one_group_for_a_marginal_gain():
     assert not predictive_search(model, min_gain=gain * 0.99).fell_back
 
 
-@pytest.mark.parametrize("contention", [Contention(), Contention(1.3, 1.6)])
+@pytest.mark.parametrize("contention", [Contention(), Contention(1.3, 1.6, 1e-6, 3e-6)])
 def test_search_on_500_waves_takes_well_under_a_second(contention):
     model = synthetic(500, wave_size=132, wave_s=2e-5, latency=2e-5, tile_bytes=65536,
                       bytes_per_s=4e11, contention=contention)
@@ -134,7 +134,7 @@ def test_search_on_500_waves_takes_well_under_a_second(contention):
     choice = predictive_search(model)
     elapsed = time.process_time() - began
     assert elapsed < 1.0, f"search of 500 waves took {elapsed:.3f} s of CPU"
-    assert choice.search_s < 1.0 and len(choice.group_sizes) > 1
+    assert len(choice.group_sizes) > 1  # (choice.search_s is wall time: the machine's load)
 
 
 def test_measured_candidates_are_every_grouping_or_a_coarser_grid():
