@@ -47,6 +47,11 @@ def test_a_measured_plain_path_wins_over_predicted_overlap(parts):
     kept = tuned_plan(parts, optimistic, faster)
     assert kept.strategy == "overlap" and kept.group_sizes == halves
     assert tuned_plan(parts, optimistic).group_sizes == halves  # nothing measured: the choice
+    # the plain path timed beside the groupings counts over the one build_model measured
+    faster_plain = {**faster, SEQUENTIAL: parts.plain_s * 0.4}
+    assert tuned_plan(parts, optimistic, faster_plain).strategy == SEQUENTIAL
+    assert tuned_plan(parts, optimistic, {**faster, SEQUENTIAL: parts.plain_s}).group_sizes \
+        == halves
 
 
 def test_overlap_runs_the_plain_path_for_a_sequential_tuned_plan(parts, tmp_path, monkeypatch):

@@ -250,15 +250,16 @@ def measure_groupings(job: Job, groupings) -> list[float]:
 
 def tuned_plan(parts: ModelParts, choice: Choice, measured: dict | None = None) -> Plan:
     """The plan to store for the job: the fastest of the groupings in ``measured`` (grouping ->
-    seconds; the predicted choice alone when None), unless the plain path is faster -- measured
-    (``parts.plain_s``) or predicted (``choice.strategy``) -- then the plain path (strategy
-    "sequential"): never slower than the GEMM followed by one collective."""
+    seconds, "sequential" for the plain path; the predicted choice alone when None), unless the
+    plain path is faster -- predicted (``choice.strategy``) or measured (``measured``'s
+    "sequential", else ``parts.plain_s``) -- then the plain path (strategy "sequential"): never
+    slower than the GEMM followed by one collective."""
     base = Plan.from_dict(parts.plan)
-    if choice.strategy == SEQUENTIAL:
-        return dataclasses.replace(base, group_sizes=(base.num_tiles,), strategy=SEQUENTIAL)
-    measured = measured or {}
+    measured = dict(measured or {})
+    plain = measured.pop(SEQUENTIAL, parts.plain_s)
     best = min(measured, key=measured.get) if measured else choice.group_sizes
-    if parts.plain_s is not None and measured and measured[best] >= parts.plain_s:
+    if choice.strategy == SEQUENTIAL or (plain is not None and measured
+                                         and measured[best] >= plain):
         return dataclasses.replace(base, group_sizes=(base.num_tiles,), strategy=SEQUENTIAL)
     return dataclasses.replace(base, group_sizes=tuple(best))
 
