@@ -103,6 +103,10 @@ class SequentialCall:
         return theirs.tolist()
 
 
+MAX_COUNTS = 256
+_COUNTS: dict = {}  # (plan, group, rank, recv_splits) -> what the sources send, per group
+
+
 class RegionExchange:
     """Collectives of one call, one per group, on regions of the packed buffer."""
 
@@ -131,6 +135,32 @@ class RegionExchange:
 
     # ---- all_to_all bookkeeping: what each rank sends me in each group -------------------
     def _exchange_counts(self):
+        """What each source sends this rank per group: exchanged through the group (a host
+        sync), once per (plan, group, rank, recv_splits) when recv_splits are given (every rank
+        prepares the same calls in the same order, as for any collective); on every call when
+        they are not (the sources' splits may change from call to call)."""
+        call, plan = self.call, self.plan
+        key = (plan, call.group, call.rank, call.recv_splits)
+        known = _COUNTS.get(key) if call.recv_splits is not None else None
+        if known is None:
+            known = self._counts_from_ranks()
+            if call.recv_splits is not None:
+                _COUNTS[key] = known
+                while len(_COUNTS) > MAX_COUNTS:
+                    _COUNTS.pop(next(iter(_COUNTS)))
+        self.recv_counts, self.num_collectives, self.recv_rows = known
+        rows = sum(self.recv_rows)
+        if call.out is None:  # recv_splits were omitted: the output size is known only now
+            call.out = self.packed.new_empty((rows, plan.n))
+        elif call.out.shape[0] != rows:
+            raise ValueError(f"out has {call.out.shape[0]} rows, but the ranks send this rank "
+                             f"{rows} rows (their send_splits)")
+        self.staging = self.packed.new_empty(sum(self.recv_rows) * plan.n)
+        self.recv_offsets = self._offsets([sum(c) for c in self.recv_counts])
+
+    def _counts_from_ranks(self):
+        """(elements from each source per group [group][source], collectives, rows from each
+        source), from one all_gather of the ranks' plan headers and one all_to_all."""
         call, plan, w = self.call, self.plan, self.call.world_size
         device = self.packed.device
         given = call.recv_splits
@@ -148,17 +178,7 @@ class RegionExchange:
             counts[:, g] = torch.tensor(region.dest_numels)
         recv = torch.empty(w * g_max, dtype=torch.int64, device=device)
         dist.all_to_all_single(recv, counts.flatten().to(device), group=call.group)
-        self.recv_counts = recv.view(w, g_max).t().tolist()  # [group][source]
-        self.num_collectives = g_max
-        self.recv_rows = [h[6 + call.rank] for h in headers]
-        rows = sum(self.recv_rows)
-        if call.out is None:  # recv_splits were omitted: the output size is known only now
-            call.out = self.packed.new_empty((rows, plan.n))
-        elif call.out.shape[0] != rows:
-            raise ValueError(f"out has {call.out.shape[0]} rows, but the ranks send this rank "
-                             f"{rows} rows (their send_splits)")
-        self.staging = self.packed.new_empty(sum(self.recv_rows) * plan.n)
-        self.recv_offsets = self._offsets([sum(c) for c in self.recv_counts])
+        return recv.view(w, g_max).t().tolist(), g_max, [h[6 + call.rank] for h in headers]
 
     def _check_headers(self, headers):
         w, me = self.call.world_size, self.call.rank
