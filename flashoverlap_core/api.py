@@ -8,6 +8,11 @@ collective that every rank of the group runs the same plan, and lets the backend
 its calls need (:meth:`Backend.prepare`: tables, kernels, communicator, workspaces). Later
 calls of the key check only what can change between them (``out``) and launch.
 
+The first call of a key is collective when the group has several ranks (the plan check, and a
+backend's communicator): every rank must make the same calls in the same order, as with any
+collective; ranks whose calls differ on a key's first use (unequal allgather rows, say) are told
+so, but a rank that reuses a key another rank sees for the first time cannot be.
+
 Environment variables read when a key is first prepared, not on every call:
 ``FLASHOVERLAP_BACKEND`` (backend choice) and those of the plan lookup (the tuning cache).
 """
