@@ -6,12 +6,14 @@ started on the device as soon as the GEMM has written that group's tiles (for al
 chunk of rows computed as soon as it has arrived). See docs/design.md.
 """
 from . import api as _api
-from .api import backends, make_plan, overlap, plan
+from .api import backends, make_plan, plan
 from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from .plan import OPS, Plan, Region
 from .registry import BackendError, BackendStatus, register
 from .tiles import Schedule, TileRect
 from .tuning.cache import lookup_plan as _lookup_plan
+from .torch_ops import overlap  # api.overlap, also as torch custom ops (compile, autograd)
+from . import nn  # noqa: E402  tensor-parallel layers (fo.nn)
 
 _api.set_plan_lookup(_lookup_plan)  # calls without plan= use tuned plans where the cache has them
 

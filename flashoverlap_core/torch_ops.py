@@ -1,0 +1,300 @@
+"""``overlap`` as torch custom ops: traceable by torch.compile, differentiable, fake-tensor aware.
+
+The string ops are registered as ``flashoverlap::allreduce``, ``::reduce_scatter``,
+``::all_to_all`` and ``::allgather`` (see DESIGN.md, "In a model"). The process group travels by
+name, as in torch's functional collectives, and a plan as its JSON text. Each op's real kernel is
+:func:`flashoverlap_core.api.overlap`; its fake kernel gives the result's shape and dtype; its
+registered backward is made of the same overlapped ops where one fits (a reduce-scattered output's
+gradient is all-gathered into the next GEMM, an all-gathered input's gradient is the
+reduce-scatter of a GEMM's output).
+
+:func:`overlap` is the public ``fo.overlap``. A plain eager call (real tensors, nothing to
+differentiate, not compiling) goes straight to ``api.overlap``: the custom-op machinery costs
+microseconds per call, and the eager path's whole budget is ~30 us. A callable ``op`` runs only
+on that path.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .plan import Plan
+
+NAMESPACE = "flashoverlap"
+STRING_OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
+
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+
+def overlap(a, b, op="allreduce", group=None, *, plan: Plan | None = None, out=None,
+            send_splits=None, recv_splits=None, backend: str | None = None):
+    """``op`` applied to ``a @ b`` across ``group`` with the communication overlapped with the
+    GEMM (semantics in :func:`flashoverlap_core.api.overlap` and DESIGN.md).
+
+    Under torch.compile, with meta or fake tensors, or when ``a`` or ``b`` requires grad, the
+    string ops run as torch custom ops; ``all_to_all`` then needs explicit ``recv_splits`` (the
+    result's size must be known without communicating) when the world size is above 1. A
+    callable ``op`` is eager-only: it raises ``TypeError`` there.
+    """
+    if not _is_compiling() and _direct(a) and _direct(b):
+        return api.overlap(a, b, op, group, plan=plan, out=out, send_splits=send_splits,
+                           recv_splits=recv_splits, backend=backend)
+    return _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, backend)
+
+
+def _direct(t) -> bool:
+    """Whether ``api.overlap`` can take ``t`` as it is: a real tensor with nothing to
+    differentiate, or a DLPack array. Tensor subclasses (fake, functional) need the custom op."""
+    if type(t) is _Tensor or type(t) is _Parameter:
+        return not t.is_meta and not (t.requires_grad and _grad_enabled())
+    return not isinstance(t, _Tensor)
+
+
+def _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, backend):
+    if not isinstance(op, str):
+        if callable(op):
+            raise TypeError(
+                "a callable op is eager-only: it cannot run under torch.compile, on meta or fake "
+                "tensors, or on tensors that require grad (call it under torch.no_grad(), on "
+                "real tensors, outside the compiled region)")
+        raise TypeError(f"op must be one of {STRING_OPS} or a callable op(region, index), "
+                        f"got {type(op).__name__}")
+    if op not in STRING_OPS:
+        raise ValueError(f"op must be one of {STRING_OPS} or a callable op(region, index), "
+                         f"got {op!r}")
+    kwargs = {"plan": _plan_text(plan) if plan is not None else None, "backend": backend}
+    name = group_name(group)
+    if op == "all_to_all":
+        args = (a, b, name, _split_list(send_splits), _split_list(recv_splits))
+    elif send_splits is not None or recv_splits is not None:
+        raise ValueError(f"send_splits/recv_splits only apply to op='all_to_all', not {op!r}")
+    else:
+        args = (a, b, name)
+    result = CUSTOM_OPS[op](*args, **kwargs)
+    if out is None:
+        return result
+    if not isinstance(out, _Tensor) or out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"out must be a {result.dtype} tensor of shape {tuple(result.shape)}, "
+                         f"got {_describe(out)}")
+    return out.copy_(result)
+
+
+def _describe(x) -> str:
+    return f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, _Tensor) else type(x).__name__
+
+
+def _split_list(splits):
+    if splits is None or isinstance(splits, list):
+        return splits
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+        raise TypeError(f"splits must be a sequence of ints, got {type(splits).__name__}")
+    return list(splits)
+
+
+# ---- process groups by name, as torch's functional collectives pass them --------------------
+def group_name(group) -> str:
+    """The name a custom op carries for ``group``; "" when torch.distributed is not initialised
+    (world size 1, the collective is the identity)."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        group = dist.group.WORLD
+    elif not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(group).__name__}")
+    return group.group_name
+
+
+def resolve_group(name: str):
+    """The process group a custom op's ``group_name`` names (None for "")."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+def world_size(name: str) -> int:
+    return resolve_group(name).size() if name else 1
+
+
+# ---- plans travel as JSON text ---------------------------------------------------------------
+def _plan_text(plan) -> str:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a flashoverlap_core.Plan or None, got {type(plan).__name__}")
+    return plan.to_json()
+
+
+# Dynamo runs this at trace time instead of tracing it (it cannot trace json, nor repr a plan
+# whose ints it made symbolic), and guards on the plan, so another plan retraces. This is what
+# torch.compiler.assume_constant_result does, without importing torch._dynamo (seconds) into
+# every `import flashoverlap_core`.
+_plan_text._dynamo_marked_constant = True
+
+
+@lru_cache(maxsize=64)
+def _plan_from_text(text: str) -> Plan:
+    return Plan.from_json(text)
+
+
+# ---- the custom ops --------------------------------------------------------------------------
+_TAIL = "*, str? plan=None, str? backend=None) -> Tensor"
+SCHEMAS = {
+    "allreduce": "(Tensor a, Tensor b, str group_name, " + _TAIL,
+    "reduce_scatter": "(Tensor a, Tensor b, str group_name, " + _TAIL,
+    "allgather": "(Tensor a, Tensor b, str group_name, " + _TAIL,
+    "all_to_all": ("(Tensor a, Tensor b, str group_name, SymInt[]? send_splits, "
+                   "SymInt[]? recv_splits, " + _TAIL),
+}
+# The backend reads b's layout (weight.t() is the fast case): keep the strides the caller gave.
+_TAGS = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
+
+
+def _real_kernel(op: str):
+    def run(a, b, group_name, send_splits=None, recv_splits=None, *, plan=None, backend=None):
+        # The fake kernel's checks, in eager too: backward needs what they require (all_to_all's
+        # recv_splits), and the errors are the same with and without torch.compile.
+        result_rows(op, a, b, world_size(group_name), send_splits, recv_splits)
+        return api.overlap(a, b, op, resolve_group(group_name),
+                           plan=_plan_from_text(plan) if plan is not None else None,
+                           send_splits=send_splits, recv_splits=recv_splits, backend=backend)
+    run.__name__ = op
+    return run
+
+
+def _fake_kernel(op: str):
+    def fake(a, b, group_name, send_splits=None, recv_splits=None, *, plan=None, backend=None):
+        rows = result_rows(op, a, b, world_size(group_name), send_splits, recv_splits)
+        return a.new_empty((rows, b.shape[1]))
+    return fake
+
+
+def result_rows(op: str, a, b, world: int, send_splits=None, recv_splits=None) -> int:
+    """Rows of ``op``'s result, with the checks a shape-only (fake) run can make."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), (kb, _) = a.shape, b.shape
+    if k != kb:
+        raise ValueError(f"a is [{m}, {k}] and b is [{kb}, {b.shape[1]}]: "
+                         "a.shape[1] must equal b.shape[0]")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if op == "reduce_scatter":
+        if m % world:
+            raise ValueError(f"reduce_scatter needs M divisible by the world size: M={m}, W={world}")
+        return m // world
+    if op == "allgather":
+        return world * m
+    if op == "all_to_all":
+        return _all_to_all_rows(m, world, send_splits, recv_splits)
+    return m
+
+
+def _all_to_all_rows(m, world, send_splits, recv_splits) -> int:
+    if world == 1 and recv_splits is None:
+        return m
+    if recv_splits is None or send_splits is None:
+        raise ValueError(
+            f"all_to_all at world size {world} under torch.compile, autograd or fake tensors "
+            "needs explicit send_splits and recv_splits (the result's rows must be known "
+            "without communicating)")
+    for name, splits in (("send_splits", send_splits), ("recv_splits", recv_splits)):
+        if len(splits) != world:
+            raise ValueError(f"{name} must have {world} entries (one per rank), got {list(splits)}")
+    if sum(send_splits) != m:
+        raise ValueError(f"send_splits must sum to M={m}, got {list(send_splits)}")
+    return sum(recv_splits)
+
+
+def _define(op: str):
+    custom = torch.library.custom_op(f"{NAMESPACE}::{op}", _real_kernel(op), mutates_args=(),
+                                     schema=SCHEMAS[op], tags=_TAGS)
+    custom.register_fake(_fake_kernel(op))
+    return custom
+
+
+CUSTOM_OPS = {op: _define(op) for op in STRING_OPS}
+
+
+# ---- autograd --------------------------------------------------------------------------------
+# Every rank r computes c_r = a_r @ b_r. Its result's gradient g is mapped back to dL/dc_r, then
+# dL/da_r = dL/dc_r @ b_r^T and dL/db_r = a_r^T @ dL/dc_r, using an overlapped op where the
+# mapping's collective feeds (or is fed by) one of these GEMMs.
+def _setup_context(ctx, inputs, output, keyword_only_inputs=None):
+    a, b, name = inputs[:3]
+    ctx.save_for_backward(a, b)
+    ctx.group_name = name
+    ctx.splits = inputs[3:5]
+
+
+def _grads(ctx, grad_c):
+    """(dL/da, dL/db) from dL/dc, a plain tensor on this rank."""
+    a, b = ctx.saved_tensors
+    grad_a = grad_c @ b.t() if ctx.needs_input_grad[0] else None
+    grad_b = a.t() @ grad_c if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+def _backward_allreduce(ctx, grad):
+    # Every rank's partial product contributed to the sum with weight 1, and the result's
+    # gradient is the same on every rank: no communication.
+    return *_grads(ctx, grad), None
+
+
+def _backward_reduce_scatter(ctx, grad):
+    # dL/dc is the all-gather of the ranks' row blocks of the gradient: dL/da is one overlapped
+    # allgather-GEMM; dL/db needs the gathered rows themselves (started first, so it runs while
+    # the overlapped call does).
+    a, b = ctx.saved_tensors
+    grad = grad.contiguous()
+    gathered = _all_gather(grad, ctx.group_name) if ctx.needs_input_grad[1] else None
+    grad_a = (overlap(grad, b.t(), "allgather", resolve_group(ctx.group_name))
+              if ctx.needs_input_grad[0] else None)
+    grad_b = a.t() @ gathered if gathered is not None else None
+    return grad_a, grad_b, None
+
+
+def _backward_allgather(ctx, grad):
+    # The result is allgather(a) @ b: a's rows reach every rank's GEMM, so dL/da is this rank's
+    # rows of the sum over ranks of grad @ b^T, one overlapped GEMM-reduce_scatter. dL/db needs
+    # the gathered a again (gathered once more rather than kept from the forward, as Megatron does).
+    a, b = ctx.saved_tensors
+    gathered = _all_gather(a, ctx.group_name) if ctx.needs_input_grad[1] else None
+    grad_a = (overlap(grad.contiguous(), b.t(), "reduce_scatter", resolve_group(ctx.group_name))
+              if ctx.needs_input_grad[0] else None)
+    grad_b = gathered.t() @ grad if gathered is not None else None
+    return grad_a, grad_b, None
+
+
+def _backward_all_to_all(ctx, grad):
+    # The rows go back where they came from: the inverse all_to_all (splits swapped), then the
+    # local GEMMs. No overlapped op fits: the collective comes before the GEMMs that use it.
+    send, recv = ctx.splits
+    grad_c = _all_to_all(grad.contiguous(), ctx.group_name, out_splits=send, in_splits=recv)
+    return *_grads(ctx, grad_c), None, None, None
+
+
+# torch's functional collectives: traceable, and in eager they return a tensor that waits on
+# first use, so a collective started early runs while the next call does.
+def _all_gather(t, name):
+    if not name:
+        return t
+    from torch.distributed import _functional_collectives as funcol
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.10
+    return gather(t, 0, name)
+
+
+def _all_to_all(t, name, out_splits, in_splits):
+    if not name:
+        return t
+    from torch.distributed import _functional_collectives as funcol
+    return funcol.all_to_all_single(t, out_splits, in_splits, name)
+
+
+_BACKWARDS = {"allreduce": _backward_allreduce, "reduce_scatter": _backward_reduce_scatter,
+              "allgather": _backward_allgather, "all_to_all": _backward_all_to_all}
+for _op, _custom in CUSTOM_OPS.items():
+    _custom.register_autograd(_BACKWARDS[_op], setup_context=_setup_context)

@@ -1,0 +1,28 @@
+"""Spawned CPU ranks shared by test_torch_ops.py and test_nn.py (this module has no tests).
+
+One pool per world size for the whole session: starting ranks and, in each rank, importing
+torch.compile's machinery costs far more than the checks themselves on a 2-core machine.
+"""
+from __future__ import annotations
+
+import atexit
+
+from flashoverlap_core.tools.ranks import Ranks
+
+WORLD_SIZES = (1, 2, 4)
+# Inductor compiles in the rank itself (no compile-worker pool on a 2-core CI machine).
+RANK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+_POOLS: dict[int, Ranks] = {}
+
+
+def ranks(world_size: int) -> Ranks:
+    """The session's ranks of ``world_size`` (started on first use, restarted after a failure)."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = Ranks(world_size, "cpu", env=RANK_ENV, timeout=300)
+    return _POOLS[world_size]
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in _POOLS.values():
+        pool.close()
