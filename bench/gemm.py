@@ -1,85 +1,413 @@
-"""Signaling GEMM vs torch.matmul (cuBLAS) vs the same kernel without signaling, TFLOP/s.
+"""Signaling GEMM vs cuBLAS (torch.matmul): device time, measured fairly (issue 11).
 
-    python bench/gemm.py [--dtypes bfloat16,float16] [--quick]
+    python bench/gemm.py                          # bf16 + fp16, every shape set, JSON result
+    python bench/gemm.py --quick                  # 4 shapes, bf16, fewer repetitions
+    python bench/gemm.py --variants coop-tma,pp-tma,coop-vec16,coop-none  # epilogue study
+    python bench/gemm.py --build-only --variants ...                      # prebuild, no GPU
 
-Shapes: GPU-FACTS.md's, plus LLM tensor-parallel ones (tokens x hidden x K). B is an
-nn.Linear weight [N, K] used as weight.t(). Writes bench/results/gemm-*.json.
+Method. Every kernel is captured in a CUDA graph, and one repetition times one replay between
+two events: device time, no Python, no counter reset (the kernel only adds to its counters).
+Warm L2: the graph holds --inner back-to-back launches (as a model's layers), time divided by
+--inner. Cold L2: a single-launch graph, after a 256 MiB buffer is written outside the events
+(the H200's L2 is 50 MB). Within a repetition the kernels alternate, in an order rotated every
+repetition; --reps repetitions (100), median with p10/p90. cuBLAS runs on every SM ("cublas")
+and with the SMs our grid leaves to the collective carved out ("cublas_sm",
+torch._C._set_sm_carveout_experimental); the profiler names the kernel each ran.
+
+Kernels: "product" is what the cuda backend launches for a default plan (the kernel table in
+backends/cuda/kernels.py; FLASHOVERLAP_CUDA_EPILOGUE changes its epilogue), "plain" the same
+with null counters (signaling's cost). --variants adds builds: {coop|pp|sm80}-{epilogue}[slots],
+e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (pingpong
+128x128), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
+(the Ampere kernel, run here); "-plain" after any name drops its counters.
+
+Shape sets: facts (GPU-FACTS.md), llm (tokens x hidden x K), ragged (tile counts that are not
+multiples of the grid), ksweep (8192 x 8192, K = 256 .. 8192: the fitted intercept is the
+fixed cost per wave, mostly the epilogue). --comm (under torchrun, 2+ GPUs): an NCCL
+all-reduce runs on a side stream during every timed replay, limited to the reserved SMs
+(NCCL_MAX_CTAS). Writes gemm-<date>.json (device, date, commit, command, rows, summary) to
+$FO_RESULTS_DIR or bench/results/.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-import flashoverlap_core as fo
-from flashoverlap_core import registry
-from common import median_ms, table, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table, write_result  # noqa: E402
 
 FACTS_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 1024), (8192, 8192, 2048),
                 (4096, 8192, 8192), (2048, 8192, 4096)]
 LLM_SHAPES = [(2048, 4096, 4096), (4096, 4096, 1024), (8192, 8192, 1024), (16384, 4096, 4096),
               (16384, 8192, 2048), (8192, 4096, 8192), (2048, 8192, 8192), (4096, 8192, 3584)]
+RAGGED_SHAPES = [(5120, 5120, 4096), (3072, 7168, 4096), (6144, 3584, 2048), (2560, 6400, 4096),
+                 (12288, 4096, 1536)]
+KSWEEP = [(8192, 8192, k) for k in (256, 512, 1024, 2048, 4096, 8192)]
+QUICK_SHAPES = [(4096, 4096, 4096), (8192, 8192, 2048), (16384, 8192, 1024), (4096, 8192, 8192)]
+SETS = {"facts": FACTS_SHAPES, "llm": LLM_SHAPES, "ragged": RAGGED_SHAPES, "ksweep": KSWEEP}
+TILES = {"coop": (90, (128, 256)), "pp": (90, (128, 128)), "sm80": (80, (128, 128))}
+FLUSH_BYTES = 256 << 20
 
 
-def measure(m, n, k, dtype, iters):
-    backend = registry.get("cuda")
-    a = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype)
-    plan = fo.plan(m, n, k, op="custom", dtype=dtype, backend="cuda")
-    packed = torch.empty(m * n, device="cuda", dtype=dtype)
-    flops = 2.0 * m * n * k
-    # Back-to-back launches (10 between two events), like a model's layers: device time.
-    t_cublas = median_ms(lambda: torch.matmul(a, w.t()), iters=iters, inner=10)
-    state = backend.launch_gemm(plan, a, w.t(), packed)
+# ---- kernels -------------------------------------------------------------------------------------
 
-    def signaling():
-        state.counters.zero_()
-        backend.launch_gemm(plan, a, w.t(), packed)
+@dataclass(frozen=True)
+class Variant:
+    """A GEMM build to time: arch and tile pick the kernel table's entry; epilogue and slots
+    override it (None: the table's, i.e. the product)."""
 
-    def plain():
-        state.counters.zero_()
-        backend.launch_gemm(plan, a, w.t(), packed, signal=False)
+    name: str
+    arch: int
+    tile: tuple[int, int]
+    epilogue: str | None = None
+    slots: int = 0
+    signal: bool = True
 
-    t_sig = median_ms(signaling, iters=iters, inner=10)
-    t_plain = median_ms(plain, iters=iters, inner=10)
-    t_zero = median_ms(state.counters.zero_, iters=iters, inner=10)  # not part of the GEMM
-    t_sig, t_plain = t_sig - t_zero, t_plain - t_zero
+
+def parse_variant(name: str, product_arch: int, product_tile) -> Variant:
+    base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
+    if base == "product":
+        return Variant(name, product_arch, tuple(product_tile), signal=signal)
+    kind, _, epi = base.partition("-")
+    if kind not in TILES or not epi:
+        raise ValueError(f"variant {name!r}: expected product[-plain] or "
+                         f"{{{'|'.join(TILES)}}}-EPILOGUE[SLOTS][-plain], e.g. coop-tma4")
+    slots = 0
+    if epi.startswith("tma") and epi[3:].isdigit():  # tma4: the tma epilogue with 4 slots
+        epi, slots = "tma", int(epi[3:])
+    arch, tile = TILES[kind]
+    return Variant(name, arch, tile, epi, slots, signal)
+
+
+def variant_config(kernels, v: Variant, dtype: str, cluster):
+    cfg = kernels.gemm_config(v.arch, v.tile, dtype, True, cluster)
+    if v.epilogue is not None:
+        cfg = replace(cfg, epilogue=v.epilogue, epi_slots=v.slots)
+    return cfg
+
+
+def plan_for(m, n, k, dtype, tile):
+    import flashoverlap_core as fo
+
+    return fo.plan(m, n, k, op="custom", dtype=getattr(torch, dtype), tile=tile, backend="cuda")
+
+
+def cluster_for(kernels, v: Variant, plan, items=None):
+    """The variant's preferred cluster if the plan's order fits it, else 1x1 (as the backend)."""
+    cluster = kernels.preferred_cluster(v.arch, v.tile)
+    items = plan.item_table()[0] if items is None else items
+    return cluster if kernels.cluster_fits(items, cluster) else (1, 1)
+
+
+def needed_configs(kernels, variants, dtypes, shapes):
+    """Every build the run launches (plans made here; without a GPU, both clusters)."""
+    out = []
+    for v in variants:
+        for dtype in dtypes:
+            if torch.cuda.is_available():
+                clusters = {cluster_for(kernels, v, plan_for(*shape, dtype, v.tile)) for shape in shapes}
+            else:
+                clusters = {kernels.preferred_cluster(v.arch, v.tile), (1, 1)}
+            out += [variant_config(kernels, v, dtype, c) for c in sorted(clusters)]
+    return list(dict.fromkeys(out))
+
+
+class Gemm:
+    """One variant bound to a plan and operands: call it to launch on the current stream."""
+
+    def __init__(self, kernels, v: Variant, a, w, dtype_name):
+        m, k = a.shape
+        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile)
+        items, groups = self.plan.item_table()
+        self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items))
+        self.lib = kernels.gemm_library(self.config)
+        self.items, self.groups = items.cuda(), groups.cuda()
+        self.counters = (torch.zeros(self.plan.num_groups, dtype=torch.int32, device="cuda")
+                         if v.signal else None)
+        self.packed = torch.empty(self.plan.packed_numel, dtype=a.dtype, device="cuda")
+        self.a, self.w = a, w
+        self.variant = v
+
+    def __call__(self):
+        p = self.plan
+        self.lib.run(self.a.data_ptr(), self.w.data_ptr(), self.packed.data_ptr(),
+                     len(p.block_rows), p.block_rows[0], p.n, p.k, self.a.stride(0),
+                     self.w.stride(0), self.items.data_ptr(), self.groups.data_ptr(), p.num_tiles,
+                     self.counters.data_ptr() if self.counters is not None else None,
+                     p.wave_size, None, None, torch.cuda.current_stream().cuda_stream)
+
+    def rel_err(self, ref, samples: int = 24) -> float:
+        """Worst relative error (norm) over `samples` tiles spread over the packed buffer."""
+        self()
+        torch.cuda.synchronize()
+        tiles = self.plan.packed_tiles
+        worst = 0.0
+        for i in sorted({round(j * (len(tiles) - 1) / max(1, samples - 1)) for j in range(samples)}):
+            t, _, off = tiles[i]
+            got = self.packed[off:off + t.numel].view(t.rows, t.cols).double()
+            want = ref[t.row0:t.row0 + t.rows, t.col0:t.col0 + t.cols]
+            worst = max(worst, ((got - want).norm() / want.norm().clamp(min=1e-30)).item())
+        return worst
+
+
+def cublas(a, w, carveout: int | None):
+    """torch.matmul into a preallocated output; `carveout` SMs left out (None: all SMs). The
+    setting is global, so each call sets it (it is read when the matmul is launched/captured)."""
+    out = torch.empty(a.shape[0], w.shape[0], dtype=a.dtype, device="cuda")
+
+    def run():
+        if torch._C._get_sm_carveout_experimental() != carveout:
+            torch._C._set_sm_carveout_experimental(carveout)
+        torch.matmul(a, w.t(), out=out)
+    return run
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+def graph(fn, inner: int):
+    """fn captured `inner` times in one CUDA graph (warmed up first on the capture stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(inner):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_alternating(fns: dict, reps: int, inner: int, flush=None, comm=None) -> dict:
+    """{name: [ms per launch, one per repetition]}: one replay per kernel per repetition,
+    kernels in rotated order; `flush` (a buffer) is overwritten before each replay."""
+    graphs = {name: graph(fn, inner) for name, fn in fns.items()}
+    names = list(graphs)
+    marks = []
+    for r in range(reps + 2):  # 2 warm-up rounds, not counted
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if flush is not None:
+                flush.zero_()
+            if comm is not None:
+                comm()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            if r >= 2:
+                marks.append((name, start, end))
+    torch.cuda.synchronize()
+    out = {name: [] for name in names}
+    for name, start, end in marks:
+        out[name].append(start.elapsed_time(end) / inner)
+    return out
+
+
+def stats(samples: list[float]) -> dict:
+    s = sorted(samples)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9)}
+
+
+def kernel_names(fn) -> list[dict]:
+    """Name and grid of every kernel fn launches, from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    return [{"name": e["name"][:120], "grid": e.get("args", {}).get("grid")}
+            for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+
+
+# ---- one shape -----------------------------------------------------------------------------------
+
+def measure(kernels, shape, dtype, variants, args, flush, comm) -> dict:
+    m, n, k = shape
+    dt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(hash(shape) % 2**31)
+    a = torch.randn(m, k, device="cuda", generator=gen).to(dt)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(dt)  # nn.Linear weight: b = w.t()
+    gemms = {v.name: Gemm(kernels, v, a, w, dtype) for v in variants}
+    ctas = gemms["product"].plan.wave_size
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fns = {"cublas": cublas(a, w, None), "cublas_sm": cublas(a, w, sms - ctas), **gemms}
+    row = {"M": m, "N": n, "K": k, "dtype": dtype, "ctas": ctas,
+           "tile": list(gemms["product"].plan.tile), "tiles": gemms["product"].plan.num_tiles,
+           "configs": {name: kernels_name(g.config) for name, g in gemms.items()},
+           "waves": {name: -(-g.plan.num_tiles // g.plan.wave_size) for name, g in gemms.items()}}
     ref = a.double() @ w.double().t()
-    out = torch.empty(m, n, device="cuda", dtype=dtype)
-    fo.overlap(a, w.t(), lambda r, i: None, plan=plan, out=out)
-    rel = ((out.double() - ref).norm() / ref.norm()).item()
-    return {
-        "M": m, "N": n, "K": k, "dtype": str(dtype).removeprefix("torch."),
-        "tile": list(plan.tile), "ctas": plan.wave_size,
-        "cublas_ms": round(t_cublas, 4), "signaling_ms": round(t_sig, 4), "plain_ms": round(t_plain, 4),
-        "cublas_tflops": round(flops / t_cublas / 1e9, 1),
-        "signaling_tflops": round(flops / t_sig / 1e9, 1),
-        "plain_tflops": round(flops / t_plain / 1e9, 1),
-        "vs_cublas": round(t_cublas / t_sig, 3), "signal_overhead": round(t_sig / t_plain - 1, 4),
-        "rel_err": rel,
-    }
+    row["rel_err"] = {name: round(g.rel_err(ref), 6) for name, g in gemms.items()
+                      if g.variant.epilogue != "none"}
+    del ref
+    flops = 2.0 * m * n * k
+    for mode, inner, buf in (("warm", args.inner, None), ("cold", 1, flush)):
+        if mode == "cold" and not args.cold:
+            continue
+        times = time_alternating(fns, args.reps, inner, buf, comm)
+        torch._C._set_sm_carveout_experimental(None)
+        for name, samples in times.items():
+            st = stats(samples)
+            row[f"{mode}_{name}_ms"] = round(st["median"], 5)
+            row[f"{mode}_{name}_spread"] = [round(st["p10"], 5), round(st["p90"], 5)]
+            row[f"{mode}_{name}_tflops"] = round(flops / st["median"] / 1e9, 1)
+        for name in gemms:
+            row[f"{mode}_{name}_vs_cublas"] = round(row[f"{mode}_cublas_ms"] / row[f"{mode}_{name}_ms"], 3)
+        row[f"{mode}_cublas_sm_vs_cublas"] = round(row[f"{mode}_cublas_ms"] / row[f"{mode}_cublas_sm_ms"], 3)
+    if args.names:
+        row["cublas_kernels"] = {name: kernel_names(fns[name]) for name in ("cublas", "cublas_sm")}
+        torch._C._set_sm_carveout_experimental(None)
+    if "plain" in gemms:
+        row["signal_overhead"] = round(row["warm_product_ms"] / row["warm_plain_ms"] - 1, 4)
+    return row
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
+def kernels_name(config) -> str:
+    from flashoverlap_backends.cuda import build
+    return build.config_name(config)
+
+
+def fixed_costs(rows, names) -> dict:
+    """K sweep: least-squares time = t0 + slope * K per kernel; t0 (us) is the fixed cost of the
+    whole GEMM, mostly per-wave epilogue and tail (per wave: of that kernel's tiles; cuBLAS
+    counted with the product's)."""
+    out = {}
+    for name in names:
+        pts = [(r["K"], r[f"warm_{name}_ms"] * 1e3) for r in rows if f"warm_{name}_ms" in r]
+        if len(pts) < 3:
+            continue
+        mk = statistics.mean(x for x, _ in pts)
+        mt = statistics.mean(t for _, t in pts)
+        slope = sum((x - mk) * (t - mt) for x, t in pts) / sum((x - mk) ** 2 for x, _ in pts)
+        waves = rows[0]["waves"].get(name, rows[0]["waves"]["product"])
+        out[name] = {"fixed_us": round(mt - slope * mk, 2), "fixed_us_per_wave": round((mt - slope * mk) / waves, 2),
+                     "us_per_k": round(slope, 5)}
+    return out
+
+
+def summary(rows, variants) -> dict:
+    main = [r for r in rows if r.get("set") != "ksweep"]
+    ratios = sorted(r["warm_product_vs_cublas"] for r in main)
+    out = {"min_vs_cublas": ratios[0], "median_vs_cublas": statistics.median(ratios),
+           "rows": len(main), "measure": "warm L2, graph replays, median"}
+    for v in variants:
+        vs = sorted(r[f"warm_{v.name}_vs_cublas"] for r in main)
+        out[f"{v.name}_median_vs_cublas"] = statistics.median(vs)
+        out[f"{v.name}_min_vs_cublas"] = vs[0]
+    cold = sorted(r["cold_product_vs_cublas"] for r in main if "cold_product_vs_cublas" in r)
+    if cold:
+        out["cold_min_vs_cublas"], out["cold_median_vs_cublas"] = cold[0], statistics.median(cold)
+    sm = sorted(r["warm_cublas_sm_ms"] / r["warm_product_ms"] for r in main)
+    out["median_vs_cublas_same_sms"] = statistics.median(sm)
+    overheads = [r["signal_overhead"] for r in main if "signal_overhead" in r]
+    if overheads:
+        out["max_signal_overhead"] = max(overheads)
+        out["median_signal_overhead"] = statistics.median(overheads)
+    sweep = [r for r in rows if r.get("set") == "ksweep"]
+    if sweep:
+        out["ksweep"] = fixed_costs(sweep, ["cublas", "cublas_sm"] + [v.name for v in variants])
+    return out
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def comm_traffic(args):
+    """Under torchrun (WORLD_SIZE >= 2): a closure that enqueues one NCCL all-reduce of 64 MiB on
+    a side stream, limited to the SMs the GEMM leaves free; None otherwise."""
+    if not args.comm:
+        return None
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise SystemExit("--comm needs torchrun with 2+ processes (real NCCL traffic)")
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_MAX_CTAS", str(args.reserved_sms))
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl")
+    buf = torch.ones(32 << 20, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream(priority=-1)
+
+    def launch():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            dist.all_reduce(buf)
+    return launch
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="bfloat16,float16")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--quick", action="store_true", help="first 3 shapes only")
-    args = p.parse_args()
-    shapes = FACTS_SHAPES + LLM_SHAPES
+    p.add_argument("--sets", default="facts,llm,ragged,ksweep",
+                   help=f"comma-separated shape sets: {', '.join(SETS)}")
+    p.add_argument("--quick", action="store_true", help="4 shapes, bf16, 30 repetitions, no cold")
+    p.add_argument("--variants", default="", help="extra builds to time (see above)")
+    p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--inner", type=int, default=10, help="launches per warm replay")
+    p.add_argument("--no-cold", dest="cold", action="store_false", help="skip the cold-L2 timing")
+    p.add_argument("--no-names", dest="names", action="store_false", help="skip the profiler")
+    p.add_argument("--comm", action="store_true", help="NCCL traffic during timing (torchrun)")
+    p.add_argument("--reserved-sms", type=int, default=4)
+    p.add_argument("--build-only", action="store_true", help="build every variant and exit")
+    p.add_argument("--no-json", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.dtypes, args.reps, args.cold, args.names = "bfloat16", min(args.reps, 30), False, False
+        args.inner = min(args.inner, 5)
+
+    from flashoverlap_backends.cuda import build, kernels
+
+    product_arch = 90 if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] == 9 else 80
+    product_tile = kernels.default_tile(product_arch)
+    names = ["product", "plain"] + [v for v in args.variants.split(",") if v]
+    variants = [parse_variant(n if n != "plain" else "product-plain", product_arch, product_tile)
+                for n in dict.fromkeys(names)]
+    variants = [replace(v, name="plain") if v.name == "product-plain" else v for v in variants]
+    dtypes = args.dtypes.split(",")
+    shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
+        (name, s) for name in args.sets.split(",") for s in SETS[name]]
+    configs = needed_configs(kernels, variants, dtypes, [s for _, s in shapes])
+    print(f"building {len(configs)} kernel configurations", flush=True)
+    build.prebuild(configs, jobs=os.cpu_count())
+    if args.build_only:
+        return
+    comm = comm_traffic(args)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.cold else None
     rows = []
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        for shape in (shapes[:3] if args.quick else shapes if name == "bfloat16" else shapes[:4]):
-            rows.append(measure(*shape, dtype, args.iters))
-            print(table(rows[-1:], list(rows[-1])), flush=True)
-    ratios = sorted(r["vs_cublas"] for r in rows)
-    summary = {"min_vs_cublas": ratios[0], "median_vs_cublas": ratios[len(ratios) // 2],
-               "max_signal_overhead": max(r["signal_overhead"] for r in rows)}
-    print(table(rows, ["M", "N", "K", "dtype", "cublas_tflops", "signaling_tflops",
-                       "plain_tflops", "vs_cublas", "signal_overhead", "rel_err"]))
-    print(summary)
-    write_result("gemm", rows, {"summary": summary})
+    for dtype in dtypes:
+        for set_name, shape in shapes:
+            if set_name == "ksweep" and dtype != "bfloat16":
+                continue
+            row = {"set": set_name, **measure(kernels, shape, dtype, variants, args, flush, comm)}
+            rows.append(row)
+            cols = ["set", "M", "N", "K", "dtype", "warm_cublas_tflops"] + [
+                f"warm_{v.name}_vs_cublas" for v in variants] + ["warm_cublas_sm_vs_cublas"]
+            print(table([row], cols), flush=True)
+    result = summary(rows, variants)
+    cols = ["set", "M", "N", "K", "dtype", "warm_cublas_tflops", "warm_product_tflops",
+            "warm_product_vs_cublas", "cold_product_vs_cublas", "warm_cublas_sm_vs_cublas",
+            "signal_overhead"] + [f"warm_{v.name}_vs_cublas" for v in variants[2:]]
+    print(table(rows, cols))
+    print(json.dumps(result, indent=1))
+    if not args.no_json and int(os.environ.get("RANK", "0")) == 0:
+        write_result("gemm", rows, {"summary": result, "variants": [v.name for v in variants],
+                                    "method": "CUDA-graph replays between events, kernels alternated, "
+                                              f"{args.reps} reps, warm x{args.inner}, cold after a "
+                                              f"{FLUSH_BYTES >> 20} MiB write"})
 
 
 if __name__ == "__main__":

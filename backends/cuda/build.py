@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,6 +33,10 @@ from pathlib import Path
 DTYPES = {"bf16": 0, "fp16": 1}  # name in a config -> FO_DTYPE
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": "fp16"}
 SCHEDULES = {90: {"cooperative": 0, "pingpong": 1}, 80: {"multistage": 2}}
+# Epilogues per architecture -> FO_EPILOGUE (csrc/cuda/gemm_sm90.cu and gemm_sm80.cu say what
+# each does). "none" skips full tiles' stores: an upper bound for measurements, wrong output.
+EPILOGUES = {90: {"direct": 0, "tma": 1, "vec16": 2, "none": 3},
+             80: {"direct": 0, "staged": 1, "none": 3}}
 
 
 class BuildError(RuntimeError):
@@ -52,6 +57,8 @@ class GemmConfig:
     b_col_major: bool = True  # b is [N, K] row-major (weight.t() of an nn.Linear)
     schedule: str = "cooperative"  # sm90: cooperative | pingpong; sm80: multistage
     stages: int = 0  # mainloop pipeline stages; 0: as many as fit (sm90), 4 (sm80)
+    epilogue: str = "direct"  # how tiles leave the math threads (EPILOGUES)
+    epi_slots: int = 0  # sm90 tma: 64-column shared-memory slots (0: 2)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -70,6 +77,17 @@ class GemmConfig:
                        f"got {self.schedule!r}")
         if self.stages != 0 and not 2 <= self.stages <= 12:
             out.append(f"stages must be 0 (auto) or 2..12, got {self.stages}")
+        if self.epilogue not in EPILOGUES[self.arch]:
+            out.append(f"epilogue for sm{self.arch} must be one of {sorted(EPILOGUES[self.arch])}, "
+                       f"got {self.epilogue!r}")
+        if self.epi_slots and self.epilogue != "tma":
+            out.append(f"epi_slots applies to the tma epilogue only, got {self.epi_slots} with "
+                       f"{self.epilogue!r}")
+        if self.epilogue == "tma" and (self.tile_n % 64 or not 0 <= self.epi_slots <= self.tile_n // 64):
+            out.append(f"the tma epilogue needs tile_n % 64 == 0 and epi_slots in "
+                       f"0..tile_n/64, got tile_n={self.tile_n}, epi_slots={self.epi_slots}")
+        if self.epilogue == "vec16" and self.tile_n % 32:
+            out.append(f"the vec16 epilogue needs tile_n % 32 == 0, got {self.tile_n}")
         if self.arch == 90:
             min_m = 128 if self.schedule == "cooperative" else 64
             if self.tile_m % min_m or self.tile_m > 256:
@@ -101,12 +119,14 @@ class GemmConfig:
         return self.cluster_m * self.cluster_n
 
 
-def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True) -> GemmConfig:
+def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True,
+                   epilogue: str = "direct") -> GemmConfig:
     """The configuration used when nothing else is asked for."""
     if arch >= 90:
-        return GemmConfig(arch=90, dtype=dtype, b_col_major=b_col_major)
+        return GemmConfig(arch=90, dtype=dtype, b_col_major=b_col_major, epilogue=epilogue)
     return GemmConfig(arch=80, tile_m=128, tile_n=128, tile_k=32, cluster_m=1, cluster_n=1,
-                      dtype=dtype, b_col_major=b_col_major, schedule="multistage")
+                      dtype=dtype, b_col_major=b_col_major, schedule="multistage",
+                      epilogue=epilogue)
 
 
 def config_name(config: GemmConfig) -> str:
@@ -117,6 +137,8 @@ def config_name(config: GemmConfig) -> str:
             f"_c{config.cluster_m}x{config.cluster_n}_{config.schedule}")
     if config.stages:
         name += f"_s{config.stages}"
+    if config.epilogue != "direct":
+        name += f"_e{config.epilogue}{config.epi_slots or ''}"
     return name
 
 
@@ -181,6 +203,16 @@ def cutlass_include_dirs() -> list[Path]:
     return dirs
 
 
+def cutlass_version(include: Path) -> str:
+    """major.minor.patch from the headers' cutlass/version.h ("unknown" if unreadable)."""
+    try:
+        text = (include / "cutlass" / "version.h").read_text()
+    except OSError:
+        return "unknown"
+    parts = [re.search(rf"#define\s+CUTLASS_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
+
+
 def cache_dir() -> Path:
     """Where built objects live: $FLASHOVERLAP_CACHE_DIR, else ~/.cache/flashoverlap."""
     if os.environ.get("FLASHOVERLAP_CACHE_DIR"):
@@ -215,7 +247,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         f"-DFO_CLUSTER_M={config.cluster_m}", f"-DFO_CLUSTER_N={config.cluster_n}",
         f"-DFO_DTYPE={DTYPES[config.dtype]}", f"-DFO_B_COL_MAJOR={int(config.b_col_major)}",
         f"-DFO_SCHEDULE={SCHEDULES[config.arch][config.schedule]}", f"-DFO_STAGES={config.stages}",
-    ]
+        f"-DFO_EPILOGUE={EPILOGUES[config.arch][config.epilogue]}",
+    ] + ([f"-DFO_EPI_SLOTS={config.epi_slots}"] if config.epi_slots else [])
 
 
 def _gemm_job(config: GemmConfig) -> tuple[str, list[str], str, bool]:
@@ -229,26 +262,39 @@ RUNTIME_JOB = ("runtime", GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS, "runti
 
 
 def command(job, output: str | Path) -> list[str]:
-    """The nvcc command line of a job (see gemm_command)."""
+    """The nvcc command line of a job."""
     _, flags, source, needs_cutlass = job
     src = source_dir()
     includes = [f"-I{src}"] + ([f"-I{d}" for d in cutlass_include_dirs()] if needs_cutlass else [])
     return [nvcc_path()] + flags + includes + [str(src / source), "-o", str(output)]
 
 
-def gemm_command(config: GemmConfig, output: str | Path) -> list[str]:
-    """The nvcc command line that builds one GEMM configuration's shared object."""
-    return command(_gemm_job(config), output)
-
-
 # ---- building --------------------------------------------------------------------------------
 
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _sources(source: str) -> list[Path]:
+    """``source`` and every file of csrc/cuda it includes, transitively (quoted includes that
+    name a file there; CUTLASS's headers are covered by the toolchain digest)."""
+    src = source_dir()
+    seen, todo = [], [source]
+    while todo:
+        name = todo.pop()
+        path = src / name
+        if path in seen or not path.is_file():
+            continue
+        seen.append(path)
+        todo += INCLUDE.findall(path.read_text())
+    return sorted(seen)
+
+
 def _digest(job) -> str:
-    """Hash of every CUDA source and of the job's flags (include paths vary by install)."""
+    """Hash of the job's source, the csrc/cuda files it includes, and its flags (include paths
+    vary by install): an edit elsewhere in csrc/cuda leaves this job's cached object valid."""
     _, flags, source, _ = job
     h = hashlib.sha256()
-    src = source_dir()
-    for path in sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
+    for path in _sources(source):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     h.update("\0".join(flags + [source]).encode())
     return h.hexdigest()[:16]
@@ -320,11 +366,6 @@ def build_runtime() -> Path:
     return _build(RUNTIME_JOB)
 
 
-def prebuilt_available() -> bool:
-    """Whether the runtime object for these sources is in the cache (built here or copied)."""
-    return _prebuilt(RUNTIME_JOB) is not None
-
-
 def prebuild(configs, jobs: int | None = None) -> list[Path]:
     """Build the runtime and every configuration in ``configs``, ``jobs`` at a time."""
     configs = list(dict.fromkeys(configs))
@@ -338,28 +379,48 @@ def prebuild(configs, jobs: int | None = None) -> list[Path]:
 
 CHECK_CONFIGS = (
     GemmConfig(),  # sm90 cooperative, bf16, b column-major, cluster 2x1
+    GemmConfig(epilogue="tma"),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, dtype="fp16", b_col_major=False,
-               schedule="pingpong"),
+               schedule="pingpong", epilogue="tma"),
+    GemmConfig(tile_n=128, schedule="pingpong", epilogue="vec16"),
     default_config(80),
-    default_config(80, dtype="fp16", b_col_major=False),
+    default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
 )
+# Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
+# accumulator layout: cooperative 128x256 and pingpong 128x128.
+SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"))
 
 
-def compile_check(out_dir: str | Path, jobs: int = 2) -> bool:
+def selftest_job(config: GemmConfig):
+    """The job that builds the host self-test program of an sm90 configuration."""
+    name, flags, _, _ = _gemm_job(config)
+    flags = [f for f in flags if f not in LINK_FLAGS] + ["-DFO_LAYOUT_SELFTEST"]
+    return "selftest_" + name, flags, "gemm_sm90_selftest.cu", True
+
+
+def compile_check(out_dir: str | Path, jobs: int = 2, selftests: bool = True) -> bool:
     """Compile every CUDA source to an object (-c) for its architectures, in representative
-    configurations; print one line per job. True when all compiled."""
+    configurations, and build and run the sm90 layout self-tests (host programs, no GPU);
+    print one line per job. True when all passed."""
     import time
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checks = [_gemm_job(c) for c in CHECK_CONFIGS] + [RUNTIME_JOB]
+    if selftests:
+        checks += [selftest_job(c) for c in SELFTEST_CONFIGS]
 
     def run(job):
         name, flags, source, needs_cutlass = job
-        flags = [f for f in flags if f not in LINK_FLAGS] + ["-c"]
-        cmd = command((name, flags, source, needs_cutlass), out_dir / f"{name}.o")
+        program = name.startswith("selftest_")
+        if not program:
+            flags = [f for f in flags if f not in LINK_FLAGS] + ["-c"]
+        output = out_dir / (name if program else f"{name}.o")
+        cmd = command((name, flags, source, needs_cutlass), output)
         start = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
+        if program and done.returncode == 0:
+            done = subprocess.run([str(output)], capture_output=True, text=True)
         return job[0], done, time.monotonic() - start, cmd
 
     ok = True
@@ -379,5 +440,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Compile-check FlashOverlap's CUDA sources.")
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="fo-compile-check-"))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-selftests", action="store_true",
+                        help="skip building and running the sm90 layout self-tests")
     args = parser.parse_args()
-    sys.exit(0 if compile_check(args.out, args.jobs) else 1)
+    sys.exit(0 if compile_check(args.out, args.jobs, not args.no_selftests) else 1)

@@ -5,18 +5,36 @@ a configuration into a shared object (JIT, cached) and runtime.py binds it.
 """
 from __future__ import annotations
 
+import os
 import threading
+from dataclasses import dataclass
+from functools import lru_cache
 
 from . import build
 from .runtime import WAIT_MODES, GemmLibrary, RuntimeLibrary
 
 DTYPES = ("bfloat16", "float16")  # what the kernels take (build.GemmConfig accepts these names)
+ENV_EPILOGUE = "FLASHOVERLAP_CUDA_EPILOGUE"
 
-# (tile_m, tile_n) -> (tile_k, preferred cluster (m, n), schedule), per architecture. A plan
-# whose tile order does not fit the cluster (see cluster_fits) runs the 1x1-cluster build.
+
+@dataclass(frozen=True)
+class Kernel:
+    """How a tile shape is computed on one architecture (see build.GemmConfig)."""
+
+    tile_k: int
+    cluster: tuple[int, int]  # preferred; a plan whose order does not fit it runs 1x1
+    schedule: str
+    epilogue: str = "direct"
+    epi_slots: int = 0
+
+
+# (tile_m, tile_n) -> Kernel, per architecture. A plan whose tile order does not fit the cluster
+# (see cluster_fits) runs the 1x1-cluster build. The epilogue switches to "tma" (sm90) and
+# "staged" (sm80) once measured correct and faster on the GPU (csrc/cuda/NOTES.md); until then
+# FLASHOVERLAP_CUDA_EPILOGUE=tma,staged selects them.
 CONFIGS = {
-    90: {(128, 256): (64, (2, 1), "cooperative"), (128, 128): (64, (2, 1), "pingpong")},
-    80: {(128, 128): (32, (1, 1), "multistage"), (128, 256): (32, (1, 1), "multistage")},
+    90: {(128, 256): Kernel(64, (2, 1), "cooperative"), (128, 128): Kernel(64, (2, 1), "pingpong")},
+    80: {(128, 128): Kernel(32, (1, 1), "multistage"), (128, 256): Kernel(32, (1, 1), "multistage")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
@@ -25,6 +43,25 @@ _lock = threading.Lock()
 _loaded: dict = {}
 
 __all__ = ["WAIT_MODES", "DTYPES", "gemm_library", "runtime_library", "toolchain_problem"]
+
+
+def epilogue_override(arch: int) -> str | None:
+    """The epilogue FLASHOVERLAP_CUDA_EPILOGUE asks for on ``arch`` (a comma-separated list of
+    names, each applying to the architectures that have it, e.g. ``tma,staged``), or None."""
+    return _parse_epilogues(os.environ.get(ENV_EPILOGUE, "")).get(arch)
+
+
+@lru_cache(maxsize=8)
+def _parse_epilogues(value: str) -> dict[int, str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    known = set().union(*build.EPILOGUES.values()) - {"none"}  # "none" is for measurements
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{ENV_EPILOGUE}={value!r}: unknown epilogue(s) {unknown}; known: "
+                         + "; ".join(f"sm{a}: {sorted(set(e) & known)}"
+                                     for a, e in sorted(build.EPILOGUES.items())))
+    return {arch: name for name in names for arch, known_here in build.EPILOGUES.items()
+            if name in known_here}
 
 
 def supported_tiles(arch: int) -> set[tuple[int, int]]:
@@ -52,10 +89,15 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1)
                 ) -> build.GemmConfig:
-    tk, _, schedule = CONFIGS[arch][tuple(tile)]
-    return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=tk,
+    kernel = CONFIGS[arch][tuple(tile)]
+    epilogue, slots = kernel.epilogue, kernel.epi_slots
+    forced = epilogue_override(arch)
+    if forced is not None and forced != epilogue:
+        epilogue, slots = forced, 0
+    return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=kernel.tile_k,
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
-                            b_col_major=b_col_major, schedule=schedule)
+                            b_col_major=b_col_major, schedule=kernel.schedule,
+                            epilogue=epilogue, epi_slots=slots)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
@@ -72,7 +114,7 @@ def all_configs(archs) -> list[build.GemmConfig]:
 
 
 def preferred_cluster(arch: int, tile) -> tuple[int, int]:
-    return CONFIGS[arch][tuple(tile)][1]
+    return CONFIGS[arch][tuple(tile)].cluster
 
 
 def _load(key, make):
@@ -113,7 +155,8 @@ def toolchain_versions() -> dict[str, str]:
     except build.BuildError as e:
         out["nvcc"] = f"not found ({e})"
     try:
-        out["cutlass headers"] = str(build.cutlass_include_dirs()[0])
+        include = build.cutlass_include_dirs()[0]
+        out["cutlass headers"] = f"{build.cutlass_version(include)} ({include})"
     except build.BuildError:
         out["cutlass headers"] = "not found (pip install nvidia-cutlass)"
     return out

@@ -6,9 +6,15 @@
 // its packed slot, row-major at its real size, then the CTA's threads meet at a barrier and one
 // thread bumps the tile's group counter with a release add.
 //
+// Epilogues (FO_EPILOGUE): 0 direct (32-bit stores straight from the accumulators); 1 staged
+// (a full tile whose slot is 16-byte aligned goes through the mainloop's shared memory, free
+// once the mainloop has drained, and leaves it as fully coalesced 16-byte stores of the slot,
+// which is one contiguous chunk; other tiles take the direct path); 3 none (full tiles are not
+// stored: an upper bound for measurements only, the output is wrong by design).
+//
 // Configuration (-D macros, defaults in brackets): FO_TILE_M/N/K [128/128/32] (M, N multiples
 // of 64: one warp per 64x64 of the tile; K 32 or 64), FO_STAGES [0 = 4], FO_DTYPE [0 = bf16,
-// 1 = fp16], FO_B_COL_MAJOR [1].
+// 1 = fp16], FO_B_COL_MAJOR [1], FO_EPILOGUE [0].
 #include "epilogue.cuh"
 #include "gemm_abi.cuh"
 
@@ -26,6 +32,9 @@
 #endif
 #ifndef FO_TILE_K
 #define FO_TILE_K 32
+#endif
+#ifndef FO_EPILOGUE
+#define FO_EPILOGUE 0
 #endif
 
 namespace fo::sm80 {
@@ -79,7 +88,15 @@ using Mainloop = cutlass::gemm::collective::CollectiveMma<
     cutlass::gemm::MainloopSm80CpAsync<kStages>, TileShape, Element, StrideA, Element, StrideB,
     TiledMma, KMajorGmemCopy, KMajorSmemAtom, KMajorSmemCopy, cute::identity, BGmemCopy, BSmemAtom,
     BSmemCopy, cute::identity>;
-constexpr int kSmemBytes = int(sizeof(typename Mainloop::SharedStorage));
+constexpr int kMainloopSmem = int(sizeof(typename Mainloop::SharedStorage));
+
+// Staged epilogue: the tile in shared memory, rows padded by 16 bytes so that the quads' 32-bit
+// writes (8 rows x 4 words per warp store) fall in 32 different banks.
+constexpr int kEpilogue = FO_EPILOGUE;
+static_assert(kEpilogue == 0 || kEpilogue == 1 || kEpilogue == 3, "FO_EPILOGUE: 0 direct, 1 staged, 3 none");
+constexpr int kStageRow = kBN + 8;  // elements
+constexpr int kStageSmem = kEpilogue == 1 ? kBM * kStageRow * 2 : 0;
+constexpr int kSmemBytes = kMainloopSmem > kStageSmem ? kMainloopSmem : kStageSmem;
 
 struct Params {
   const Element* a;
@@ -91,6 +108,29 @@ struct Params {
   int32_t* counters;
   uint64_t* monitor;
 };
+
+// Staged store of a full tile: accumulators -> shared memory (the mainloop ended with every
+// cp.async drained and a barrier, so its buffers are free), then each thread copies 16-byte
+// vectors of the tile, which is one contiguous chunk of the packed buffer: consecutive threads
+// write consecutive 16 bytes.
+template <class Acc, class Coord>
+__device__ inline void store_full_tile_staged(const Acc& acc, const Coord& coord, Element* stage,
+                                              Element* dst) {
+#pragma unroll
+  for (int i = 0; i < int(size(acc)); i += 2) {
+    const int r = get<0>(coord(i)), c = get<1>(coord(i));
+    *reinterpret_cast<uint32_t*>(stage + r * kStageRow + c) = pack2<Element>(acc(i), acc(i + 1));
+  }
+  __syncthreads();
+  constexpr int kRowVecs = kBN / 8;  // 16-byte vectors per row
+  constexpr int kVecs = kBM * kRowVecs;
+  static_assert(kVecs % kThreads == 0, "whole vectors per thread");
+#pragma unroll 2
+  for (int v = threadIdx.x; v < kVecs; v += kThreads) {
+    const int r = v / kRowVecs, c = v % kRowVecs;
+    reinterpret_cast<uint4*>(dst)[v] = *reinterpret_cast<const uint4*>(stage + r * kStageRow + 8 * c);
+  }
+}
 
 __global__ void __launch_bounds__(kThreads) signaling_gemm(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -125,8 +165,16 @@ __global__ void __launch_bounds__(kThreads) signaling_gemm(const __grid_constant
     mainloop(acc, gA, gB, acc, make_coord_iterator(shape<2>(gA)), k_tiles, residue,
              int(threadIdx.x), smem);
 
-    store_tile<Element, kBM, kBN>(acc, coord, p.packed + w.offset, w.rows, w.cols);
-    __syncthreads();  // every store of the tile happens before the release below
+    Element* dst = p.packed + w.offset;
+    const bool full = w.rows == kBM && w.cols == kBN;
+    if (kEpilogue == 1 && full && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+      store_full_tile_staged(acc, coord, reinterpret_cast<Element*>(smem), dst);
+    } else if (!(kEpilogue == 3 && full)) {
+      store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+    }
+    // Every store of the tile happens before the release below, and (staged) every read of the
+    // shared tile before the next mainloop refills shared memory.
+    __syncthreads();
     if (threadIdx.x == 0) {
       if (p.counters) signal_counter(p.counters + w.group);
       record_monitor(p.monitor, i, int(blockIdx.x));

@@ -6,23 +6,43 @@
 //   * a table-driven tile scheduler: persistent CTA c takes work items c, c+G, c+2G, ... of the
 //     plan's item table (G = grid size), so the kernel's order is the plan's order;
 //   * an epilogue that stores each finished tile at its slot of the packed buffer, row-major at
-//     its real size, straight from the accumulators; each math thread then arrives on an
-//     mbarrier (release), and a signal thread of the producer warpgroup, once all have arrived
-//     (acquire), bumps the tile's group counter with a release add at GPU scope. So a counter
-//     never becomes visible before its tiles' data, and the math warps never wait for the
-//     stores to drain: they go on to the next tile at once.
+//     its real size, and a store/signal thread (lane 0 of the producer warpgroup's warp 1) that
+//     bumps the tile's group counter with a release add at GPU scope once the tile's data is
+//     globally visible. So a counter never becomes visible before its tiles' data.
 // A tile may start at any row (A's TMA tensor is offset to the tile's first row): destination
 // blocks need not be multiples of the tile height, and rows past a block's end are computed but
 // never stored. K tails and M/N edges are zero-filled by TMA.
 //
+// Epilogues (FO_EPILOGUE):
+//   0 direct  the math threads store their accumulators straight to global memory (32-bit
+//             stores), then arrive on an mbarrier (release); the signal thread waits (acquire)
+//             and does the release add. The math threads never wait for the stores to drain.
+//   1 tma     the math threads write the tile, 64 columns at a time, into a ring of
+//             FO_EPI_SLOTS swizzled shared-memory slots (stmatrix), fence the async proxy and
+//             arrive; the store thread issues one TMA store per 64-column block into the packed
+//             slot (viewed as a [numel / BN, BN] tensor), frees each slot once the copy has read
+//             it (cp.async.bulk.wait_group.read), and after the tile's last block waits for the
+//             writes themselves (wait_group 0), fences the async proxy and does the release add.
+//             The math threads go on to the next tile while the stores drain. A tile that is
+//             partial or whose slot does not start on a row of that view (offset % BN != 0)
+//             takes the direct path.
+//   2 vec16   direct, with 16-byte stores for full tiles (quad shuffles, epilogue.cuh).
+//   3 none    direct, but full tiles are not stored at all: an upper bound for measurements
+//             only (the output is wrong by design).
+//
 // One configuration per compilation, chosen with -D macros (defaults in brackets):
 //   FO_TILE_M/N/K [128/256/64], FO_CLUSTER_M/N [2/1], FO_DTYPE [0 = bf16, 1 = fp16],
-//   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto].
+//   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
+//   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: 64-column shared-memory slots).
+// -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
+// accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
 #include "epilogue.cuh"
 #include "gemm_abi.cuh"
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/dispatch_policy.hpp"
@@ -49,6 +69,12 @@
 #ifndef FO_SCHEDULE
 #define FO_SCHEDULE 0
 #endif
+#ifndef FO_EPILOGUE
+#define FO_EPILOGUE 0
+#endif
+#ifndef FO_EPI_SLOTS
+#define FO_EPI_SLOTS 2
+#endif
 
 namespace fo::sm90 {
 using namespace cute;
@@ -60,6 +86,17 @@ constexpr bool kPingpong = FO_SCHEDULE == 1;
 static_assert(FO_SCHEDULE == 0 || FO_SCHEDULE == 1, "FO_SCHEDULE: 0 cooperative, 1 pingpong");
 static_assert(kClusterSize <= 8, "portable cluster size is at most 8");
 
+enum Epilogue { kDirect = 0, kTma = 1, kVec16 = 2, kNone = 3 };
+constexpr int kEpilogue = FO_EPILOGUE;
+static_assert(kEpilogue >= 0 && kEpilogue <= 3, "FO_EPILOGUE: 0 direct, 1 tma, 2 vec16, 3 none");
+constexpr bool kTmaStore = kEpilogue == kTma;
+static_assert(!kTmaStore || kBN % 64 == 0, "the tma epilogue stores 64-column blocks");
+static_assert(kEpilogue != kVec16 || kBN % 32 == 0, "the vec16 epilogue stores 32-column groups");
+constexpr int kColBlocks = kBN / 64;  // tma: one shared-memory slot and one TMA store each
+constexpr int kSlots = kTmaStore ? (FO_EPI_SLOTS < kColBlocks ? FO_EPI_SLOTS : kColBlocks) : 0;
+static_assert(!kTmaStore || FO_EPI_SLOTS >= 1, "FO_EPI_SLOTS must be >= 1");
+constexpr int kSlotBytes = kBM * 128;  // kBM rows of 64 16-bit values
+
 using Element = cute::conditional_t<FO_DTYPE == 0, cutlass::bfloat16_t, cutlass::half_t>;
 using TileShape = Shape<Int<kBM>, Int<kBN>, Int<kBK>>;
 using ClusterShape = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
@@ -70,11 +107,23 @@ using LayoutB = cute::conditional_t<FO_B_COL_MAJOR, cutlass::layout::ColumnMajor
 
 // Pingpong: the two math warpgroups take turns, mainloop then epilogue (depth 2, 2 groups).
 using MathOrderBarrier = cutlass::OrderedSequenceBarrier<2, 2>;
-// Stored tiles, from the math threads (each arrives after its own stores) to the signal warp,
-// which publishes them; 4 tiles may wait, so the math threads practically never block.
-using SignalPipeline = cutlass::PipelineAsync<4>;
+// Math threads -> store/signal thread. tma: one step per 64-column block, a slot each (the
+// ring); otherwise one step per tile, 4 tiles may wait, so the math threads practically never
+// block. Each math thread arrives after its own stores (release).
+constexpr int kEpiSteps = kTmaStore ? kColBlocks : 1;
+using EpiPipeline = cutlass::PipelineAsync<kTmaStore ? kSlots : 4>;
+
+// Shared-memory slots of the tma epilogue, after the mainloop's buffers (whose size is a
+// multiple of 1024 bytes, so the slots start 1024-byte aligned as the 128-byte swizzle wants).
+struct alignas(1024) EpiSlots {
+  uint8_t bytes[kSlots > 0 ? kSlots * kSlotBytes : 1];
+};
+struct EpiNone {};
+using EpiStorage = cute::conditional_t<kTmaStore, EpiSlots, EpiNone>;
+
 constexpr int kCarveout = int(sizeof(typename MathOrderBarrier::SharedStorage) +
-                              sizeof(typename SignalPipeline::SharedStorage)) + 32;
+                              sizeof(typename EpiPipeline::SharedStorage)) + 32 +
+                          (kTmaStore ? int(sizeof(EpiSlots)) + 1024 : 0);
 
 using Stages = cute::conditional_t<FO_STAGES == 0,
                                    cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
@@ -94,17 +143,40 @@ constexpr int kAccRegs = kBM * kBN / kTileThreads;
 constexpr int kLoadRegs = kAccRegs >= 208 ? 24 : 40;
 constexpr int kMathRegs = kAccRegs >= 208 ? 240 : 232;
 
-struct SharedStorage {
-  struct alignas(128) Tensors {
-    typename Mainloop::TensorStorage mainloop;
-  } tensors;
-  struct alignas(16) Pipelines {
-    alignas(16) typename Mainloop::PipelineStorage mainloop;
-    alignas(16) typename MathOrderBarrier::SharedStorage math_order;
-    alignas(16) typename SignalPipeline::SharedStorage signal;
-  } pipelines;
+// ---- accumulator fragment --------------------------------------------------------------------
+// The wgmma accumulators of one thread: kMmaM row blocks (each warp covers 16 rows of a block;
+// the math warps of a tile stack their blocks), each with 2 row halves (rows +0 and +8) and
+// kBN / 8 chunks of 8 columns, 2 values per chunk (columns 2 * (lane % 4) and + 1).
+// word(m, h, j) is the index of the first of those 2 values. FO_LAYOUT_SELFTEST checks this
+// against CUTLASS's partition of the tile for every thread.
+constexpr int kMmaM = kBM / (kTileThreads / 2);
+static_assert(kMmaM * (kTileThreads / 2) == kBM, "row blocks x rows per block = tile rows");
+struct FragWord {
+  __host__ __device__ constexpr int operator()(int m, int h, int j) const {
+    return 2 * h + 4 * j + m * (kBN / 2);
+  }
 };
-constexpr int kSmemBytes = int(sizeof(SharedStorage));
+
+// Byte offset, within a slot, of 16-bit column `col` (0..63) of `row`, given the slot's shared
+// address: 128-byte rows whose 16-byte chunks are permuted by the 128-byte swizzle of the TMA
+// (chunk ^= address bits 7..9). Taking the bits from the address itself keeps the layout the
+// one the TMA reads whatever the slot's alignment.
+__host__ __device__ constexpr uint32_t slot_offset(uint32_t slot_addr, int row, int col) {
+  return uint32_t(row) * 128u +
+         ((((uint32_t(col) >> 3) ^ (((slot_addr + uint32_t(row) * 128u) >> 7) & 7u)) << 4) |
+          ((uint32_t(col) & 7u) << 1));
+}
+
+// stmatrix .x4 of row block m, chunk pair p of column block cb: matrices k = 0..3 are (row
+// half k & 1, chunk 8 cb + 2 p + (k >> 1)); lane l supplies the address of row l % 8 of
+// matrix l / 8 and the data word of its own quad position in each matrix.
+struct StsmStep {
+  int row, col;  // tile row and slot column (0..63) whose address this lane supplies
+};
+__host__ __device__ constexpr StsmStep stsm_address(int row_base, int p, int lane) {
+  const int k = lane >> 3;
+  return StsmStep{row_base + 8 * (k & 1) + (lane & 7), 8 * (2 * p + (k >> 1))};
+}
 
 struct Params {
   typename Mainloop::Params mainloop;
@@ -113,7 +185,125 @@ struct Params {
   int32_t* counters;
   uint64_t* monitor;
   int K;
+  int tma_store;  // 1: full tiles at offsets that are multiples of kBN use the TMA store
+  cute::TmaDescriptor store_map;  // the packed buffer as [numel / kBN, kBN], box 64 x kBM
 };
+
+struct SharedStorage {
+  struct alignas(kTmaStore ? 1024 : 128) Tensors {
+    typename Mainloop::TensorStorage mainloop;
+    EpiStorage epi;
+  } tensors;
+  struct alignas(16) Pipelines {
+    alignas(16) typename Mainloop::PipelineStorage mainloop;
+    alignas(16) typename MathOrderBarrier::SharedStorage math_order;
+    alignas(16) typename EpiPipeline::SharedStorage epi;
+  } pipelines;
+};
+constexpr int kSmemBytes = int(sizeof(SharedStorage));
+static_assert(kSmemBytes <= 232448, "shared memory: lower FO_STAGES or FO_EPI_SLOTS");
+
+// Whether a tile goes through the TMA store: the math threads and the store thread decide
+// alike from the same item.
+__host__ __device__ inline bool tma_tile(const WorkTile& w, int tma_store) {
+  return kTmaStore && tma_store && w.valid && w.rows == kBM && w.cols == kBN && w.offset % kBN == 0;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FO_LAYOUT_SELFTEST)
+#define FO_SM90_DEVICE 1
+#endif
+
+#ifdef FO_SM90_DEVICE
+__device__ inline void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Writes column block cb of this thread's accumulators into the slot at shared address `slot`.
+template <int CB, class Acc>
+__device__ inline void stage_column_block(const Acc& acc, uint32_t slot, const int (&row_base)[kMmaM],
+                                          int lane) {
+  constexpr FragWord word{};
+#pragma unroll
+  for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      uint32_t r[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = word(m, k & 1, 8 * CB + 2 * p + (k >> 1));
+        r[k] = pack2<Element>(acc(i), acc(i + 1));
+      }
+      const StsmStep s = stsm_address(row_base[m], p, lane);
+      stmatrix_x4(slot + slot_offset(slot, s.row, s.col), r[0], r[1], r[2], r[3]);
+    }
+  }
+}
+
+// Math threads, tma epilogue: every column block through the slot ring (nothing is written for
+// a tile that takes the direct path or is a cluster's filler, but the steps are the same, so
+// both sides of the ring always agree on its position).
+template <int CB = 0, class Acc>
+__device__ inline void stage_tile(const Acc& acc, bool tma, EpiPipeline& epi,
+                                  typename EpiPipeline::PipelineState& state, uint32_t slots,
+                                  const int (&row_base)[kMmaM], int lane) {
+  if constexpr (CB < kColBlocks) {
+    epi.producer_acquire(state);
+    if (tma) {
+      stage_column_block<CB>(acc, slots + state.index() * kSlotBytes, row_base, lane);
+      cutlass::arch::fence_view_async_shared();  // make the writes visible to the TMA's reads
+    }
+    epi.producer_commit(state);
+    ++state;
+    stage_tile<CB + 1>(acc, tma, epi, state, slots, row_base, lane);
+  }
+}
+
+// Math threads, every epilogue: the tile's direct stores (all of them, or those the TMA does not
+// take), then the handover to the store/signal thread.
+template <class Acc, class Coord>
+__device__ inline void epilogue(const Params& p, const WorkTile& w, const Acc& acc, const Coord& coord,
+                                EpiPipeline& epi, typename EpiPipeline::PipelineState& state,
+                                uint32_t slots, const int (&row_base)[kMmaM], int lane) {
+  Element* dst = p.packed + w.offset;
+  const bool full = w.valid && w.rows == kBM && w.cols == kBN;
+  if constexpr (kTmaStore) {
+    const bool tma = tma_tile(w, p.tma_store);
+    if (w.valid && !tma) store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+    stage_tile(acc, tma, epi, state, slots, row_base, lane);
+  } else {
+    epi.producer_acquire(state);
+    if (kEpilogue == kVec16 && full && (w.offset & 7) == 0 && (reinterpret_cast<uintptr_t>(p.packed) & 15) == 0) {
+      store_full_tile_vec16<Element, kBN, kMmaM>(acc, FragWord{}, row_base, lane, dst);
+    } else if (w.valid && !(kEpilogue == kNone && full)) {
+      store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+    }
+    // Each thread's stores come before its arrive (release, CTA scope); the signal thread's
+    // wait (acquire) then its release add at GPU scope publish them all.
+    asm volatile("" ::: "memory");
+    epi.producer_commit(state);
+    ++state;
+  }
+}
+
+__device__ inline void tma_store_2d(const void* map, uint32_t smem, int col, int row) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row)
+               : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ inline void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Waits until the bulk stores have been performed (not just read their source), then orders
+// them before this thread's later generic-proxy operations (the release add).
+__device__ inline void bulk_wait_written() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+#endif  // FO_SM90_DEVICE
 
 // The item this CTA (cluster rank `rank`) computes in the cluster round that starts at `base`,
 // for the producer: checked, including the cluster rule (header). Past the end of the table a
@@ -137,8 +327,8 @@ __device__ inline WorkTile cluster_item(const ItemTable& t, int64_t base, int ra
   return w;
 }
 
-// The same item for the math threads, which only store it: unchecked (the producer checked it
-// before loading its operands), so the loads overlap the mainloop.
+// The same item for the threads that only store or signal it: unchecked (the producer checked
+// it before loading its operands), so the loads overlap the mainloop.
 __device__ inline WorkTile stored_item(const ItemTable& t, int64_t base, int rank) {
   if (base + rank < t.num_items) return decode_item<kBM, kBN, false>(t, base + rank);
   WorkTile w{};
@@ -147,7 +337,7 @@ __device__ inline WorkTile stored_item(const ItemTable& t, int64_t base, int ran
 }
 
 __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_constant__ Params p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifdef FO_SM90_DEVICE
   extern __shared__ __align__(128) char smem[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem);
 
@@ -163,7 +353,10 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
   const int64_t round_stride = int64_t(num_clusters) * kClusterSize;  // = grid size G
   const int k_tiles = (p.K + kBK - 1) / kBK;
 
-  if (thread_idx == 0) Mainloop::prefetch_tma_descriptors(p.mainloop);
+  if (thread_idx == 0) {
+    Mainloop::prefetch_tma_descriptors(p.mainloop);
+    if (kTmaStore && p.tma_store) cute::prefetch_tma_descriptor(&p.store_map);
+  }
 
   typename MainloopPipeline::Params pp;
   if (warp_group == 0 && warp_in_group == 0) pp.role = MainloopPipeline::ThreadCategory::Producer;
@@ -179,13 +372,15 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
   op.group_size = 128;
   MathOrderBarrier math_order(ss.pipelines.math_order, op);
 
-  typename SignalPipeline::Params sp;
-  if (warp_group == 0 && warp_in_group == 1) sp.role = SignalPipeline::ThreadCategory::Consumer;
-  if (warp_group > 0) sp.role = SignalPipeline::ThreadCategory::Producer;
-  sp.producer_arv_count = kTileThreads;
-  sp.consumer_arv_count = 1;
-  sp.dst_blockid = rank;
-  SignalPipeline signal_pipe(ss.pipelines.signal, sp);
+  typename EpiPipeline::Params ep;
+  if (warp_group == 0 && warp_in_group == 1) ep.role = EpiPipeline::ThreadCategory::Consumer;
+  if (warp_group > 0) ep.role = EpiPipeline::ThreadCategory::Producer;
+  ep.producer_arv_count = kTileThreads;
+  ep.consumer_arv_count = 1;
+  ep.dst_blockid = rank;
+  EpiPipeline epi(ss.pipelines.epi, ep);
+  uint32_t slots = 0;  // shared address of the tma epilogue's first slot
+  if constexpr (kTmaStore) slots = cute::cast_smem_ptr_to_uint(&ss.tensors.epi);
 
   // Barrier initialisation must be visible to every CTA of the cluster before use.
   if constexpr (kClusterSize > 1) {
@@ -216,18 +411,43 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       }
       mainloop.load_tail(pipeline, write_state);
     } else if (warp_in_group == 1 && thread_in_group == 32) {
-      // Signal thread: as each stored tile arrives, publish it with a release add on its group's
-      // counter (off the math warps, which go on to the next tile at once).
-      typename SignalPipeline::PipelineState read_state;
+      // Store/signal thread: takes each tile from the math threads (in the CTA's order); tma:
+      // stores its column blocks from the slots, frees each slot once read, waits for the
+      // writes; then publishes the tile with a release add on its group's counter.
+      typename EpiPipeline::PipelineState read_state;
       for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
-        signal_pipe.consumer_wait(read_state);
         const int64_t item = base + rank;
+        const WorkTile w = stored_item(p.table, base, rank);
+        if constexpr (kTmaStore) {
+          const bool tma = tma_tile(w, p.tma_store);
+          const int row = int(w.offset / kBN);
+          typename EpiPipeline::PipelineState previous = read_state;
+#pragma unroll 1
+          for (int cb = 0; cb < kColBlocks; ++cb) {
+            epi.consumer_wait(read_state);
+            if (tma) {
+              tma_store_2d(&p.store_map, slots + read_state.index() * kSlotBytes, cb * 64, row);
+              bulk_commit();
+            }
+            if (cb > 0) {  // the previous block's copy has read its slot: free it
+              if (tma) bulk_wait_read<1>();
+              epi.consumer_release(previous);
+            }
+            previous = read_state;
+            ++read_state;
+          }
+          if (tma) bulk_wait_read<0>();
+          epi.consumer_release(previous);
+          if (tma) bulk_wait_written();
+        } else {
+          epi.consumer_wait(read_state);
+          epi.consumer_release(read_state);
+          ++read_state;
+        }
         if (item < p.table.num_items) {
-          if (p.counters) signal_counter(p.counters + p.table.item_group[item]);
+          if (p.counters) signal_counter(p.counters + w.group);
           record_monitor(p.monitor, item, cta);
         }
-        signal_pipe.consumer_release(read_state);
-        ++read_state;
       }
     }
   } else {
@@ -235,20 +455,25 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
     cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
     const int math_thread = kPingpong ? thread_in_group : thread_idx - 128;
     const int math_group = warp_group - 1;
+    const int lane = thread_idx % 32;
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_slice(math_thread);
     auto coord = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
     assert_pairs(coord);
+    static_assert(int(decltype(size(coord))::value) == kMmaM * kBN / 2, "accumulator count");
+    int row_base[kMmaM];  // first row of this warp's 16 rows in each row block
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) row_base[m] = get<0>(coord(FragWord{}(m, 0, 0))) - (lane >> 2);
 
     PipelineState read_state;
-    auto signal_state = cutlass::make_producer_start_state<SignalPipeline>();
+    auto epi_state = cutlass::make_producer_start_state<EpiPipeline>();
     int64_t base = first_base, step = round_stride;
     if constexpr (kPingpong) {
       step = 2 * round_stride;
       if (math_group == 1) {
         base += round_stride;
         read_state.advance(k_tiles);
-        ++signal_state;
+        epi_state.advance(kEpiSteps);
       }
     }
     for (; base < p.table.num_items; base += step) {
@@ -261,21 +486,20 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
 
       if constexpr (kPingpong) math_order.wait();
-      signal_pipe.producer_acquire(signal_state);
-      if (w.valid) store_tile<Element, kBM, kBN>(acc, coord, p.packed + w.offset, w.rows, w.cols);
-      // Each thread's stores come before its arrive (release, CTA scope); the signal thread's
-      // wait (acquire) then its release add at GPU scope publish them all.
-      asm volatile("" ::: "memory");
-      signal_pipe.producer_commit(signal_state);
-      signal_state.advance(kPingpong ? 2 : 1);
-      if constexpr (kPingpong) math_order.arrive();
+      epilogue(p, w, acc, coord, epi, epi_state, slots, row_base, lane);
+      if constexpr (kPingpong) {
+        epi_state.advance(kEpiSteps);  // the other warpgroup's tile
+        math_order.arrive();
+      }
     }
   }
-#else
+#elif !defined(FO_LAYOUT_SELFTEST)
   // Compiled for another architecture: this library needs sm_90a.
   __trap();
 #endif
 }
+
+// ---- host: parameters ------------------------------------------------------------------------
 
 // Host-side parameters (TMA descriptors) are rebuilt only when the operands change.
 struct ParamsCache {
@@ -308,6 +532,47 @@ inline typename Mainloop::Params mainloop_params(const void* a, const void* b, i
   cache.a = a, cache.b = b, cache.M = M, cache.N = N, cache.K = K, cache.lda = lda, cache.ldb = ldb;
   cache.valid = true;
   return cache.mainloop;
+}
+
+// The TMA store map of the packed buffer: a [numel / kBN, kBN] row-major tensor (a full tile at
+// an offset that is a multiple of kBN is its rows offset / kBN ..), boxes of kBM rows x 64
+// columns, 128-byte swizzle. Returns false (no TMA store; every tile takes the direct path)
+// when the buffer cannot be described: not 16-byte aligned, or smaller than one tile.
+inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* map, bool* usable) {
+  struct Cache {
+    std::mutex mutex;
+    void* packed = nullptr;
+    int64_t numel = -1;
+    bool usable = false;
+    cute::TmaDescriptor map;
+  };
+  static Cache cache;
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  if (cache.packed != packed || cache.numel != numel) {
+    const int64_t rows = numel / kBN;
+    cache.usable = aligned16(packed) && rows >= kBM && rows < (int64_t(1) << 32);
+    if (cache.usable) {
+      cuuint64_t dims[2] = {cuuint64_t(kBN), cuuint64_t(rows)};
+      cuuint64_t strides[1] = {cuuint64_t(kBN) * sizeof(Element)};
+      cuuint32_t box[2] = {64, cuuint32_t(kBM)};
+      cuuint32_t element_strides[2] = {1, 1};
+      CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+          &cache.map, FO_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+          2, packed, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      if (r != CUDA_SUCCESS) {
+        cache.packed = nullptr;
+        return fail(cudaErrorInvalidValue,
+                    "fo_gemm_run: cuTensorMapEncodeTiled failed (CUresult %d) for the packed "
+                    "buffer %p of %lld elements", int(r), packed, (long long)numel);
+      }
+    }
+    cache.packed = packed, cache.numel = numel;
+  }
+  *map = cache.map;
+  *usable = cache.usable;
+  return cudaSuccess;
 }
 
 }  // namespace fo::sm90
@@ -349,7 +614,7 @@ cudaError_t resident_ctas(int, int* ctas) {
 }
 
 cudaError_t launch(const Args& args, cudaStream_t stream) {
-  Params params;
+  Params params{};
   params.mainloop = mainloop_params(args.a, args.b, args.L * args.block_rows, args.N, args.K,
                                     args.lda, args.ldb);
   params.table = args.table();
@@ -357,6 +622,12 @@ cudaError_t launch(const Args& args, cudaStream_t stream) {
   params.counters = args.counters;
   params.monitor = args.monitor;
   params.K = args.K;
+  if constexpr (kTmaStore) {
+    bool usable = false;
+    cudaError_t err = store_map(args.packed, params.table.packed_numel, &params.store_map, &usable);
+    if (err != cudaSuccess) return err;
+    params.tma_store = usable ? 1 : 0;
+  }
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
   config.stream = stream;
@@ -365,3 +636,4 @@ cudaError_t launch(const Args& args, cudaStream_t stream) {
 }
 
 }  // namespace fo::gemm
+

@@ -1,0 +1,299 @@
+"""GPU tests of the signaling GEMM's epilogues, through the kernel libraries' C ABI.
+
+Every configuration of CONFIGS (sm90 cooperative and pingpong with the direct and the tma
+epilogue, bf16 and fp16, b column- and row-major, clusters 2x1 / 1x2 / 1x1; sm80 direct and
+staged, run on the GPU at hand) against a float64 reference, on item tables built here rather
+than by the plan: tiles placed at chosen packed offsets with poisoned gaps, so that every path is
+taken on purpose (full tiles at offsets that are multiples of BN, of 8 but not BN, and odd;
+partial tiles; several destination blocks whose rows are not multiples of BM; a K tail with NaN
+in a's padding) and a write outside a tile's slot shows. Then the counters' release semantics: a
+consumer stream that copies a group's region the moment its counter reaches the group's size sees
+the final data. Skips without a GPU (fails under FLASHOVERLAP_REQUIRE_HW=1).
+
+The libraries are built on first use (JIT, all at once in parallel): run with
+FLASHOVERLAP_CACHE_DIR pointing at a cache that has them to skip the build.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from flashoverlap_backends.cuda import build, kernels
+from flashoverlap_backends.cuda.build import GemmConfig
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if torch.cuda.get_device_capability()[0] < 8:
+        return "the kernels need compute capability 8.0 or newer"
+    return kernels.toolchain_problem()
+
+
+REASON = _reason()
+if REASON and os.environ.get("FLASHOVERLAP_REQUIRE_HW") == "1":
+    raise RuntimeError(f"FLASHOVERLAP_REQUIRE_HW=1 but {REASON}")
+pytestmark = [pytestmark, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+COOP, PP = dict(), dict(tile_n=128, schedule="pingpong")
+SM90 = [
+    GemmConfig(epilogue="tma", **COOP),
+    GemmConfig(epilogue="tma", cluster_m=1, dtype="fp16", b_col_major=False, **COOP),
+    GemmConfig(epilogue="tma", epi_slots=4, **COOP),
+    GemmConfig(epilogue="tma", **PP),
+    GemmConfig(epilogue="tma", cluster_m=1, cluster_n=2, dtype="fp16", b_col_major=False, **PP),
+    GemmConfig(epilogue="direct", **COOP),
+    GemmConfig(epilogue="direct", **PP),
+    GemmConfig(epilogue="vec16", **COOP),
+]
+SM80 = [
+    build.default_config(80, epilogue="staged"),
+    build.default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
+    build.default_config(80),
+]
+CONFIGS = (SM90 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+           else []) + SM80
+# FO_GEMM_TEST_CONFIGS=sm90,estaged: only the configurations whose name contains one of these
+# (and only those are built).
+_WANTED = [w for w in os.environ.get("FO_GEMM_TEST_CONFIGS", "").split(",") if w]
+CONFIGS = [c for c in CONFIGS if not _WANTED or any(w in build.config_name(c) for w in _WANTED)]
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def libraries():
+    """Every configuration's library, built in parallel up front (a build takes a minute)."""
+    build.prebuild(CONFIGS, jobs=os.cpu_count())
+    return {c: kernels.gemm_library(c) for c in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return kernels.runtime_library()
+
+
+def _name(c: GemmConfig) -> str:
+    return build.config_name(c)
+
+
+# ---- item tables -------------------------------------------------------------------------------
+
+class Layout:
+    """Tiles of c = a @ b ([L * block_rows, N]) in an execution order that suits the cluster,
+    each placed at a packed offset after a chosen gap; groups of consecutive items."""
+
+    GAPS = (0, 8, 1, 3 * 8, 0, 5)  # elements before each tile, cycled: aligned, 16 B, odd
+
+    def __init__(self, cfg, L, block_rows, n, gaps=GAPS, groups=3):
+        bm, bn = cfg.tile_m, cfg.tile_n
+        bands, cols = -(-block_rows // bm), -(-n // bn)
+        cells = [(l, mb, nb) for l in range(L) for mb in range(bands) for nb in range(cols)]
+        cm, cn = cfg.cluster_m, cfg.cluster_n
+        if cm > 1:    # pairs of items share their column tile: columns outermost
+            cells.sort(key=lambda c: (c[2], c[0], c[1]))
+        self.tiles = []  # (l, m_blk, n_blk, offset, rows, cols)
+        offset = 0
+        for i, (l, mb, nb) in enumerate(cells):
+            offset += gaps[i % len(gaps)] if gaps else 0
+            rows, width = min(bm, block_rows - mb * bm), min(bn, n - nb * bn)
+            if rows == bm and width == bn and i % 4 == 0:
+                offset = -(-offset // bn) * bn  # some full tiles on a row of the [*, BN] view
+            self.tiles.append((l, mb, nb, offset, rows, width))
+            offset += rows * width
+        self.numel = offset + 7  # a tail gap
+        self.items = torch.tensor([t[:4] for t in self.tiles], dtype=torch.int64)
+        per = -(-len(cells) // groups)
+        self.group = torch.tensor([i // per for i in range(len(cells))], dtype=torch.int32)
+        self.sizes = torch.bincount(self.group.long(), minlength=int(self.group.max()) + 1).tolist()
+        self.block_rows, self.L, self.n = block_rows, L, n
+        self.fits = kernels.cluster_fits(self.items, (cm, cn))
+
+
+def _operands(cfg, m, n, k, gen):
+    """a [m, k] with a NaN-poisoned row padding (lda > k where k % 8), b in the config's
+    layout, and the float64 reference."""
+    dt = DTYPE[cfg.dtype]
+    lda = -(-k // 8) * 8 + (8 if k % 8 == 0 and k > 8 else 0)
+    a = torch.full((m, lda), float("nan"), dtype=dt, device="cuda")
+    a[:, :k] = torch.randn(m, k, device="cuda", generator=gen).to(dt)
+    if cfg.b_col_major:
+        ldb = -(-k // 8) * 8
+        b = torch.full((n, ldb), float("nan"), dtype=dt, device="cuda")
+        b[:, :k] = torch.randn(n, k, device="cuda", generator=gen).to(dt)
+        b_mat = b[:, :k].t()
+    else:
+        ldb = -(-n // 8) * 8
+        b = torch.full((k, ldb), float("nan"), dtype=dt, device="cuda")
+        b[:, :n] = torch.randn(k, n, device="cuda", generator=gen).to(dt)
+        b_mat = b[:, :n]
+    ref = a[:, :k].double() @ b_mat.double()
+    return a, lda, b, ldb, ref
+
+
+def _run(lib, cfg, layout, a, lda, b, ldb, k, packed, counters, ctas, stream=None):
+    items = layout.items.cuda()
+    group = layout.group.cuda()
+    lib.run(a.data_ptr(), b.data_ptr(), packed.data_ptr(), layout.L, layout.block_rows, layout.n,
+            k, lda, ldb, items.data_ptr(), group.data_ptr(), len(layout.tiles),
+            counters.data_ptr() if counters is not None else None, ctas, None, None,
+            (stream or torch.cuda.current_stream()).cuda_stream)
+    return items, group  # kept alive until the caller synchronizes
+
+
+def _check_packed(cfg, layout, packed, ref):
+    """Every tile equals the reference within the dtype's tolerance; every gap is still NaN."""
+    tol = 2e-2 if cfg.dtype == "bf16" else 4e-3
+    written = torch.zeros(layout.numel, dtype=torch.bool, device="cuda")
+    worst = 0.0
+    for l, mb, nb, off, rows, cols in layout.tiles:
+        r0 = l * layout.block_rows + mb * cfg.tile_m
+        c0 = nb * cfg.tile_n
+        got = packed[off:off + rows * cols].view(rows, cols).double()
+        want = ref[r0:r0 + rows, c0:c0 + cols]
+        scale = want.abs().max().clamp(min=1.0)
+        err = ((got - want).abs().max() / scale).item()
+        assert err < tol, f"{_name(cfg)}: tile {(l, mb, nb)} at offset {off}: max rel err {err:.3g}"
+        worst = max(worst, err)
+        written[off:off + rows * cols] = True
+    assert torch.isnan(packed[~written].double()).all(), f"{_name(cfg)}: a write outside every tile's slot"
+    return worst
+
+
+def _cases(cfg):
+    """(L, block_rows, N, K) shapes: partial tiles on both edges, K tails, several blocks whose
+    rows are not multiples of BM, a single tile, a multi-wave square."""
+    cases = [(1, 512, 1024, 256), (1, 777, 1234, 999), (1, 1000, 1234, 999), (4, 300, 520, 72),
+             (1, 1, 1, 1), (1, 2048, 2048, 1024), (2, 256, 3 * cfg.tile_n, 64)]
+    if cfg.arch == 80:  # 8-element vectors along K, and N for a row-major b
+        cases = [(L, r, n, k) for L, r, n, k in cases if k % 8 == 0 and (cfg.b_col_major or n % 8 == 0)]
+    return cases
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
+def test_every_path_against_float64(cfg, libraries):
+    lib = libraries[cfg]
+    ctas = lib.max_ctas(torch.cuda.current_device()) // cfg.cta_multiple * cfg.cta_multiple
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    ran = 0
+    for L, block_rows, n, k in _cases(cfg):
+        layout = Layout(cfg, L, block_rows, n)
+        if not layout.fits:
+            continue  # the backend runs the 1x1 build for such an order
+        a, lda, b, ldb, ref = _operands(cfg, L * block_rows, n, k, gen)
+        for counters_on, grid in ((True, ctas), (False, max(cfg.cta_multiple, ctas // 2 // cfg.cta_multiple * cfg.cta_multiple))):
+            packed = torch.full((layout.numel,), float("nan"), dtype=DTYPE[cfg.dtype], device="cuda")
+            counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda") if counters_on else None
+            keep = _run(lib, cfg, layout, a, lda, b, ldb, k, packed, counters, grid)
+            torch.cuda.synchronize()
+            del keep
+            _check_packed(cfg, layout, packed, ref)
+            if counters is not None:
+                assert counters.tolist() == layout.sizes, f"{_name(cfg)}: counters {counters.tolist()} != {layout.sizes}"
+            ran += 1
+    assert ran >= 4, f"{_name(cfg)}: only {ran} cases suited the cluster"
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.epilogue in ("tma", "staged")], ids=_name)
+def test_unaligned_packed_buffer_takes_the_checked_path(cfg, libraries):
+    """A packed pointer that is not 16-byte aligned: no TMA map, no 16-byte stores, still exact."""
+    lib = libraries[cfg]
+    ctas = lib.max_ctas(torch.cuda.current_device()) // cfg.cta_multiple * cfg.cta_multiple
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    layout = Layout(cfg, 1, 512, 1024, gaps=())
+    a, lda, b, ldb, ref = _operands(cfg, 512, 1024, 256, gen)
+    store = torch.full((layout.numel + 1,), float("nan"), dtype=DTYPE[cfg.dtype], device="cuda")
+    packed = store[1:]  # 2 bytes past an aligned allocation
+    counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda")
+    keep = _run(lib, cfg, layout, a, lda, b, ldb, 256, packed, counters, ctas)
+    torch.cuda.synchronize()
+    del keep
+    _check_packed(cfg, layout, packed, ref)
+    assert counters.tolist() == layout.sizes
+
+
+@pytest.mark.parametrize("mode", sorted(kernels.WAIT_MODES))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
+def test_counter_release_orders_the_data(cfg, mode, libraries, runtime):
+    """The moment a group's counter reaches its size, a consumer stream copies the group's
+    slots: the copy must equal the final output, every run (no counter before its data)."""
+    lib = libraries[cfg]
+    ctas = lib.max_ctas(torch.cuda.current_device()) // cfg.cta_multiple * cfg.cta_multiple
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    m = n = 4096
+    k = 2048
+    layout = Layout(cfg, 1, m, n, gaps=(0,), groups=8)
+    a, lda, b, ldb, _ = _operands(cfg, m, n, k, gen)
+    dt = DTYPE[cfg.dtype]
+    packed = torch.empty(layout.numel, dtype=dt, device="cuda")
+    snap = torch.empty_like(packed)
+    counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda")
+    spans = []
+    for g in range(len(layout.sizes)):
+        offs = [t[3] for t, gg in zip(layout.tiles, layout.group.tolist()) if gg == g]
+        ends = [t[3] + t[4] * t[5] for t, gg in zip(layout.tiles, layout.group.tolist()) if gg == g]
+        spans.append((min(offs), max(ends)))
+    comm = torch.cuda.Stream(priority=-1)
+    # Load every kernel first: a lazy first launch would wait for an idle device.
+    snap.copy_(packed)
+    packed.fill_(float("nan"))
+    runtime.reset_counters(counters.data_ptr(), len(layout.sizes), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    bad, runs = 0, 10
+    for _ in range(runs):
+        packed.fill_(float("nan"))
+        snap.fill_(0)
+        runtime.reset_counters(counters.data_ptr(), len(layout.sizes), torch.cuda.current_stream().cuda_stream)
+        comm.wait_stream(torch.cuda.current_stream())
+        keep = _run(lib, cfg, layout, a, lda, b, ldb, k, packed, counters, ctas)  # before the waits
+        with torch.cuda.stream(comm):
+            for g, (lo, hi) in enumerate(spans):
+                runtime.wait_counter(counters.data_ptr() + 4 * g, layout.sizes[g], mode, comm.cuda_stream)
+                snap[lo:hi].copy_(packed[lo:hi])
+        torch.cuda.synchronize()
+        del keep
+        same = torch.equal(snap.view(torch.int16), packed.view(torch.int16))
+        bad += int(not same or bool(torch.isnan(snap.double()).any()))
+    assert bad == 0, f"{_name(cfg)} ({mode}): {bad} of {runs} runs saw a region before its data"
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.epilogue in ("tma", "staged")][:3], ids=_name)
+def test_graph_replay_with_new_inputs(cfg, libraries):
+    """One launch captured in a CUDA graph (the TMA store map is a kernel parameter) and
+    replayed with fresh inputs copied in: every replay exact."""
+    lib = libraries[cfg]
+    ctas = lib.max_ctas(torch.cuda.current_device()) // cfg.cta_multiple * cfg.cta_multiple
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    layout = Layout(cfg, 1, 1024, 1024, gaps=())
+    a, lda, b, ldb, _ = _operands(cfg, 1024, 1024, 512, gen)
+    packed = torch.full((layout.numel,), float("nan"), dtype=DTYPE[cfg.dtype], device="cuda")
+    counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda")
+    items, group = layout.items.cuda(), layout.group.cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def launch():
+        lib.run(a.data_ptr(), b.data_ptr(), packed.data_ptr(), 1, 1024, 1024, 512, lda, ldb,
+                items.data_ptr(), group.data_ptr(), len(layout.tiles), counters.data_ptr(), ctas,
+                None, None, torch.cuda.current_stream().cuda_stream)
+
+    with torch.cuda.stream(stream):
+        launch()  # warm (loads the kernel, builds the TMA maps)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        launch()
+    for replay in range(3):
+        fresh_a, _, fresh_b, _, ref = _operands(cfg, 1024, 1024, 512, gen)
+        a.copy_(fresh_a)
+        b.copy_(fresh_b)
+        packed.fill_(float("nan"))
+        counters.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_packed(cfg, layout, packed, ref)
+        assert counters.tolist() == layout.sizes, f"replay {replay}: counters {counters.tolist()}"

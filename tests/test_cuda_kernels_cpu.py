@@ -1,0 +1,163 @@
+"""CPU tests of the cuda backend's kernel table and build rules (no GPU, no nvcc needed), and,
+with FLASHOVERLAP_COMPILE_TESTS=1 and nvcc, the sm90 epilogue layout self-tests (host programs
+built from csrc/cuda/gemm_sm90_selftest.cu: a minute or more each)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from flashoverlap_backends.cuda import build, kernels
+from flashoverlap_backends.cuda.build import GemmConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- configurations ----------------------------------------------------------------------------
+
+def test_epilogues_are_validated_per_architecture():
+    GemmConfig(epilogue="tma")
+    GemmConfig(epilogue="tma", epi_slots=4)
+    build.default_config(80, epilogue="staged")
+    with pytest.raises(ValueError, match="epilogue for sm90"):
+        GemmConfig(epilogue="staged")
+    with pytest.raises(ValueError, match="epilogue for sm80"):
+        build.default_config(80, epilogue="tma")
+    with pytest.raises(ValueError, match="epi_slots applies to the tma epilogue only"):
+        GemmConfig(epi_slots=2)
+    with pytest.raises(ValueError, match="tile_n % 64"):
+        GemmConfig(tile_n=96, epilogue="tma")
+    with pytest.raises(ValueError, match="epi_slots in"):
+        GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma", epi_slots=3)
+
+
+def test_config_names_and_defines_carry_the_epilogue():
+    plain = GemmConfig()
+    assert build.config_name(plain) == "sm90_bf16_bcol_128x256x64_c2x1_cooperative"
+    assert "-DFO_EPILOGUE=0" in build.gemm_defines(plain)
+    tma = GemmConfig(epilogue="tma", epi_slots=4)
+    assert build.config_name(tma).endswith("_etma4")
+    assert {"-DFO_EPILOGUE=1", "-DFO_EPI_SLOTS=4"} <= set(build.gemm_defines(tma))
+    assert not any(d.startswith("-DFO_EPI_SLOTS") for d in build.gemm_defines(GemmConfig(epilogue="tma")))
+    staged = build.default_config(80, epilogue="staged")
+    assert build.config_name(staged).endswith("_estaged")
+    names = {build.config_name(c) for c in (plain, tma, replace(tma, epi_slots=0), staged)}
+    assert len(names) == 4  # distinct builds, distinct cache files
+
+
+def test_every_table_entry_makes_valid_configs(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    for arch, entries in kernels.CONFIGS.items():
+        assert kernels.DEFAULT_TILE[arch] in entries
+        for tile, kernel in entries.items():
+            for dtype in kernels.DTYPES:
+                for col in (True, False):
+                    for cluster in {kernel.cluster, (1, 1)}:
+                        cfg = kernels.gemm_config(arch, tile, dtype, col, cluster)
+                        assert cfg.tile == tile and cfg.epilogue == kernel.epilogue
+    assert kernels.all_configs([90, 80])
+
+
+def test_environment_selects_the_epilogue(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_EPILOGUE, "tma,staged")
+    assert kernels.gemm_config(90, (128, 256), "bfloat16", True, (2, 1)).epilogue == "tma"
+    assert kernels.gemm_config(80, (128, 128), "float16", False).epilogue == "staged"
+    monkeypatch.setenv(kernels.ENV_EPILOGUE, "vec16")
+    assert kernels.gemm_config(90, (128, 128), "bfloat16", True).epilogue == "vec16"
+    assert kernels.gemm_config(80, (128, 128), "bfloat16", True).epilogue == kernels.CONFIGS[80][(128, 128)].epilogue
+    for bad in ("tmaa", "none"):  # "none" writes no full tile: for measurements only
+        monkeypatch.setenv(kernels.ENV_EPILOGUE, bad)
+        with pytest.raises(ValueError, match="unknown epilogue"):
+            kernels.gemm_config(90, (128, 256), "bfloat16", True)
+
+
+# ---- sources and digests -------------------------------------------------------------------------
+
+def _copy_sources(tmp_path, monkeypatch) -> Path:
+    src = tmp_path / "cuda"
+    shutil.copytree(build.source_dir(), src)
+    monkeypatch.setattr(build, "source_dir", lambda: src)
+    return src
+
+
+def test_a_job_hashes_its_source_and_the_headers_it_includes(tmp_path, monkeypatch):
+    src = _copy_sources(tmp_path, monkeypatch)
+    names = {p.name for p in build._sources("gemm_sm90.cu")}
+    assert {"gemm_sm90.cu", "epilogue.cuh", "gemm_abi.cuh", "common.cuh", "flashoverlap_cuda.h"} <= names
+    assert "runtime.cu" not in names and "gemm_sm80.cu" not in names
+    gemm_job, runtime_job = build._gemm_job(GemmConfig()), build.RUNTIME_JOB
+    before = build._digest(gemm_job), build._digest(runtime_job)
+    (src / "runtime.cu").write_text((src / "runtime.cu").read_text() + "\n// edit\n")
+    assert build._digest(gemm_job) == before[0]  # the runtime's edit leaves GEMM objects valid
+    assert build._digest(runtime_job) != before[1]
+    (src / "epilogue.cuh").write_text((src / "epilogue.cuh").read_text() + "\n// edit\n")
+    assert build._digest(gemm_job) != before[0]  # an included header counts
+    assert build._digest(build._gemm_job(GemmConfig(epilogue="tma"))) != build._digest(gemm_job)
+
+
+def test_cutlass_version_is_read_from_the_headers(tmp_path):
+    (tmp_path / "cutlass").mkdir()
+    (tmp_path / "cutlass" / "version.h").write_text(
+        "#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 1 \n")
+    assert build.cutlass_version(tmp_path) == "4.2.1"
+    assert build.cutlass_version(tmp_path / "missing") == "unknown"
+
+
+# ---- the benchmark's variant names ---------------------------------------------------------------
+
+def _bench_gemm():
+    spec = importlib.util.spec_from_file_location("bench_gemm", ROOT / "bench" / "gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def test_bench_variants_map_to_builds():
+    gemm = _bench_gemm()
+    v = gemm.parse_variant("coop-tma4-plain", 90, (128, 256))
+    assert (v.tile, v.epilogue, v.slots, v.signal) == ((128, 256), "tma", 4, False)
+    cfg = gemm.variant_config(kernels, v, "bfloat16", (2, 1))
+    assert build.config_name(cfg) == "sm90_bf16_bcol_128x256x64_c2x1_cooperative_etma4"
+    pp = gemm.variant_config(kernels, gemm.parse_variant("pp-vec16", 90, (128, 256)), "float16", (1, 1))
+    assert (pp.schedule, pp.tile, pp.epilogue) == ("pingpong", (128, 128), "vec16")
+    product = gemm.parse_variant("product", 90, (128, 256))
+    assert gemm.variant_config(kernels, product, "bfloat16", (2, 1)) == kernels.gemm_config(
+        90, (128, 256), "bfloat16", True, (2, 1))
+    with pytest.raises(ValueError, match="variant"):
+        gemm.parse_variant("wide-tma", 90, (128, 256))
+
+
+def test_bench_fixed_cost_fit_recovers_the_intercept():
+    gemm = _bench_gemm()
+    rows = [{"K": k, "waves": {"product": 8}, "warm_x_ms": (50 + 0.25 * k) / 1e3} for k in (256, 1024, 4096)]
+    fit = gemm.fixed_costs(rows, ["x"])["x"]
+    assert fit["fixed_us"] == pytest.approx(50) and fit["us_per_k"] == pytest.approx(0.25)
+    assert fit["fixed_us_per_wave"] == pytest.approx(50 / 8)
+
+
+# ---- layout self-tests (slow: nvcc builds host programs) ------------------------------------------
+
+@pytest.mark.skipif(os.environ.get("FLASHOVERLAP_COMPILE_TESTS") != "1",
+                    reason="set FLASHOVERLAP_COMPILE_TESTS=1 to build the sm90 layout self-tests (slow)")
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("cfg", build.SELFTEST_CONFIGS, ids=build.config_name)
+def test_sm90_epilogue_layout_selftest(cfg, tmp_path):
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    job = build.selftest_job(cfg)
+    exe = tmp_path / "selftest"
+    done = subprocess.run(build.command(job, exe), capture_output=True, text=True)
+    assert done.returncode == 0, (done.stderr or done.stdout)[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout[-4000:]
