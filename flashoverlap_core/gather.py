@@ -35,15 +35,14 @@ class GatherExchange:
         r, (start, end) = self.plan.regions[g], self.plan.chunk_rows(g)
         return self.gathered[r.offset:r.offset + r.numel].view(self.call.world_size, end - start, -1)
 
-    def start(self, g: int) -> list:
-        """Launch chunk g's all-gather on the current stream; its asynchronous works."""
+    def start(self, g: int) -> None:
+        """Launch chunk g's all-gather (asynchronous) on the current stream."""
         if not self.remote:
-            return []
+            return
         start, end = self.plan.chunk_rows(g)
         region = self.chunk(g).flatten(0, 1)  # [W * rows, K]: what every collective library takes
-        work = all_gather_single(region, self.local[start:end], group=self.call.group, async_op=True)
-        self.works[g] = work
-        return [work]
+        self.works[g] = all_gather_single(region, self.local[start:end], group=self.call.group,
+                                          async_op=True)
 
     def wait(self, g: int) -> None:
         """Make the current stream (the host, on the CPU) wait until chunk g has arrived."""
@@ -56,16 +55,11 @@ class GatherExchange:
         from the chunk that holds them (which must have arrived; they must lie in one chunk)."""
         if source == self.call.rank:
             return self.local[start:end]
-        g = self.chunk_of(start)
+        g = self.plan.group_of_band[start // self.plan.tile[0]]
         first, last = self.plan.chunk_rows(g)
         if end > last:
             raise ValueError(f"rows [{start}, {end}) span chunks: chunk {g} is rows [{first}, {last})")
         return self.chunk(g)[source, start - first:end - first]
-
-    def chunk_of(self, row: int) -> int:
-        """The group whose chunk holds row ``row`` of every shard."""
-        band = row // self.plan.tile[0]
-        return next(g for g, (first, last) in enumerate(self.plan.chunk_bands) if first <= band < last)
 
 
 def tile_rows(plan, t: TileRect) -> tuple[int, int]:

@@ -38,8 +38,9 @@ CUSTOM_OP = "custom"  # a callable op: one block, laid out like allreduce
 PLAN_OPS = OPS + (CUSTOM_OP,)
 STRATEGIES = ("overlap", "sequential")
 """How a backend runs the plan: "overlap" (the groups' transfers overlapped with the GEMM) or
-"sequential" (the plain GEMM and one collective, one after the other: the tuner's fallback
-where overlapping would be slower; the groups are then unused)."""
+"sequential" (the plain GEMM and one collective on all of it, one after the other, the
+collective first for allgather: the tuner's fallback where overlapping would be slower; the
+groups are then unused)."""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FORMAT = "flashoverlap.plan/1"
 
@@ -226,9 +227,11 @@ class Plan:
         """Tiles of each group, in execution order (allgather: the tiles of the chunk's bands
         in every shard, in the grid's execution order)."""
         order, out, start = self.grid.execution_order, [], 0
-        if self.op == GATHER_OP:
-            return tuple(tuple(t for t in order if self._band(t) in range(*bands))
-                         for bands in self.chunk_bands)
+        if self.op == GATHER_OP:  # a tile belongs to the chunk that brings its band
+            out = [[] for _ in self.group_sizes]
+            for t in order:
+                out[self.group_of_band[self._band(t)]].append(t)
+            return tuple(map(tuple, out))
         for size in self.group_sizes:
             out.append(order[start:start + size])
             start += size
@@ -252,6 +255,11 @@ class Plan:
             out.append((band, band + size // per_band))
             band += size // per_band
         return tuple(out)
+
+    @cached_property
+    def group_of_band(self) -> tuple[int, ...]:
+        """allgather: the group whose chunk brings each band of a shard."""
+        return tuple(g for g, (first, last) in enumerate(self.chunk_bands) for _ in range(first, last))
 
     def chunk_rows(self, g: int) -> tuple[int, int]:
         """allgather: rows [start, end) of every shard that group g gathers."""
@@ -407,8 +415,9 @@ class Plan:
             f"  waves: {self.num_waves} of {self.wave_size} tiles; {self.num_groups} group(s)",
         ]
         if self.strategy != "overlap":
-            lines.append(f"  strategy {self.strategy}: the plain GEMM, then one collective "
-                         "(the groups are not used)")
+            order = "one all-gather, then the plain GEMM" if self.op == GATHER_OP else \
+                "the plain GEMM, then one collective"
+            lines.append(f"  strategy {self.strategy}: {order} (the groups are not used)")
         if self.op == GATHER_OP:
             return "\n".join(lines + self._describe_chunks(itemsize))
         for r in self.regions:

@@ -105,7 +105,6 @@ class RecordingExchange(GatherExchange):
 
     def start(self, g):
         self.log.append(("start", g))
-        return []
 
     def wait(self, g):
         self.log.append(("wait", g))
@@ -116,7 +115,7 @@ class RecordingExchange(GatherExchange):
         return self.full.view(self.call.world_size, shard, -1)[:, start:end]
 
     def rows(self, source, start, end):
-        self.log.append(("read", source, self.chunk_of(start)))
+        self.log.append(("read", source, self.plan.group_of_band[start // self.plan.tile[0]]))
         return self.full[source * self.plan.shard_rows + start:source * self.plan.shard_rows + end]
 
 
