@@ -18,12 +18,15 @@ def plugin_args() -> list[str]:
     return [] if installed else ["-p", "flashoverlap_core.testing.plugin"]
 
 
-def run_suite(backend: str, *args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``pytest --pyargs flashoverlap_core.testing --fo-backend backend *args``, with this
-    directory importable (for ``broken_backends:...``) and no backend choice inherited."""
+def run_suite(backend: str, *args: str, timeout: float, env: dict | None = None,
+              paths: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``pytest --pyargs flashoverlap_core.testing --fo-backend backend *args``, with ``paths``
+    and this directory importable (for ``broken_backends:...``) and no backend choice
+    inherited."""
     child_env = {k: v for k, v in os.environ.items()
                  if k not in ("FLASHOVERLAP_BACKEND", "FLASHOVERLAP_REQUIRE_HW", "PYTEST_ADDOPTS")}
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(REPO), os.environ.get("PYTHONPATH")]))
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, paths), str(TESTS), str(REPO),
+                                                            os.environ.get("PYTHONPATH")]))
     child_env.update(env or {})
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "flashoverlap_core.testing", "--fo-backend", backend,
            "-p", "no:cacheprovider", "-q", "-rfEs", "--tb=short", *plugin_args(), *args]
