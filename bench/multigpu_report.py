@@ -1,6 +1,6 @@
 """The README's multi-GPU table from bench/multigpu.py result files.
 
-    python bench/multigpu_report.py bench/results/multigpu-w*.json [--out table.md]
+    python bench/multigpu_report.py bench/results/multigpu-w*.json [--out PATH]
 
 One markdown row per (world size, shape, op): sequential, decomposition, symmetric-memory,
 FlashOverlap (predicted and best) times in ms, their speedups over sequential, the ideal

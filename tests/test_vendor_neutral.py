@@ -1,4 +1,4 @@
-"""flashoverlap_core names no vendor (DESIGN.md): no cuda, npu, nccl, hccl or torch_npu in any
+"""flashoverlap_core names no vendor (docs/design.md, "Layers"): no cuda, npu, nccl, hccl or torch_npu in any
 of its Python files, in code, strings or comments alike, with no exceptions.
 
 cuda, nccl and hccl count anywhere, in any case. npu counts where it starts a word (after anything

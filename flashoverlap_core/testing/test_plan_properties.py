@@ -1,4 +1,4 @@
-"""Property tests of the plan invariants (DESIGN.md, "The plan"), on random plans and on the
+"""Property tests of the plan invariants (docs/design.md, "The plan"), on random plans and on the
 plans the backend under test makes by default."""
 from collections import Counter
 
