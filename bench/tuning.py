@@ -17,7 +17,8 @@ Reported, and the targets (all on this script's full default run):
 * predicted against measured T_overlap for every (shape, grouping) pair: within 10%. The
   groupings the model was fitted to (one group: calibration; the traced calibration groupings:
   contention) are left out of the summary. The spread of the rounds is reported beside it, and
-  the order-blind model (no contention, no stream delays) for comparison;
+  the model's variants for comparison (order-blind: no contention and no stream delays; only
+  the delays; only the slowdowns);
 * the predictive choice's measured time against the fastest candidate: within 3%;
 * the search's time, per shape and on a 500-wave model built from the measured parts: < 1 s;
 * the order study: measured, predicted and order-blind times of groupings that are
@@ -80,23 +81,36 @@ def ms(seconds: float) -> float:
     return round(float(seconds) * 1e3, 4)
 
 
-def pair_rows(job, model, blind, samples, flags) -> list[dict]:
-    """One row per timed grouping: predicted (and order-blind) against measured, with the
-    measurement's spread over the rounds."""
+def variants(model: OverlapModel, one_group_s: float) -> dict[str, OverlapModel]:
+    """The model without parts of its contention, each calibrated like it: what each part
+    explains. "blind": no slowdowns and no stream delays (blind to the order of the groups
+    when the transfers queue up)."""
+    k = model.contention
+    parts = {"blind": Contention(), "delays_only": Contention(gap_s=k.gap_s, lag_s=k.lag_s),
+             "slowdowns_only": Contention(k.gemm, k.comm)}
+    return {name: dataclasses.replace(model, contention=c).calibrated(one_group_s)
+            for name, c in parts.items()}
+
+
+def pair_rows(job, model, others, samples, flags) -> list[dict]:
+    """One row per timed grouping: predicted (and by the model's variants) against measured,
+    with the measurement's spread over the rounds."""
     rows = []
     for sizes, rounds in samples.items():
         if sizes == SEQUENTIAL:
             continue
         measured = statistics.median(rounds)
-        predicted, unaware = float(model.predict(sizes)), float(blind.predict(sizes))
-        rows.append({
-            "shape": job.shape, "groups": len(sizes), "group_sizes": list(sizes),
-            "predicted_ms": ms(predicted), "blind_ms": ms(unaware), "measured_ms": ms(measured),
-            "rounds_ms": [ms(r) for r in rounds],
-            "spread_pct": round(100 * (max(rounds) - min(rounds)) / measured, 2),
-            "error_pct": round(100 * (predicted / measured - 1), 2),
-            "blind_error_pct": round(100 * (unaware / measured - 1), 2),
-            **{name: sizes in members for name, members in flags.items()}})
+        predicted = float(model.predict(sizes))
+        row = {"shape": job.shape, "groups": len(sizes), "group_sizes": list(sizes),
+               "predicted_ms": ms(predicted), "measured_ms": ms(measured),
+               "rounds_ms": [ms(r) for r in rounds],
+               "spread_pct": round(100 * (max(rounds) - min(rounds)) / measured, 2),
+               "error_pct": round(100 * (predicted / measured - 1), 2)}
+        for name, other in others.items():
+            value = float(other.predict(sizes))
+            row[f"{name}_ms"] = ms(value)
+            row[f"{name}_error_pct"] = round(100 * (value / measured - 1), 2)
+        rows.append({**row, **{name: sizes in members for name, members in flags.items()}})
     return rows
 
 
@@ -122,7 +136,6 @@ def traced_orders(job, model, groupings) -> list[dict]:
 def tune_shape(job: Job, cache: str, candidates: int):
     parts = build_model(job, cache)
     model = parts.model()
-    blind = dataclasses.replace(model, contention=Contention()).calibrated(parts.sequential_s)
     choice = predictive_search(model, plain_s=parts.plain_s)
     chosen = SEQUENTIAL if choice.strategy == SEQUENTIAL else choice.group_sizes
     heuristic = tuple(parts.plan["group_sizes"])
@@ -136,7 +149,7 @@ def tune_shape(job: Job, cache: str, candidates: int):
     best = min(medians, key=medians.get)
     flags = {"calibration": {(model.num_tiles,)} | set(calibration_groupings(model)),
              "chosen": {chosen}, "heuristic": {heuristic}, "best": {best}, "order": set(order)}
-    pairs = pair_rows(job, model, blind, samples, flags)
+    pairs = pair_rows(job, model, variants(model, parts.sequential_s), samples, flags)
     summary = {
         "shape": job.shape, "waves": model.timing.num_waves, "tiles": model.num_tiles,
         "wave_size": model.timing.wave_size, "strategy": choice.strategy,
@@ -191,18 +204,20 @@ def search_time_on_500_waves(model) -> float:
     return time.perf_counter() - began
 
 
+def errors(rows, key: str = "error_pct") -> dict:
+    values = [abs(r[key]) / 100 for r in rows]
+    return {"max_abs_error": round(max(values), 4),
+            "median_abs_error": round(statistics.median(values), 4),
+            "within_10pct": round(sum(e <= ERROR_TARGET for e in values) / len(values), 3)}
+
+
 def overall(pairs, shapes, search_500: float, began: float) -> dict:
     validated = [r for r in pairs if not r["calibration"]]
-    errors = [abs(r["error_pct"]) / 100 for r in validated]
-    blind = [abs(r["blind_error_pct"]) / 100 for r in validated]
     spreads = [r["spread_pct"] / 100 for r in pairs]
     summary = {
-        "pairs": len(validated),
-        "max_abs_error": round(max(errors), 4),
-        "median_abs_error": round(statistics.median(errors), 4),
-        "within_10pct": round(sum(e <= ERROR_TARGET for e in errors) / len(errors), 3),
-        "blind_max_abs_error": round(max(blind), 4),
-        "blind_median_abs_error": round(statistics.median(blind), 4),
+        "pairs": len(validated), **errors(validated),
+        "variants": {name: errors(validated, f"{name}_error_pct")
+                     for name in ("blind", "delays_only", "slowdowns_only")},
         "noise": {"median_spread": round(statistics.median(spreads), 4),
                   "p90_spread": round(float(np.percentile(spreads, 90)), 4),
                   "max_spread": round(max(spreads), 4)},

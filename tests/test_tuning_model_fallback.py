@@ -17,8 +17,8 @@ from flashoverlap_core.tuning.tuner import (Job, ModelParts, build_model, sample
 
 # The reference backend computes tile by tile in Python: with a copy to host memory that takes
 # microseconds, nothing is left to hide, and torch.matmul then one copy is far faster.
-JOB = Job(256, 512, 32, "offload", "float32", "reference", iters=2, warmup=1, trace_reps=1,
-          rounds=2)
+JOB = Job(512, 1024, 16, "offload", "float32", "reference", iters=2, warmup=1, trace_reps=1,
+          rounds=3)
 
 
 @pytest.fixture(scope="module")
