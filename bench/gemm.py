@@ -301,23 +301,25 @@ def fixed_costs(rows, names) -> dict:
 
 
 def summary(rows, variants) -> dict:
+    """Ratios to cuBLAS (warm, medians) over the rows outside the K sweep: product (the
+    targets: min >= 0.95, median >= 1.0) and every variant; signaling's cost; the K sweep fit."""
+    out = {"measure": "warm L2, graph replays, median"}
     main = [r for r in rows if r.get("set") != "ksweep"]
-    ratios = sorted(r["warm_product_vs_cublas"] for r in main)
-    out = {"min_vs_cublas": ratios[0], "median_vs_cublas": statistics.median(ratios),
-           "rows": len(main), "measure": "warm L2, graph replays, median"}
-    for v in variants:
-        vs = sorted(r[f"warm_{v.name}_vs_cublas"] for r in main)
-        out[f"{v.name}_median_vs_cublas"] = statistics.median(vs)
-        out[f"{v.name}_min_vs_cublas"] = vs[0]
-    cold = sorted(r["cold_product_vs_cublas"] for r in main if "cold_product_vs_cublas" in r)
-    if cold:
-        out["cold_min_vs_cublas"], out["cold_median_vs_cublas"] = cold[0], statistics.median(cold)
-    sm = sorted(r["warm_cublas_sm_ms"] / r["warm_product_ms"] for r in main)
-    out["median_vs_cublas_same_sms"] = statistics.median(sm)
-    overheads = [r["signal_overhead"] for r in main if "signal_overhead" in r]
-    if overheads:
-        out["max_signal_overhead"] = max(overheads)
-        out["median_signal_overhead"] = statistics.median(overheads)
+    if main:
+        for v in variants:
+            ratios = sorted(r[f"warm_{v.name}_vs_cublas"] for r in main)
+            prefix = "" if v.name == "product" else f"{v.name}_"
+            out[f"{prefix}min_vs_cublas"], out[f"{prefix}median_vs_cublas"] = ratios[0], statistics.median(ratios)
+        cold = sorted(r["cold_product_vs_cublas"] for r in main if "cold_product_vs_cublas" in r)
+        if cold:
+            out["cold_min_vs_cublas"], out["cold_median_vs_cublas"] = cold[0], statistics.median(cold)
+        out["median_vs_cublas_same_sms"] = statistics.median(
+            r["warm_cublas_sm_ms"] / r["warm_product_ms"] for r in main)
+        overheads = [r["signal_overhead"] for r in main if "signal_overhead" in r]
+        if overheads:
+            out["max_signal_overhead"] = max(overheads)
+            out["median_signal_overhead"] = statistics.median(overheads)
+        out["rows"] = len(main)
     sweep = [r for r in rows if r.get("set") == "ksweep"]
     if sweep:
         out["ksweep"] = fixed_costs(sweep, ["cublas", "cublas_sm"] + [v.name for v in variants])
@@ -336,8 +338,6 @@ def comm_traffic(args):
     import torch.distributed as dist
 
     os.environ.setdefault("NCCL_MAX_CTAS", str(args.reserved_sms))
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl")
     buf = torch.ones(32 << 20, dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream(priority=-1)
@@ -371,6 +371,8 @@ def main(argv=None):
 
     from flashoverlap_backends.cuda import build, kernels
 
+    if args.comm:  # before anything creates a context on device 0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
     product_arch = 90 if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] == 9 else 80
     product_tile = kernels.default_tile(product_arch)
     names = ["product", "plain"] + [v for v in args.variants.split(",") if v]
@@ -398,12 +400,18 @@ def main(argv=None):
                 f"warm_{v.name}_vs_cublas" for v in variants] + ["warm_cublas_sm_vs_cublas"]
             print(table([row], cols), flush=True)
     result = summary(rows, variants)
+    fits = result.get("ksweep")
     cols = ["set", "M", "N", "K", "dtype", "warm_cublas_tflops", "warm_product_tflops",
             "warm_product_vs_cublas", "cold_product_vs_cublas", "warm_cublas_sm_vs_cublas",
             "signal_overhead"] + [f"warm_{v.name}_vs_cublas" for v in variants[2:]]
     print(table(rows, cols))
-    print(json.dumps(result, indent=1))
+    for name, fit in result.pop("ksweep", {}).items():
+        print(f"K sweep fit {name:>16}: fixed {fit['fixed_us']:8.1f} us = {fit['fixed_us_per_wave']:6.1f} "
+              f"us/wave, {fit['us_per_k']:.4f} us per unit of K")
+    print("summary:", json.dumps(result))
     if not args.no_json and int(os.environ.get("RANK", "0")) == 0:
+        if fits:
+            result["ksweep"] = fits
         write_result("gemm", rows, {"summary": result, "variants": [v.name for v in variants],
                                     "method": "CUDA-graph replays between events, kernels alternated, "
                                               f"{args.reps} reps, warm x{args.inner}, cold after a "

@@ -429,15 +429,22 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
               tma_store_2d(&p.store_map, slots + read_state.index() * kSlotBytes, cb * 64, row);
               bulk_commit();
             }
-            if (cb > 0) {  // the previous block's copy has read its slot: free it
-              if (tma) bulk_wait_read<1>();
-              epi.consumer_release(previous);
+            if constexpr (kSlots > 1) {  // free the previous block's slot once its copy read it
+              if (cb > 0) {
+                if (tma) bulk_wait_read<1>();
+                epi.consumer_release(previous);
+              }
+              previous = read_state;
+            } else {  // one slot: the math threads wait for it, so free it at once
+              if (tma) bulk_wait_read<0>();
+              epi.consumer_release(read_state);
             }
-            previous = read_state;
             ++read_state;
           }
-          if (tma) bulk_wait_read<0>();
-          epi.consumer_release(previous);
+          if constexpr (kSlots > 1) {
+            if (tma) bulk_wait_read<0>();
+            epi.consumer_release(previous);
+          }
           if (tma) bulk_wait_written();
         } else {
           epi.consumer_wait(read_state);
