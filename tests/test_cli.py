@@ -19,21 +19,26 @@ def flashoverlap(*args: str, env: dict | None = None) -> subprocess.CompletedPro
                           env={**os.environ, **(env or {})})
 
 
-def test_report_lists_the_reference_backend():
+def test_report_lists_the_reference_backend_and_the_versions_it_promises():
     done = flashoverlap("report")
     assert done.returncode == 0, done.stderr
     rows = [line.split() for line in done.stdout.splitlines()]
-    assert ["reference", "any", "yes"] in [row[:3] for row in rows], done.stdout
-    assert "torch" in done.stdout
+    # reference runs on as many host ranks as asked for, not on "0 devices"
+    assert ["reference", "any", "yes", "host"] in [row[:4] for row in rows], done.stdout
+    assert "cpu=gloo (built into torch " in done.stdout
+    # the compilers and headers of the cuda backend, whether or not it can run here
+    cuda = next(line for line in done.stdout.splitlines() if line.startswith("cuda versions:"))
+    assert "nvcc " in cuda and "cutlass headers " in cuda, done.stdout
 
 
-def test_report_json_names_every_backend():
+def test_report_json_names_every_backend_with_its_versions():
     done = flashoverlap("report", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    reference = [b for b in report["backends"] if b["name"] == "reference"]
-    assert reference and reference[0]["available"], report["backends"]
-    assert report["torch"]
+    backends = {b["name"]: b for b in report["backends"]}
+    assert backends["reference"]["available"], report["backends"]
+    assert {"nvcc", "cutlass headers"} <= set(backends["cuda"]["versions"]), backends["cuda"]
+    assert report["torch"] and report["torch_distributed_collectives"]["cpu"].startswith("gloo")
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -51,6 +56,10 @@ def test_bench_on_two_cpu_ranks_agrees_and_writes_json(tmp_path):
     # reduce_scatter of 30 rows on 2 ranks is fine; every op on both shapes ran and agreed
     assert len(rows) == 6, done.stdout
     assert all(row[-1] == "yes" and row[-2] == "reference" for row in rows), done.stdout
+    # the output says what is compared, and why CPU ranks show no speedup
+    assert "baseline: a @ b, then torch.distributed's collective" in done.stdout
+    assert "not a fast path" in done.stdout and "bench/results/" in done.stdout
+    assert "Warning" not in done.stdout + done.stderr, done.stderr  # a clean main job
 
     record = json.loads(out.read_text())
     hardware = record["hardware"]
