@@ -99,3 +99,34 @@ def test_bad_arguments_are_one_line_and_exit_status_2(argv, message, capsys):
     assert message in first and first.startswith(f"flashoverlap {argv[0]}: error: "), err
     assert "Traceback" not in err
 
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_trace_by_default_shows_several_groups(tmp_path):
+    """The first timeline a newcomer draws shows overlap: the default shape's default plan
+    has several groups."""
+    trace = tmp_path / "trace.json"
+    done = command("trace", "--backend", "reference", "--world-size", "2", "--out",
+                   str(tmp_path / "t.png"), "--json", str(trace), cache=tmp_path / "cache.json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(json.loads(trace.read_text())["plan"]["group_sizes"]) >= 2
+    assert "nothing overlaps" not in done.stdout
+
+
+def test_trace_says_when_one_group_cannot_overlap(tmp_path, capsys):
+    png = tmp_path / "small.png"
+    assert main(["trace", "--shape", "512x512x256", "--backend", "reference", "--world-size",
+                 "1", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "one group: its transfer starts after the whole GEMM, so nothing overlaps" in out
+    assert f"timeline written to {png.resolve()}" in out
+
+
+def test_trace_help_gives_its_defaults(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["trace", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("default: allreduce", "default: timeline.png in the current directory",
+                    "default: 1024x1024x512 on the CPU"):
+        assert default in text, text
