@@ -24,6 +24,7 @@ import torch.distributed as dist
 import flashoverlap_core as fo
 from common import median_ms, table, write_result
 from flashoverlap_core import registry
+from flashoverlap_core.tools.args import shapes_arg
 from flashoverlap_core.tools.bench import plain
 
 SHAPES = "4096x8192x3584,8192x8192x3584,8192x8192x8192"
@@ -58,7 +59,8 @@ def deviation(got, want) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=SHAPES, help="per-rank MxNxK of a [M,K] @ [K,N]")
+    parser.add_argument("--shapes", type=shapes_arg, default=shapes_arg(SHAPES),
+                        help="per-rank MxNxK of a [M,K] @ [K,N]")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -73,8 +75,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     hcom = dist.group.WORLD._get_backend(device).get_hccl_comm_name(rank)
     rows = []
-    for shape in args.shapes.split(","):
-        m, n, k = map(int, shape.split("x"))
+    for m, n, k in args.shapes:
+        shape = f"{m}x{n}x{k}"
         gen = torch.Generator().manual_seed(rank)
         a = torch.randn(m, k, generator=gen).to(device, dtype)
         b = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype).t()  # weight.t()
