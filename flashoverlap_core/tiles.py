@@ -2,7 +2,8 @@
 
 The output rows are first cut into *destination blocks*: the rows that go to one rank
 (``reduce_scatter``: M/W rows each; ``all_to_all``: ``send_splits``; otherwise one block of
-all M rows). Each block is cut into *bands* of at most BM rows and each band into tiles of at
+all M rows). For ``allgather`` the blocks are sources instead: the M/W rows computed from each
+rank's shard of a. Each block is cut into *bands* of at most BM rows and each band into tiles of at
 most BN columns, so no tile ever straddles two destinations and edge tiles are partial.
 
 Inside one block the tiles are visited in the order of a :class:`Schedule` (raster direction
