@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import overlap
-from ..collectives import resolve_group
+from ..collectives import reduce_scatter_single, resolve_group
 from ..devices import current_device, device_name
 from ..grouping import equal_splits
 from ..plan import DTYPES
@@ -88,10 +88,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 # What runs on every rank
 # ---------------------------------------------------------------------------------------------
-# torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
 def plain(op: str, a, b):
     """The baseline: the GEMM, then torch.distributed's collective on its whole output."""
     c = a @ b
@@ -101,7 +97,7 @@ def plain(op: str, a, b):
         return c
     if op == "reduce_scatter":
         out = c.new_empty(c.shape[0] // world, c.shape[1])
-        _reduce_scatter(out, c)
+        reduce_scatter_single(out, c)
         return out
     splits = equal_splits(c.shape[0], world)
     out = c.new_empty(splits[rank] * world, c.shape[1])
