@@ -2,7 +2,7 @@
 
 Both keep this rank's shard of a full ``nn.Linear(in_features, out_features)`` as parameters
 named ``weight`` and ``bias``, like ``nn.Linear``'s, and their forward and backward equal the
-full layer's on the matching slices (see DESIGN.md, "In a model"). ``from_linear`` shards an
+full layer's on the matching slices (see docs/design.md, "In a model"). ``from_linear`` shards an
 ``nn.Linear`` that is identical on every rank. They run through :func:`fo.overlap
 <flashoverlap_core.torch_ops.overlap>`, so they compile with ``torch.compile(fullgraph=True)``.
 

@@ -1,7 +1,7 @@
 """``overlap`` as torch custom ops: traceable by torch.compile, differentiable, fake-tensor aware.
 
 The string ops are registered as ``flashoverlap::allreduce``, ``::reduce_scatter``,
-``::all_to_all`` and ``::allgather`` (see DESIGN.md, "In a model"). The process group travels by
+``::all_to_all`` and ``::allgather`` (see docs/design.md, "In a model"). The process group travels by
 name, as in torch's functional collectives, and a plan as its JSON text. Each op's real kernel is
 :func:`flashoverlap_core.api.overlap`; its fake kernel gives the result's shape and dtype; its
 registered backward is made of the same overlapped ops where one fits (a reduce-scattered output's
@@ -33,7 +33,7 @@ _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enable
 def overlap(a, b, op="allreduce", group=None, *, plan: Plan | None = None, out=None,
             send_splits=None, recv_splits=None, backend: str | None = None):
     """``op`` applied to ``a @ b`` across ``group`` with the communication overlapped with the
-    GEMM (semantics in :func:`flashoverlap_core.api.overlap` and DESIGN.md).
+    GEMM (semantics in :func:`flashoverlap_core.api.overlap` and docs/design.md).
 
     Under torch.compile, with meta or fake tensors, or when ``a`` or ``b`` requires grad, the
     string ops run as torch custom ops; ``all_to_all`` then needs explicit ``recv_splits`` (the

@@ -12,6 +12,7 @@ from torch import nn
 
 import flashoverlap_core as fo
 from flashoverlap_core.nn import ColumnParallelLinear, RowParallelLinear
+from test_readme import python_block
 from test_torch_ops_ranks import WORLD_SIZES
 from test_torch_ops_ranks import ranks as shared_ranks
 
@@ -224,3 +225,11 @@ def test_fo_nn_and_constructors():
         RowParallelLinear(0, OUT)
     with pytest.raises(TypeError, match="ProcessGroup"):
         ColumnParallelLinear(IN, OUT, group="tp")
+
+
+def test_the_readme_model_snippet_runs(monkeypatch):
+    """README's "In a model" example, as written there, at world size 1 (compiled with
+    aot_eager: inductor's code generation is tested above, and costs a CPU minute here)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    exec(compile(python_block("fo.nn.ColumnParallelLinear.from_linear"), "README.md", "exec"), {})

@@ -52,7 +52,7 @@ def inputs(op: str, rank: int, world: int, dtype=torch.float32):
 
 
 def reference(op: str, As, Bs):
-    """Every rank's result, in float64, by the semantics in DESIGN.md (differentiable)."""
+    """Every rank's result, in float64, by the semantics in docs/design.md (differentiable)."""
     world = len(As)
     cs = [a @ b for a, b in zip(As, Bs)]
     if op == "allreduce":
