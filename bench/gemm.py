@@ -21,11 +21,11 @@ e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (
 128x128), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters.
 
-Shape sets: facts (GPU-FACTS.md), llm (tokens x hidden x K), ragged (tile counts that are not
+Shape sets: facts (docs/gpu-facts.md), llm (tokens x hidden x K), ragged (tile counts that are not
 multiples of the grid), ksweep (8192 x 8192, K = 256 .. 8192: the fitted intercept is the
 fixed cost per wave, mostly the epilogue). --comm (under torchrun, 2+ GPUs): an NCCL
 all-reduce runs on a side stream during every timed replay, limited to the reserved SMs
-(NCCL_MAX_CTAS). Writes gemm-<date>.json (device, date, commit, command, rows, summary) to
+(NCCL_MAX_CTAS). Writes gemm-<device>-<date>.json (device, date, commit, command, rows, summary) to
 $FO_RESULTS_DIR or bench/results/.
 """
 from __future__ import annotations
@@ -320,6 +320,11 @@ def summary(rows, variants) -> dict:
             out["max_signal_overhead"] = max(overheads)
             out["median_signal_overhead"] = statistics.median(overheads)
         out["rows"] = len(main)
+    errs = {}  # the sampled tiles' worst relative error per kernel (none: not checked)
+    for r in rows:
+        for name, err in r.get("rel_err", {}).items():
+            errs[name] = max(errs.get(name, 0.0), err)
+    out["max_rel_err"] = errs
     sweep = [r for r in rows if r.get("set") == "ksweep"]
     if sweep:
         out["ksweep"] = fixed_costs(sweep, ["cublas", "cublas_sm"] + [v.name for v in variants])
@@ -396,9 +401,9 @@ def main(argv=None):
                 continue
             row = {"set": set_name, **measure(kernels, shape, dtype, variants, args, flush, comm)}
             rows.append(row)
-            cols = ["set", "M", "N", "K", "dtype", "warm_cublas_tflops"] + [
-                f"warm_{v.name}_vs_cublas" for v in variants] + ["warm_cublas_sm_vs_cublas"]
-            print(table([row], cols), flush=True)
+            print(f"{set_name} {row['M']}x{row['N']}x{row['K']} {dtype}: cuBLAS "
+                  f"{row['warm_cublas_tflops']} TFLOP/s; vs cuBLAS: " + ", ".join(
+                      f"{v.name} {row[f'warm_{v.name}_vs_cublas']}" for v in variants), flush=True)
     result = summary(rows, variants)
     fits = result.get("ksweep")
     cols = ["set", "M", "N", "K", "dtype", "warm_cublas_tflops", "warm_product_tflops",
@@ -409,10 +414,14 @@ def main(argv=None):
         print(f"K sweep fit {name:>16}: fixed {fit['fixed_us']:8.1f} us = {fit['fixed_us_per_wave']:6.1f} "
               f"us/wave, {fit['us_per_k']:.4f} us per unit of K")
     print("summary:", json.dumps(result))
+    wrong = {name: err for name, err in result.get("max_rel_err", {}).items() if not err < 1e-2}
+    if wrong:
+        print(f"WARNING: wrong results (sampled tiles' relative error >= 1e-2): {wrong}")
     if not args.no_json and int(os.environ.get("RANK", "0")) == 0:
         if fits:
             result["ksweep"] = fits
-        write_result("gemm", rows, {"summary": result, "variants": [v.name for v in variants],
+        device = torch.cuda.get_device_name().split()[-1].lower()  # "NVIDIA H200" -> h200
+        write_result(f"gemm-{device}", rows, {"summary": result, "variants": [v.name for v in variants],
                                     "method": "CUDA-graph replays between events, kernels alternated, "
                                               f"{args.reps} reps, warm x{args.inner}, cold after a "
                                               f"{FLUSH_BYTES >> 20} MiB write"})

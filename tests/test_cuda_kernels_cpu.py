@@ -66,10 +66,12 @@ def test_every_table_entry_makes_valid_configs(monkeypatch):
 
 def test_environment_selects_the_epilogue(monkeypatch):
     monkeypatch.setenv(kernels.ENV_EPILOGUE, "tma,staged")
-    assert kernels.gemm_config(90, (128, 256), "bfloat16", True, (2, 1)).epilogue == "tma"
+    coop = kernels.gemm_config(90, (128, 256), "bfloat16", True, (2, 1))
+    assert (coop.epilogue, coop.epi_slots) == ("tma", kernels.CONFIGS[90][(128, 256)].tma_slots)
     assert kernels.gemm_config(80, (128, 128), "float16", False).epilogue == "staged"
     monkeypatch.setenv(kernels.ENV_EPILOGUE, "vec16")
-    assert kernels.gemm_config(90, (128, 128), "bfloat16", True).epilogue == "vec16"
+    vec = kernels.gemm_config(90, (128, 256), "bfloat16", True)
+    assert (vec.epilogue, vec.epi_slots) == ("vec16", 0)  # slots belong to the tma epilogue
     assert kernels.gemm_config(80, (128, 128), "bfloat16", True).epilogue == kernels.CONFIGS[80][(128, 128)].epilogue
     for bad in ("tmaa", "none"):  # "none" writes no full tile: for measurements only
         monkeypatch.setenv(kernels.ENV_EPILOGUE, bad)

@@ -25,15 +25,17 @@ class Kernel:
     cluster: tuple[int, int]  # preferred; a plan whose order does not fit it runs 1x1
     schedule: str
     epilogue: str = "direct"
-    epi_slots: int = 0
+    tma_slots: int = 0  # shared-memory slots whenever the epilogue is "tma" (0: the kernel's 2)
 
 
 # (tile_m, tile_n) -> Kernel, per architecture. A plan whose tile order does not fit the cluster
 # (see cluster_fits) runs the 1x1-cluster build. The epilogue switches to "tma" (sm90) and
 # "staged" (sm80) once measured correct and faster on the GPU (csrc/cuda/NOTES.md); until then
-# FLASHOVERLAP_CUDA_EPILOGUE=tma,staged selects them.
+# FLASHOVERLAP_CUDA_EPILOGUE=tma,staged selects them. 4 slots (a whole 128x256 tile, 3 mainloop
+# stages) measured 1-3% faster than 2 slots (4 stages) on the H200 (NOTES, issue 11 run 1).
 CONFIGS = {
-    90: {(128, 256): Kernel(64, (2, 1), "cooperative"), (128, 128): Kernel(64, (2, 1), "pingpong")},
+    90: {(128, 256): Kernel(64, (2, 1), "cooperative", tma_slots=4),
+         (128, 128): Kernel(64, (2, 1), "pingpong")},
     80: {(128, 128): Kernel(32, (1, 1), "multistage"), (128, 256): Kernel(32, (1, 1), "multistage")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
@@ -90,10 +92,8 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1)
                 ) -> build.GemmConfig:
     kernel = CONFIGS[arch][tuple(tile)]
-    epilogue, slots = kernel.epilogue, kernel.epi_slots
-    forced = epilogue_override(arch)
-    if forced is not None and forced != epilogue:
-        epilogue, slots = forced, 0
+    epilogue = epilogue_override(arch) or kernel.epilogue
+    slots = kernel.tma_slots if epilogue == "tma" else 0
     return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=kernel.tile_k,
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                             b_col_major=b_col_major, schedule=kernel.schedule,
