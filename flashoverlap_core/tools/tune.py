@@ -1,15 +1,16 @@
 """``flashoverlap tune``: choose the wave groups of each shape and store them in the cache.
 
-For each shape, on the ranks: the timing model is measured (transfer cost curve, the GEMM's
-wave ends from traced calls, contention, a sequential call for calibration), the predictive
-search picks a grouping, and the chosen grouping, the heuristic one and one group are timed
-with real calls (``--exhaustive``: every candidate of the measured search too). The fastest
-measured grouping is stored for ``overlap`` to use, with its table row; the table shows
-predicted against measured times.
+For each shape, on the ranks: the timing model is measured (the transfer's cost curve, the
+GEMM's wave ends from traced calls, contention, the one-group call and the plain path for
+calibration), the predictive search picks a grouping, and the chosen grouping, the heuristic
+one, one group and the plain path (``a @ b`` then one collective) are timed with real calls
+(``--exhaustive``: every candidate of the measured search too). What is stored for ``overlap``
+(:func:`~flashoverlap_core.tuning.tuner.tuned_plan`) is the fastest grouping timed, or the
+plain path when nothing beats it, with the shape's table row.
 
 What the cache already holds is reused: a shape tuned before is not measured again (its stored
-row is shown, marked "cache"), nor are the model's parts shared with other shapes. ``--refresh``
-measures everything again.
+row is shown, marked "cache"), nor is the transfer's cost curve. ``--refresh`` measures
+everything again.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from pathlib import Path
 
 from .. import registry
 from ..collectives import resolve_group
-from ..plan import DTYPES, Plan
+from ..plan import DTYPES
 from ..tuning.cache import ENV_CACHE, TuningCache, context_for, plan_key
-from ..tuning.search import measured_candidates, predictive_search
-from ..tuning.tuner import TRANSFERS, Job, build_model, measure_groupings
+from ..tuning.search import SEQUENTIAL, measured_candidates, predictive_search
+from ..tuning.tuner import (TRANSFERS, Job, build_model, measure_groupings, store_plan,
+                            tuned_plan)
 from .args import UsageError, at_least, shapes_arg
 from .hardware import pick_hardware, require_trace
 from .progress import Progress
@@ -85,60 +87,63 @@ def tune_shape(ranks: Ranks, job: Job, args, progress: Progress) -> dict:
     parts = ranks.run(build_model, job, args.cache, args.refresh)[0]
     progress.end()
     model = parts.model()
-    choice = predictive_search(model)
-    heuristic = tuple(parts.plan["group_sizes"])
-    groupings = list(dict.fromkeys([choice.group_sizes, heuristic, (model.num_tiles,)]))
+    choice = predictive_search(model, plain_s=parts.plain_s)
+    heuristic, one = tuple(parts.plan["group_sizes"]), (model.num_tiles,)
+    groupings = list(dict.fromkeys([choice.group_sizes, heuristic, one]))
     if args.exhaustive:
         groupings += [g for g in measured_candidates(model, args.candidates)
                       if g not in groupings]
-    batches = [groupings[i:i + BATCH] for i in range(0, len(groupings), BATCH)]
+    timed = groupings + [SEQUENTIAL]  # and the plain path: the GEMM, then one collective
+    batches = [timed[i:i + BATCH] for i in range(0, len(timed), BATCH)]
     progress.add(len(batches) - 1)
     measured = {}
     for batch in batches:
         progress.begin(f"{job.shape}: timing {len(batch)} grouping(s)")
         measured.update(zip(batch, ranks.run(measure_groupings, job, batch)[0]))
         progress.end()
-    best = min(measured, key=measured.get)
+    plan = tuned_plan(parts, choice, measured)
+    chosen = SEQUENTIAL if choice.strategy == SEQUENTIAL else choice.group_sizes
+    stored = SEQUENTIAL if plan.strategy == SEQUENTIAL else plan.group_sizes
+    ms = {g: t * 1e3 for g, t in measured.items()}
     row = {
         "shape": job.shape, "op": job.op, "dtype": job.dtype, "backend": job.backend,
-        "waves": len(model.timing.wave_ends), "chosen_groups": list(choice.group_sizes),
+        "waves": len(model.timing.wave_ends), "chosen_groups": _groups(chosen),
         "fell_back": choice.fell_back, "predicted_ms": choice.predicted_s * 1e3,
-        "measured_ms": measured[choice.group_sizes] * 1e3,
-        "sequential_predicted_ms": choice.sequential_s * 1e3,
-        "sequential_ms": measured[(model.num_tiles,)] * 1e3,
-        "heuristic_ms": measured[heuristic] * 1e3, "search_ms": choice.search_s * 1e3,
-        "stored_groups": list(best), "stored_ms": measured[best] * 1e3,
-        "contention": parts.contention.to_dict(), "candidates_timed": len(measured),
-        "source": "measured",
+        "measured_ms": ms[chosen], "one_group_predicted_ms": choice.sequential_s * 1e3,
+        "one_group_ms": ms[one], "plain_ms": ms[SEQUENTIAL], "heuristic_ms": ms[heuristic],
+        "search_ms": choice.search_s * 1e3, "stored_groups": _groups(stored),
+        "stored_ms": ms[stored], "contention": parts.contention.to_dict(),
+        "candidates_timed": len(groupings), "source": "measured",
     }
     row["error_pct"] = 100 * (row["predicted_ms"] / row["measured_ms"] - 1)
     if args.exhaustive:
-        row["exhaustive_best_ms"] = row["stored_ms"]
-        row["choice_vs_best"] = row["measured_ms"] / row["stored_ms"]
-    plan = Plan.from_dict({**parts.plan, "group_sizes": list(best)})
-    key = plan_key(parts.context, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
-                   world_size=plan.world_size, transfer=job.transfer)
-    TuningCache(args.cache).put("plans", key, {
-        "plan": plan.to_dict(), "measured_ms": row["stored_ms"],
-        "predicted_ms": row["predicted_ms"], "sequential_ms": row["sequential_ms"],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "row": row})
+        row["exhaustive_best_ms"] = min(ms[g] for g in groupings)
+        row["choice_vs_best"] = row["measured_ms"] / row["exhaustive_best_ms"]
+    store_plan(job, parts, plan, args.cache, measured_ms=row["stored_ms"],
+               predicted_ms=row["predicted_ms"], one_group_ms=row["one_group_ms"],
+               plain_ms=row["plain_ms"], row=row,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     return row
+
+
+def _groups(grouping) -> list[int] | str:
+    return grouping if grouping == SEQUENTIAL else list(grouping)
 
 
 # (header, row key, format); "tiles per group" lists group sizes, in tiles, in execution order
 COLUMNS = [("shape", "shape", "{}"), ("op", "op", "{}"), ("waves", "waves", "{}"),
            ("chosen: tiles per group", "chosen_groups", "{}"), ("fell back", "fell_back", "{}"),
            ("predicted ms", "predicted_ms", "{:.3f}"), ("measured ms", "measured_ms", "{:.3f}"),
-           ("error", "error_pct", "{:+.1f}%"), ("sequential ms", "sequential_ms", "{:.3f}"),
-           ("heuristic ms", "heuristic_ms", "{:.3f}"),
+           ("error", "error_pct", "{:+.1f}%"), ("one group ms", "one_group_ms", "{:.3f}"),
+           ("plain ms", "plain_ms", "{:.3f}"), ("heuristic ms", "heuristic_ms", "{:.3f}"),
            ("stored: tiles per group", "stored_groups", "{}"), ("stored ms", "stored_ms", "{:.3f}"),
            ("search ms", "search_ms", "{:.1f}"), ("from", "source", "{}")]
 LEGEND = ("chosen: the predictive search's grouping (fell back: overlap was predicted not to pay, "
-          "so one group); predicted / measured ms: its call; sequential: one group, the GEMM "
-          "then the transfer; heuristic: overlap's default grouping; stored: the fastest "
-          "grouping timed, which overlap will use; from: measured now, or the cache (--refresh "
-          "measures again).")
+          "so one group or 'sequential', the plain path); predicted / measured ms: its call; "
+          "one group: the overlapped call with every tile in one group; plain: a @ b, then one "
+          "collective; heuristic: overlap's default grouping; stored: what overlap will use, the "
+          "fastest timed (never slower than plain); from: measured now, or the cache "
+          "(--refresh measures again).")
 
 
 def _cell(value, fmt: str) -> str:
