@@ -78,7 +78,8 @@ def item_tables(draw):
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(items=item_tables(), cluster=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]))
+@given(items=item_tables(),
+       cluster=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]))
 def test_cluster_fits_agrees_with_the_rule_on_real_plans(items, cluster):
     assert kernels.cluster_fits(items, cluster) == cluster_rule(items, cluster)
 

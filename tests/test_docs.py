@@ -25,7 +25,8 @@ def sources():
 def test_every_cited_document_exists():
     missing = []
     for path in sorted(sources()):
-        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
             for cited in CITED.findall(line):
                 if not ((ROOT / cited).is_file() or (path.parent / cited).is_file()):
                     missing.append(f"{path.relative_to(ROOT)}:{n}: {cited}")

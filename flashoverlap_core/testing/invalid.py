@@ -296,7 +296,9 @@ def unequal_allgather_rows_on_rank(target) -> tuple[tuple[str, ...], str]:
     ctx = Ctx(device, dist.get_world_size(), target.backend_name,
               valid_dtype(target.backend_name, device.type))
     why = declined(ctx, "allgather")
-    return ((DECLINED,), why) if why else attempt(lambda c: c.call(op="allgather", a=c.t(M + rank, K)), ctx)
+    if why:
+        return (DECLINED,), why
+    return attempt(lambda c: c.call(op="allgather", a=c.t(M + rank, K)), ctx)
 
 
 def mismatched_recv_splits_on_rank(target) -> tuple[tuple[str, ...], str]:

@@ -78,7 +78,7 @@ def stored_row(job: Job, cache_path: str | None) -> dict | None:
 
 
 def tune_shape(ranks: Ranks, job: Job, args, progress: Progress) -> dict:
-    progress.begin(f"{job.shape}: measuring the model" + ("" if args.refresh else " (unless cached)"))
+    progress.begin(f"{job.shape}: measuring the model{'' if args.refresh else ' (unless cached)'}")
     row = None if args.refresh else ranks.run(stored_row, job, args.cache)[0]
     if row is not None:
         progress.end()
