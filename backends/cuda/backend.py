@@ -21,7 +21,7 @@ Python path, with the same per-stream state, collectives through torch.distribut
 The first call of a (kernel, group, op) runs its phases one after the other with host syncs,
 so every kernel it uses (GEMM, waiter, NCCL's, reorder) is loaded before any call overlaps:
 under CUDA's lazy loading a kernel's first launch waits for an idle device, which would
-serialise or deadlock an overlapped call (GPU-FACTS.md). Such a first call inside CUDA-graph
+serialise or deadlock an overlapped call (docs/design.md, "The call path"). Such a first call inside CUDA-graph
 capture raises a ValueError that says to run it once outside capture first.
 """
 from __future__ import annotations

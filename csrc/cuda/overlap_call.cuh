@@ -110,7 +110,7 @@ inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* 
     FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
     FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
   }
-  // The GEMM first: a waiter queued before its producer could deadlock (GPU-FACTS).
+  // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
   cudaError_t err = reinterpret_cast<GemmRun>(d.gemm_run)(
       a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items, d.item_group,
       d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
