@@ -1,12 +1,13 @@
 """RankPool: results in rank order, a raising rank comes back as RankError with its traceback,
-a hanging rank as RankTimeout within the timeout, and a pool that timed out is killed."""
+a hanging rank as RankTimeout within the timeout, and a pool that timed out is killed. Ranks:
+fresh ranks after a call killed the pool or was cut short, one rank in the caller's process."""
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap_core.tools.ranks import RankError, RankPool, RankTimeout
+from flashoverlap_core.tools.ranks import RankError, RankPool, Ranks, RankTimeout
 
 
 def rank_and_size():
@@ -87,3 +88,36 @@ def test_a_rank_failing_while_another_waits_in_a_collective_does_not_hang():
     assert "KeyError: 'rank 0 gave up before the collective'" in str(info.value)
     assert time.monotonic() - start < 60
     assert not any(p.is_alive() for p in procs)
+
+
+def pid():
+    import os
+
+    return os.getpid()
+
+
+@pytest.mark.timeout(300)
+def test_ranks_start_new_ranks_after_a_call_killed_theirs_or_was_cut_short(monkeypatch):
+    with Ranks(2, "cpu", timeout=120) as ranks:
+        first = ranks.run(pid)
+        with pytest.raises(RankError):
+            ranks.run(raise_on_rank_1)  # every rank answered: the same ranks go on
+        assert ranks.run(pid) == first
+        with pytest.raises(RankTimeout):
+            ranks.run(hang_on_rank_1, timeout=5)  # the pool is killed
+        second = ranks.run(pid)
+        assert ranks.run(rank_and_size) == [(0, 2), (1, 2)]
+        assert set(second).isdisjoint(first), "the killed ranks were reused"
+        # an interrupt in the caller (pytest-timeout, Ctrl-C) may leave the ranks inside a
+        # collective: the next call must not reuse them
+        pool = ranks.pool
+        monkeypatch.setattr(pool, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            ranks.run(rank_and_size)
+        assert set(ranks.run(pid)).isdisjoint(second) and not pool.alive
+
+
+def test_one_rank_in_process_runs_here():
+    import os
+
+    assert Ranks(1, "cpu", in_process=True).run(pid) == [os.getpid()]
