@@ -208,8 +208,10 @@ def test_grad_and_meta_and_fake_at_world_size_1(op):
     torch.testing.assert_close(a.grad, grad @ b.t())
     meta = fo.overlap(a.detach().to("meta"), b.to("meta"), op)
     assert meta.is_meta and meta.shape == out.shape
-    with FakeTensorMode() as mode:
-        fake = fo.overlap(mode.from_tensor(a.detach()), mode.from_tensor(b), op)
+    mode = FakeTensorMode()
+    fake_a, fake_b = mode.from_tensor(a.detach()), mode.from_tensor(b)
+    with mode:
+        fake = fo.overlap(fake_a, fake_b, op)
     assert fake.shape == out.shape and fake.dtype == out.dtype
 
 
