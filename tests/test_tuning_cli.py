@@ -3,6 +3,7 @@ in a subprocess, under a timeout; and every command's refusal of bad arguments: 
 status 2, before any rank starts."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from flashoverlap_core.tools.cli import main
+from flashoverlap_core.tools.progress import Progress
 from flashoverlap_core.tuning.cache import FORMAT
 
 TIMEOUT = 240
@@ -134,3 +136,21 @@ def test_trace_help_gives_its_defaults(capsys):
     for default in ("default: allreduce", "default: timeline.png in the current directory",
                     "default: 1024x1024x512 on the CPU"):
         assert default in text, text
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stream, redraws", [(io.StringIO(), False), (Terminal(), True)])
+def test_progress_redraws_only_on_a_terminal(stream, redraws):
+    progress = Progress(2, stream)
+    for step in ("model", "timing"):
+        progress.begin(step)
+        progress.end()
+    progress.finish()
+    text = stream.getvalue()
+    assert ("\r" in text) == redraws
+    if not redraws:  # a log gets one plain line per step
+        assert text.splitlines() == ["[1/2] model ...", "[2/2] timing ...", "[2/2] done"]
