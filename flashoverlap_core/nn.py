@@ -17,6 +17,7 @@ full layer's on the matching slices (see docs/design.md, "In a model"). ``from_l
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -47,6 +48,15 @@ class _ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(weight_shape, **factory))
         self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
         self.reset_parameters()
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied (nor pickled): a copy of the layer (an EMA model,
+        # say) keeps communicating on the same group.
+        memo[id(self.group)] = self.group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialisation (uniform in ±1/sqrt(in_features)), per shard: ranks draw

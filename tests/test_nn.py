@@ -4,6 +4,8 @@ eager and under torch.compile(fullgraph=True); a tensor-parallel MLP block; clea
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,6 +100,9 @@ def run_layers(kinds, rank: int, world: int, compile_backend: str | None) -> lis
     outs = fn(layers, xs)
     sum((out * c[1].float()).sum() for out, (c, _) in zip(outs, cases)).backward()
     check_against_unsharded(kinds, layers, xs, outs, cases, compile_backend or "eager")
+    copied = copy.deepcopy(layers[0])  # the group is shared, the parameters copied
+    assert copied.group is layers[0].group and copied.weight is not layers[0].weight
+    torch.testing.assert_close(copied(xs[0].detach()), outs[0].detach())
     return list(kinds)
 
 
