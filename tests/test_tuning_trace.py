@@ -1,5 +1,6 @@
 """Traces (TileTrace, the reference backend's trace()) and the measurements built on them, on
-the CPU in this process (one rank, no process group) and on two spawned CPU ranks."""
+the CPU in this process (one rank, no process group) and on two spawned CPU ranks. The
+contention fit and the slowdown rule are tested in tests/test_tuning_model.py."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from flashoverlap_core.backend import OverlapCall
 from flashoverlap_core.tools.ranks import RankPool
 from flashoverlap_core.transfers import HostOffload
 from flashoverlap_core.tuning import measure
-from flashoverlap_core.tuning.model import Contention, CostCurve
+from flashoverlap_core.tuning.model import CostCurve
 from flashoverlap_core.tuning.search import predictive_search
 from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tuning.tuner import Job, build_model, measure_groupings, trace_rank
@@ -73,19 +74,6 @@ def test_measurements_in_one_process():
     assert curve.sizes == tuple(sizes) and all(s >= 0 for s in curve.seconds)
     assert measure.transfer_fn("allreduce", None, 1) is None  # no process group: free
     assert measure.measure_curve(None, sizes, torch.float32, CPU, None) == CostCurve.free()
-    x = torch.randn(256, 256)
-    contention = measure.measure_contention(lambda: x @ x, send, torch.zeros(1 << 14), CPU,
-                                            None, iters=3, warmup=1)
-    assert contention.gemm >= 1 and contention.comm >= 1
-    assert measure.measure_contention(lambda: x @ x, None, x, CPU, None) == Contention()
-
-
-def test_slowdown_follows_the_rate_model():
-    # 2 s of work took 3 s, 2 of them beside the other job: 2/f + 1 = 2 -> f = 2
-    assert measure._slowdown(2.0, 3.0, 2.0) == pytest.approx(2.0)
-    assert measure._slowdown(2.0, 1.9, 1.0) == 1.0  # faster than alone: noise
-    assert measure._slowdown(2.0, 3.0, 0.0) == 1.0  # never together: nothing to learn
-    assert measure._slowdown(1.0, 9.0, 2.0) == measure.MAX_SLOWDOWN
 
 
 def test_tuning_one_shape_in_this_process(tmp_path):
@@ -98,9 +86,8 @@ def test_tuning_one_shape_in_this_process(tmp_path):
     assert choice.predicted_s > 0 and choice.sequential_s > 0
     times = measure_groupings(job, [choice.group_sizes, (4, 4)])
     assert len(times) == 2 and min(times) > 0
-    again = build_model(job, str(tmp_path / "c.json"))  # the measured parts come from the cache
-    assert (again.timing, again.cost, again.contention) == \
-        (parts.timing, parts.cost, parts.contention)
+    again = build_model(job, str(tmp_path / "c.json"))  # the transfer's curve from the cache
+    assert again.cost == parts.cost
     traced = trace_rank(job, (4, 4))
     assert TileTrace.from_dict(traced["trace"]).group_sizes == (4, 4)
 
