@@ -55,15 +55,18 @@ def _direct(t) -> bool:
 
 
 def _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, backend):
-    if not isinstance(op, str):
-        if callable(op):
-            raise TypeError(
-                "a callable op is eager-only: it cannot run under torch.compile, on meta or fake "
-                "tensors, or on tensors that require grad (call it under torch.no_grad(), on "
-                "real tensors, outside the compiled region)")
-        raise TypeError(f"op must be one of {STRING_OPS} or a callable op(region, index), "
-                        f"got {type(op).__name__}")
-    if op not in STRING_OPS:
+    if callable(op) and not isinstance(op, str):
+        raise TypeError(
+            "a callable op is eager-only: it cannot run under torch.compile, on meta or fake "
+            "tensors, or on tensors that require grad (call it under torch.no_grad(), on "
+            "real tensors, outside the compiled region)")
+    if not _is_compiling():
+        # Every check api.overlap makes before device work, with its messages. (Under
+        # torch.compile the fake kernel checks what shapes can tell: dynamo does not trace these.)
+        checked = api.check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
+        if op == "all_to_all":  # the backward pass needs both
+            _all_to_all_rows(checked["m"], checked["world_size"], send_splits, recv_splits)
+    if not isinstance(op, str) or op not in STRING_OPS:
         raise ValueError(f"op must be one of {STRING_OPS} or a callable op(region, index), "
                          f"got {op!r}")
     kwargs = {"plan": _plan_text(plan) if plan is not None else None, "backend": backend}
@@ -155,9 +158,6 @@ _TAGS = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t
 
 def _real_kernel(op: str):
     def run(a, b, group_name, send_splits=None, recv_splits=None, *, plan=None, backend=None):
-        # The fake kernel's checks, in eager too: backward needs what they require (all_to_all's
-        # recv_splits), and the errors are the same with and without torch.compile.
-        result_rows(op, a, b, world_size(group_name), send_splits, recv_splits)
         return api.overlap(a, b, op, resolve_group(group_name),
                            plan=_plan_from_text(plan) if plan is not None else None,
                            send_splits=send_splits, recv_splits=recv_splits, backend=backend)
@@ -173,7 +173,8 @@ def _fake_kernel(op: str):
 
 
 def result_rows(op: str, a, b, world: int, send_splits=None, recv_splits=None) -> int:
-    """Rows of ``op``'s result, with the checks a shape-only (fake) run can make."""
+    """Rows of ``op``'s result, with the checks a shape-only (fake) run can make: the fake
+    kernel's, so also the checks under torch.compile."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), (kb, _) = a.shape, b.shape
@@ -182,6 +183,8 @@ def result_rows(op: str, a, b, world: int, send_splits=None, recv_splits=None) -
                          "a.shape[1] must equal b.shape[0]")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
     if op == "reduce_scatter":
         if m % world:
             raise ValueError(f"reduce_scatter needs M divisible by the world size: M={m}, W={world}")
