@@ -9,16 +9,20 @@ import torch
 
 import fake_backends
 import flashoverlap_core as fo
-from flashoverlap_core import registry
+from flashoverlap_core import api, registry
 
 
 @pytest.fixture(autouse=True)
 def isolated_registry(monkeypatch, caplog):
-    """Backends registered by a test vanish after it; no backend choice comes from outside."""
-    monkeypatch.setattr(registry, "_loaded", dict(registry._loaded))
-    monkeypatch.setattr(registry, "_load_errors", dict(registry._load_errors))
+    """Backends registered by a test vanish after it; no backend choice comes from outside,
+    and no call prepared by another test (a prepared key keeps the backend chosen for it)."""
+    for name in ("_loaded", "_load_errors", "_probed"):
+        monkeypatch.setattr(registry, name, dict(getattr(registry, name)))
     monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
     caplog.set_level(logging.INFO, logger="flashoverlap")
+    api.forget_prepared()
+    yield
+    api.forget_prepared()
 
 
 def inputs():
