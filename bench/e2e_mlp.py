@@ -94,7 +94,8 @@ def _funcol(name: str, older: str):
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+    scale = want.float().abs().max().clamp_min(1e-30)
+    return float((got.float() - want.float()).abs().max() / scale)
 
 
 def chosen_backends(tokens, hidden, inner, world, dtype, device_type, backend) -> dict[str, str]:
@@ -155,7 +156,8 @@ def combine(per_rank: list[list[dict]], dtype, device_type, backend) -> list[dic
         for mode in ("fwd", "fwdbwd"):
             for base in ("torch", "torch_compiled"):
                 if f"{mode}_{base}" in row:
-                    row[f"{mode}_speedup_vs_{base}"] = round(row[f"{mode}_{base}"] / row[f"{mode}_fo"], 3)
+                    speedup = row[f"{mode}_{base}"] / row[f"{mode}_fo"]
+                    row[f"{mode}_speedup_vs_{base}"] = round(speedup, 3)
         row["backends"] = chosen_backends(row["T"], row["H"], row["I"], row["W"], dtype,
                                           device_type, backend)
         rows.append(row)

@@ -1,12 +1,12 @@
 """``overlap`` as torch custom ops: traceable by torch.compile, differentiable, fake-tensor aware.
 
 The string ops are registered as ``flashoverlap::allreduce``, ``::reduce_scatter``,
-``::all_to_all`` and ``::allgather`` (see docs/design.md, "In a model"). The process group travels by
-name, as in torch's functional collectives, and a plan as its JSON text. Each op's real kernel is
-:func:`flashoverlap_core.api.overlap`; its fake kernel gives the result's shape and dtype; its
-registered backward is made of the same overlapped ops where one fits (a reduce-scattered output's
-gradient is all-gathered into the next GEMM, an all-gathered input's gradient is the
-reduce-scatter of a GEMM's output).
+``::all_to_all`` and ``::allgather`` (see docs/design.md, "In a model"). The process group
+travels by name, as in torch's functional collectives, and a plan as its JSON text. Each op's
+real kernel is :func:`flashoverlap_core.api.overlap`; its fake kernel gives the result's shape
+and dtype; its registered backward is made of the same overlapped ops where one fits (a
+reduce-scattered output's gradient is all-gathered into the next GEMM, an all-gathered input's
+gradient is the reduce-scatter of a GEMM's output).
 
 :func:`overlap` is the public ``fo.overlap``. A plain eager call (real tensors, nothing to
 differentiate, not compiling) goes straight to ``api.overlap``: the custom-op machinery costs
@@ -87,7 +87,9 @@ def _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, bac
 
 
 def _describe(x) -> str:
-    return f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, _Tensor) else type(x).__name__
+    if isinstance(x, _Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
 
 
 def _split_list(splits):
@@ -187,7 +189,8 @@ def result_rows(op: str, a, b, world: int, send_splits=None, recv_splits=None) -
         raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
     if op == "reduce_scatter":
         if m % world:
-            raise ValueError(f"reduce_scatter needs M divisible by the world size: M={m}, W={world}")
+            raise ValueError(f"reduce_scatter needs M divisible by the world size: "
+                             f"M={m}, W={world}")
         return m // world
     if op == "allgather":
         return world * m
@@ -286,7 +289,8 @@ def _all_gather(t, name):
     if not name:
         return t
     from torch.distributed import _functional_collectives as funcol
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.10
+    # all_gather_tensor is the older name of all_gather_single
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     return gather(t, 0, name)
 
 

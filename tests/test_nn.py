@@ -151,10 +151,11 @@ def check_mlp(compile_backend: str | None) -> str:
     x = x_full.detach()[rows].float().requires_grad_()
     y = fn(block, x)
     y.backward(g_full[rows].float())
-    shard = 2 * inner // world
+    gate_up_rows = slice(rank * 2 * inner // world, (rank + 1) * 2 * inner // world)
+    down_cols = slice(rank * inner // world, (rank + 1) * inner // world)
     pairs = [(y, y_full[rows]), (x.grad, x_full.grad[rows]),
-             (block[0].weight.grad, ref[0].grad[order][rank * shard:(rank + 1) * shard]),
-             (block[1].weight.grad, ref[1].grad[:, rank * inner // world:(rank + 1) * inner // world])]
+             (block[0].weight.grad, ref[0].grad[order][gate_up_rows]),
+             (block[1].weight.grad, ref[1].grad[:, down_cols])]
     for name, (got, want) in zip(("output", "input grad", "gate_up grad", "down grad"), pairs):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"MLP {name} {compile_backend}: {m}")

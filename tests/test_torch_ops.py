@@ -109,7 +109,8 @@ def check_every_op(compile_backend: str | None) -> str:
     sum((o * per_op[op][2]).sum() for op, o in zip(OPS, outs)).backward()
     for i, op in enumerate(OPS):
         want, grad_a, grad_b = reference_grads(op, rank, world)
-        torch.testing.assert_close(eager[i].double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{op} eager: {m}")
+        torch.testing.assert_close(eager[i].double(), want, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{op} eager: {m}")
         torch.testing.assert_close(outs[i], eager[i], rtol=1e-6, atol=1e-6,
                                    msg=lambda m: f"{op} {compile_backend} vs eager: {m}")
         torch.testing.assert_close(leaves[2 * i].grad.double(), grad_a, rtol=1e-5, atol=1e-5,
@@ -165,7 +166,8 @@ def ranks(request):
 
 @pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"])
 def test_every_op_compiled_equals_eager_and_reference(ranks, compile_backend):
-    assert ranks.run(check_every_op, compile_backend) == [compile_backend or "eager"] * ranks.world_size
+    done = ranks.run(check_every_op, compile_backend)
+    assert done == [compile_backend or "eager"] * ranks.world_size
 
 
 def test_meta_tensors_on_the_group(ranks):
