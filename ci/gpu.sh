@@ -23,7 +23,8 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     report) stage report 60 flashoverlap report ;;
     tests) stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu ;;
     callpath) stage callpath 180 $PY bench/callpath.py ;;
-    e2e) stage e2e 180 $PY bench/e2e_mlp.py ;;
+    e2e) stage e2e 420 $PY bench/e2e_mlp.py ;;
+    compile) stage compile 420 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_compile.py ;;
     cache) tar -czf "$OUT/kernel-cache.tar.gz" -C "$PWD" .fo_build/cache \
              && echo "cache: $(du -h "$OUT/kernel-cache.tar.gz" | cut -f1)" | tee -a "$SUMMARY" ;;
     # The Ampere/Ada (sm_80) kernels run on Hopper too: their correctness is checked here.
