@@ -15,7 +15,7 @@ from torch import nn
 import flashoverlap_core as fo
 from flashoverlap_core.nn import ColumnParallelLinear, RowParallelLinear
 from test_readme import python_block
-from test_torch_ops_ranks import WORLD_SIZES
+from test_torch_ops_ranks import INDUCTOR, WORLD_SIZES
 from test_torch_ops_ranks import ranks as shared_ranks
 
 SEED = 20261202
@@ -200,7 +200,7 @@ def test_layers_equal_the_unsharded_linear(ranks, compile_backend):
     assert ranks.run(check_layers, compile_backend) == [list(KINDS)] * ranks.world_size
 
 
-@pytest.mark.parametrize("compile_backend", [None, "inductor"])
+@pytest.mark.parametrize("compile_backend", [None, INDUCTOR])
 def test_tensor_parallel_mlp_block(ranks, compile_backend):
     assert ranks.run(check_mlp, compile_backend) == [compile_backend or "eager"] * ranks.world_size
 

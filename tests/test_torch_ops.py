@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashoverlap_core as fo
 from flashoverlap_core import torch_ops
-from test_torch_ops_ranks import WORLD_SIZES
+from test_torch_ops_ranks import INDUCTOR, WORLD_SIZES
 from test_torch_ops_ranks import ranks as shared_ranks
 
 SEED = 20261201
@@ -164,7 +164,7 @@ def ranks(request):
     return shared_ranks(request.param)
 
 
-@pytest.mark.parametrize("compile_backend", [None, "aot_eager", "inductor"])
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager", INDUCTOR])
 def test_every_op_compiled_equals_eager_and_reference(ranks, compile_backend):
     done = ranks.run(check_every_op, compile_backend)
     assert done == [compile_backend or "eager"] * ranks.world_size

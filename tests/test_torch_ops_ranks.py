@@ -6,6 +6,10 @@ torch.compile's machinery costs far more than the checks themselves on a 2-core 
 from __future__ import annotations
 
 import atexit
+import os
+import shutil
+
+import pytest
 
 from flashoverlap_core.tools.ranks import Ranks
 
@@ -13,6 +17,16 @@ WORLD_SIZES = (1, 2, 4)
 # Inductor compiles in the rank itself (no compile-worker pool on a 2-core CI machine).
 RANK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 _POOLS: dict[int, Ranks] = {}
+
+
+def _cpp_compiler() -> str | None:
+    """What inductor's CPU code generation compiles with (it looks for $CXX, else g++)."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+# torch.compile's default backend on the CPU: skipped, with the reason, without a C++ compiler.
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.skipif(
+    _cpp_compiler() is None, reason="inductor's CPU code needs a C++ compiler ($CXX or g++)"))
 
 
 def ranks(world_size: int) -> Ranks:
