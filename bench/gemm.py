@@ -61,21 +61,22 @@ FLUSH_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class Variant:
-    """A GEMM build to time: arch and tile pick the kernel table's entry; epilogue and slots
-    override it (None: the table's, i.e. the product)."""
+    """A GEMM build to time: arch and tile pick the kernel table's entry (tile None: the tile a
+    default plan gets, per shape); epilogue and slots override it (None: the table's, i.e. the
+    product)."""
 
     name: str
     arch: int
-    tile: tuple[int, int]
+    tile: tuple[int, int] | None
     epilogue: str | None = None
     slots: int = 0
     signal: bool = True
 
 
-def parse_variant(name: str, product_arch: int, product_tile) -> Variant:
+def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     if base == "product":
-        return Variant(name, product_arch, tuple(product_tile), signal=signal)
+        return Variant(name, product_arch, None, signal=signal)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -87,14 +88,15 @@ def parse_variant(name: str, product_arch: int, product_tile) -> Variant:
     return Variant(name, arch, tile, epi, slots, signal)
 
 
-def variant_config(kernels, v: Variant, dtype: str, cluster):
-    cfg = kernels.gemm_config(v.arch, v.tile, dtype, True, cluster)
+def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None):
+    cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster)
     if v.epilogue is not None:
         cfg = replace(cfg, epilogue=v.epilogue, epi_slots=v.slots)
     return cfg
 
 
 def plan_for(m, n, k, dtype, tile):
+    """The cuda backend's plan (tile None: the backend's choice for this shape)."""
     import flashoverlap_core as fo
 
     return fo.plan(m, n, k, op="custom", dtype=getattr(torch, dtype), tile=tile, backend="cuda")
@@ -102,21 +104,24 @@ def plan_for(m, n, k, dtype, tile):
 
 def cluster_for(kernels, v: Variant, plan, items=None):
     """The variant's preferred cluster if the plan's order fits it, else 1x1 (as the backend)."""
-    cluster = kernels.preferred_cluster(v.arch, v.tile)
+    cluster = kernels.preferred_cluster(v.arch, plan.tile)
     items = plan.item_table()[0] if items is None else items
     return cluster if kernels.cluster_fits(items, cluster) else (1, 1)
 
 
 def needed_configs(kernels, variants, dtypes, shapes):
-    """Every build the run launches (plans made here; without a GPU, both clusters)."""
+    """Every build the run launches (plans made here; without a GPU, both clusters and, for
+    the product, every tile a default plan may get)."""
     out = []
     for v in variants:
         for dtype in dtypes:
             if torch.cuda.is_available():
-                clusters = {cluster_for(kernels, v, plan_for(*shape, dtype, v.tile)) for shape in shapes}
+                plans = [plan_for(*shape, dtype, v.tile) for shape in shapes]
+                picks = {(p.tile, cluster_for(kernels, v, p)) for p in plans}
             else:
-                clusters = {kernels.preferred_cluster(v.arch, v.tile), (1, 1)}
-            out += [variant_config(kernels, v, dtype, c) for c in sorted(clusters)]
+                tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch))
+                picks = {(t, c) for t in tiles for c in (kernels.preferred_cluster(v.arch, t), (1, 1))}
+            out += [variant_config(kernels, v, dtype, c, t) for t, c in sorted(picks)]
     return list(dict.fromkeys(out))
 
 
@@ -127,7 +132,8 @@ class Gemm:
         m, k = a.shape
         self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile)
         items, groups = self.plan.item_table()
-        self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items))
+        self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items),
+                                     self.plan.tile)
         self.lib = kernels.gemm_library(self.config)
         self.items, self.groups = items.cuda(), groups.cuda()
         self.counters = (torch.zeros(self.plan.num_groups, dtype=torch.int32, device="cuda")
@@ -379,9 +385,8 @@ def main(argv=None):
     if args.comm:  # before anything creates a context on device 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
     product_arch = 90 if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] == 9 else 80
-    product_tile = kernels.default_tile(product_arch)
     names = ["product", "plain"] + [v for v in args.variants.split(",") if v]
-    variants = [parse_variant(n if n != "plain" else "product-plain", product_arch, product_tile)
+    variants = [parse_variant(n if n != "plain" else "product-plain", product_arch)
                 for n in dict.fromkeys(names)]
     variants = [replace(v, name="plain") if v.name == "product-plain" else v for v in variants]
     dtypes = args.dtypes.split(",")

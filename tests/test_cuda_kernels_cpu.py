@@ -61,7 +61,48 @@ def test_every_table_entry_makes_valid_configs(monkeypatch):
                     for cluster in {kernel.cluster, (1, 1)}:
                         cfg = kernels.gemm_config(arch, tile, dtype, col, cluster)
                         assert cfg.tile == tile and cfg.epilogue == kernel.epilogue
+                        assert cfg.epi_slots == (kernel.tma_slots if cfg.epilogue == "tma" else 0)
     assert kernels.all_configs([90, 80])
+
+
+def test_default_epilogues_are_the_measured_ones(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    coop = kernels.gemm_config(90, (128, 256), "bfloat16", True, (2, 1))
+    assert (coop.epilogue, coop.epi_slots) == ("tma", 4)
+    assert kernels.gemm_config(90, (128, 128), "float16", False).epilogue == "tma"
+    assert kernels.gemm_config(80, (128, 128), "bfloat16", True).epilogue == "staged"
+    monkeypatch.setenv(kernels.ENV_EPILOGUE, "direct")  # the original stays selectable
+    assert kernels.gemm_config(90, (128, 256), "bfloat16", True).epi_slots == 0
+    assert {kernels.gemm_config(a, t, "bfloat16", True).epilogue
+            for a, t in ((90, (128, 256)), (80, (128, 128)))} == {"direct"}
+
+
+def _spec(m, n, k, op="allreduce", world_size=1, send_splits=None):
+    from flashoverlap_core.backend import OverlapSpec
+
+    return OverlapSpec(m, n, k, op, world_size, "bfloat16", "cuda", "col", send_splits)
+
+
+def test_pingpong_tile_where_the_last_wave_is_ragged():
+    # Measured on the H200 (issue 11 run 2): pingpong faster on these three ragged shapes only.
+    for m, n, k in ((5120, 5120, 4096), (3072, 7168, 4096), (6144, 3584, 2048)):
+        assert kernels.default_tile(90, _spec(m, n, k), 128) == (128, 128)
+    for m, n, k in ((4096, 4096, 4096), (16384, 8192, 1024), (2560, 6400, 4096), (12288, 4096, 1536),
+                    (8192, 8192, 256), (2048, 4096, 4096)):
+        assert kernels.default_tile(90, _spec(m, n, k), 128) == (128, 256)
+    # Waves count per destination block: 8 blocks of 640 rows at N=5120 -> 800 tiles again.
+    assert kernels.default_tile(90, _spec(5120, 5120, 4096, "reduce_scatter", 8), 128) == (128, 128)
+    assert kernels.default_tile(90, _spec(8192, 8192, 4096, "reduce_scatter", 8), 128) == (128, 256)
+    assert kernels.default_tile(90) == kernels.DEFAULT_TILE[90]  # no call: the default
+    assert kernels.default_tile(80, _spec(5120, 5120, 4096), 128) == kernels.DEFAULT_TILE[80]
+    assert kernels.pingpong_cost(100) == kernels.PINGPONG_COST[0][1]
+    assert kernels.pingpong_cost(3000) == dict(kernels.PINGPONG_COST)[2048]
+
+
+def test_prebuild_covers_every_tile_a_default_plan_picks(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    tiles = {(c.arch, c.tile) for c in kernels.all_configs([90, 80])}
+    assert tiles == {(90, (128, 256)), (90, (128, 128)), (80, kernels.DEFAULT_TILE[80])}
 
 
 def test_environment_selects_the_epilogue(monkeypatch):
@@ -127,17 +168,18 @@ def _bench_gemm():
 
 def test_bench_variants_map_to_builds():
     gemm = _bench_gemm()
-    v = gemm.parse_variant("coop-tma4-plain", 90, (128, 256))
+    v = gemm.parse_variant("coop-tma4-plain", 90)
     assert (v.tile, v.epilogue, v.slots, v.signal) == ((128, 256), "tma", 4, False)
     cfg = gemm.variant_config(kernels, v, "bfloat16", (2, 1))
     assert build.config_name(cfg) == "sm90_bf16_bcol_128x256x64_c2x1_cooperative_etma4"
-    pp = gemm.variant_config(kernels, gemm.parse_variant("pp-vec16", 90, (128, 256)), "float16", (1, 1))
+    pp = gemm.variant_config(kernels, gemm.parse_variant("pp-vec16", 90), "float16", (1, 1))
     assert (pp.schedule, pp.tile, pp.epilogue) == ("pingpong", (128, 128), "vec16")
-    product = gemm.parse_variant("product", 90, (128, 256))
-    assert gemm.variant_config(kernels, product, "bfloat16", (2, 1)) == kernels.gemm_config(
+    product = gemm.parse_variant("product", 90)
+    assert product.tile is None  # the tile a default plan gets, per shape
+    assert gemm.variant_config(kernels, product, "bfloat16", (2, 1), (128, 256)) == kernels.gemm_config(
         90, (128, 256), "bfloat16", True, (2, 1))
     with pytest.raises(ValueError, match="variant"):
-        gemm.parse_variant("wide-tma", 90, (128, 256))
+        gemm.parse_variant("wide-tma", 90)
 
 
 def test_bench_fixed_cost_fit_recovers_the_intercept():

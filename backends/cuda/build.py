@@ -121,7 +121,7 @@ class GemmConfig:
 
 def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True,
                    epilogue: str = "direct") -> GemmConfig:
-    """The configuration used when nothing else is asked for."""
+    """A representative configuration (the kernel table in kernels.py says what plans run)."""
     if arch >= 90:
         return GemmConfig(arch=90, dtype=dtype, b_col_major=b_col_major, epilogue=epilogue)
     return GemmConfig(arch=80, tile_m=128, tile_n=128, tile_k=32, cluster_m=1, cluster_n=1,

@@ -29,14 +29,16 @@ class Kernel:
 
 
 # (tile_m, tile_n) -> Kernel, per architecture. A plan whose tile order does not fit the cluster
-# (see cluster_fits) runs the 1x1-cluster build. The epilogue switches to "tma" (sm90) and
-# "staged" (sm80) once measured correct and faster on the GPU (csrc/cuda/NOTES.md); until then
-# FLASHOVERLAP_CUDA_EPILOGUE=tma,staged selects them. 4 slots (a whole 128x256 tile, 3 mainloop
-# stages) measured 1-3% faster than 2 slots (4 stages) on the H200 (NOTES, issue 11 run 1).
+# (see cluster_fits) runs the 1x1-cluster build. Epilogues (csrc/cuda/NOTES.md, issue 11): sm90
+# "tma" (measured correct and 0.90-1.06x cuBLAS on the H200, "direct" 0.71-0.95x), sm80 "staged"
+# (correct on the H200; its speed there says nothing about Ampere/Ada). 4 slots for 128x256 (a
+# whole tile, 3 mainloop stages) measured 1-3% faster than 2 (4 stages).
+# FLASHOVERLAP_CUDA_EPILOGUE=direct selects the original epilogue.
 CONFIGS = {
-    90: {(128, 256): Kernel(64, (2, 1), "cooperative", tma_slots=4),
-         (128, 128): Kernel(64, (2, 1), "pingpong")},
-    80: {(128, 128): Kernel(32, (1, 1), "multistage"), (128, 256): Kernel(32, (1, 1), "multistage")},
+    90: {(128, 256): Kernel(64, (2, 1), "cooperative", "tma", tma_slots=4),
+         (128, 128): Kernel(64, (2, 1), "pingpong", "tma")},
+    80: {(128, 128): Kernel(32, (1, 1), "multistage", "staged"),
+         (128, 256): Kernel(32, (1, 1), "multistage", "staged")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
@@ -70,8 +72,45 @@ def supported_tiles(arch: int) -> set[tuple[int, int]]:
     return set(CONFIGS[arch])
 
 
-def default_tile(arch: int) -> tuple[int, int]:
-    return DEFAULT_TILE[arch]
+# Per-shape tile on sm90 (issue 11 run 2, H200): per wave, the cooperative 128x256 kernel beats
+# the pingpong 128x128 one (which needs two tiles for its work) by PINGPONG_COST(K), measured at
+# 8192x8192 (bf16; fp16 alike); but a ragged last wave of 128x256 tiles wastes twice the work.
+# With waves W of each tile for the plan's wave size, pingpong wins when 2 W_coop / W_pp >
+# PINGPONG_COST(K): so it measured on the three ragged shapes that pick it (0.95-1.00x cuBLAS
+# against 0.90-0.95x) and lost on every shape that does not (2 W_coop = W_pp there).
+PINGPONG_COST = ((256, 1.25), (512, 1.06), (1024, 1.08), (2048, 1.05), (4096, 1.03), (8192, 1.01))
+
+
+def pingpong_cost(k: int) -> float:
+    """PINGPONG_COST at the largest measured K <= k (the smallest K's below 256)."""
+    cost = PINGPONG_COST[0][1]
+    for at, value in PINGPONG_COST:
+        if k >= at:
+            cost = value
+    return cost
+
+
+def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[int, int]:
+    """The tile of a default plan: DEFAULT_TILE, or on sm90, given the call (an OverlapSpec:
+    m, n, k, op, world_size, send_splits) and the plan's wave size, pingpong's 128x128 where
+    the waves' raggedness makes up for its cost (PINGPONG_COST)."""
+    tile = DEFAULT_TILE[arch]
+    if arch != 90 or spec is None or not wave_size:
+        return tile
+    blocks = [spec.m]  # rows per destination block, as the plan cuts them
+    if spec.op == "reduce_scatter" and spec.world_size > 1:
+        blocks = [spec.m // spec.world_size] * spec.world_size
+    elif spec.op == "all_to_all" and spec.send_splits:
+        blocks = [r for r in spec.send_splits if r > 0] or [spec.m]
+
+    def waves(t) -> int:
+        tiles = sum(-(-rows // t[0]) for rows in blocks) * -(-spec.n // t[1])
+        return -(-tiles // wave_size)
+
+    pingpong = (128, 128)
+    if 2 * waves(tile) / waves(pingpong) > pingpong_cost(spec.k):
+        return pingpong
+    return tile
 
 
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
@@ -101,15 +140,15 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
-    """Every configuration a plan can select on ``archs``: the default tile, both dtypes, both
-    layouts of b, the preferred and the 1x1 cluster."""
+    """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
+    (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster."""
     out = []
     for arch in archs:
-        tile = DEFAULT_TILE[arch]
-        clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
-        for dtype in DTYPES:
-            for col in (True, False):
-                out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
+        for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
+            clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
+            for dtype in DTYPES:
+                for col in (True, False):
+                    out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
     return out
 
 
