@@ -55,8 +55,9 @@ from flashoverlap_core.tools.bench import OPS, agreement_bound, max_abs, plain
 from flashoverlap_core.tools.hardware import pick_hardware
 from flashoverlap_core.tools.ranks import RankError, Ranks, RankTimeout
 from flashoverlap_core.tuning.measure import slowest, transfer_fn
-from flashoverlap_core.tuning.search import measured_candidates, predictive_search
-from flashoverlap_core.tuning.tuner import Job, Workload, build_model, measure_groupings
+from flashoverlap_core.tuning.search import SEQUENTIAL, measured_candidates, predictive_search
+from flashoverlap_core.tuning.tuner import (Job, Workload, build_model, measure_groupings,
+                                            tuned_plan)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -152,14 +153,17 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
             out["notes"]["tuner_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     if tuned:
         model = parts.model()
-        choice = predictive_search(model)
+        choice = predictive_search(model, plain_s=parts.plain_s)  # never slower than plain
         groupings = measured_candidates(model, candidates, extra=[choice.group_sizes])
-        measured = dict(zip(groupings, measure_groupings(job, groupings)))
-        best = min(measured, key=measured.get)
+        measured = dict(zip(groupings + [SEQUENTIAL],
+                            measure_groupings(job, groupings + [SEQUENTIAL])))
+        stored = tuned_plan(parts, choice, measured)  # what the tuner would store
+        best = SEQUENTIAL if stored.strategy == SEQUENTIAL else stored.group_sizes
+        chosen = SEQUENTIAL if choice.strategy == SEQUENTIAL else choice.group_sizes
         predicted_groups = choice.group_sizes
-        out.update(fo_predicted_s=measured[predicted_groups], fo_best_s=measured[best],
-                   predicted_s=choice.predicted_s, groups_predicted=list(predicted_groups),
-                   groups_best=list(best), candidates=len(measured),
+        out.update(fo_predicted_s=measured[chosen], fo_best_s=measured[best],
+                   predicted_s=choice.predicted_s, groups_predicted=_groups(chosen),
+                   groups_best=_groups(best), candidates=len(groupings),
                    fell_back=choice.fell_back, search_ms=choice.search_s * 1e3)
     else:
         predicted_groups = work.base.group_sizes
@@ -169,7 +173,7 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
         out["notes"]["tuner"] = ("tuner failed (see tuner_error)" if "tuner_error" in out["notes"]
                                  else f"backend {job.backend!r} does not implement Backend.trace()")
         out["notes"]["tuner"] += ": heuristic plan, no exhaustive search, no prediction"
-    fo_plan = work.plan(predicted_groups)
+    fo_plan = plan_of(work, out["groups_predicted"])
     # Baselines.
     out["t_gemm_s"] = timeit(lambda: work.a @ work.b)
     c = work.a @ work.b
@@ -192,7 +196,7 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
     results = {"fo_predicted": work.run(fo_plan),
                "decomposition": _call(work, d_plan, "decomposition")}
     if out["fo_best_s"] is not None:
-        results["fo_best"] = work.run(work.plan(best))
+        results["fo_best"] = work.run(plan_of(work, out["groups_best"]))
     if symm is not None:
         results["symm_mem"] = symm()
     errors = {}
@@ -203,10 +207,21 @@ def case_on_rank(job: Job, cache: str, candidates: int, tuned: bool) -> dict:
     return out
 
 
+def _groups(grouping):
+    return grouping if grouping == SEQUENTIAL else list(grouping)
+
+
+def plan_of(work: Workload, grouping):
+    """The job's plan with ``grouping`` (group sizes, or "sequential": the plain path)."""
+    if grouping == SEQUENTIAL:
+        return dataclasses.replace(work.base, strategy=SEQUENTIAL)
+    return work.plan(grouping)
+
+
 def drift_on_rank(job: Job, calls: int, group_sizes) -> dict:
     """``calls`` back-to-back calls with one plan, each compared bitwise to the first."""
     work = Workload(job)
-    plan = work.plan(group_sizes) if group_sizes is not None else work.base
+    plan = plan_of(work, group_sizes) if group_sizes is not None else work.base
     first = work.run(plan).clone()
     drifted, first_drift = 0, None
     began = time.perf_counter()

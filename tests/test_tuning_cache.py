@@ -111,6 +111,18 @@ def test_nearest_m_bucket_gives_a_plan_that_fits_the_call(cache):
     assert out.shape == (2000, 256)
 
 
+def test_a_sequential_tuned_plan_stays_sequential_at_the_nearest_m(cache):
+    """The tuner stores the plain path where overlapping does not pay; a call of a nearby M
+    must not get an overlapped plan carried from it."""
+    import dataclasses
+
+    tuned = fo.plan(1024, 256, 64, backend="reference", dtype="float32")
+    store(cache, dataclasses.replace(tuned, strategy="sequential"))
+    assert tc.lookup_plan(spec(m=1024), REFERENCE).strategy == "sequential"
+    carried = tc.lookup_plan(spec(m=1500), REFERENCE)
+    assert carried is not None and carried.m == 1500 and carried.strategy == "sequential"
+
+
 def _inputs(m, n, k):
     import torch
     gen = torch.Generator().manual_seed(0)

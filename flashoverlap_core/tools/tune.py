@@ -113,7 +113,7 @@ def tune_shape(ranks: Ranks, job: Job, args, progress: Progress) -> dict:
         "one_group_ms": ms[one], "plain_ms": ms[SEQUENTIAL], "heuristic_ms": ms[heuristic],
         "search_ms": choice.search_s * 1e3, "stored_groups": _groups(stored),
         "stored_ms": ms[stored], "contention": parts.contention.to_dict(),
-        "candidates_timed": len(groupings), "source": "measured",
+        "candidates_timed": len(groupings), "strategy": plan.strategy, "source": "measured",
     }
     row["error_pct"] = 100 * (row["predicted_ms"] / row["measured_ms"] - 1)
     if args.exhaustive:

@@ -194,7 +194,8 @@ def rebuild_plan(tuned: Plan, spec: OverlapSpec, backend: Backend) -> Plan | Non
             unit = spec.world_size if spec.op == "reduce_scatter" else 1
             plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype,
                         tuned.tile, tuned.wave_size, carried_groups(tuned, tiles, unit),
-                        tuned.schedule, spec.send_splits, backend.name)
+                        tuned.schedule, spec.send_splits, backend.name,
+                        strategy=tuned.strategy)  # a "sequential" plan stays sequential
         else:
             plan = tuned
     except (ValueError, TypeError) as e:
