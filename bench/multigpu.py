@@ -51,7 +51,7 @@ from flashoverlap_core import registry
 from flashoverlap_core.api import overlap
 from flashoverlap_core.backend import Backend
 from flashoverlap_core.tools.args import UsageError, at_least, choices_arg, shapes_arg
-from flashoverlap_core.tools.bench import OPS, agreement_bound, max_abs, plain
+from flashoverlap_core.tools.bench import agreement_bound, max_abs, plain
 from flashoverlap_core.tools.hardware import pick_hardware
 from flashoverlap_core.tools.ranks import RankError, Ranks, RankTimeout
 from flashoverlap_core.tuning.measure import slowest, transfer_fn
@@ -66,6 +66,7 @@ PAPER_K = (2048, 4096, 8192)
 LLM_TOKENS = (2048, 4096, 8192, 16384)
 LLM_FFN = {4096: 14336, 8192: 28672}  # hidden -> FFN size (Llama-3 8B / 70B)
 CPU_SHAPES = "64x64x32,128x64x64"
+OPS = ("allreduce", "reduce_scatter", "all_to_all")  # allgather: the tuner has no workload yet
 COLUMNS = ("t_gemm_ms", "t_comm_ms", "sequential_ms", "decomposition_ms", "symm_mem_ms",
            "fo_predicted_ms", "fo_best_ms", "ideal_ms", "predicted_ms", "predictor_error_pct",
            "speedup_decomposition", "speedup_symm_mem", "speedup_fo_predicted",

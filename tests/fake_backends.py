@@ -60,3 +60,12 @@ class NoTileFits(FixedTiles):
 
     def default_tile(self, spec):
         return (4, 4)
+
+
+class NoAllgather(ReferenceBackend):
+    """Declines allgather, as a backend whose GEMM only signals finished tiles does."""
+
+    name = "fake-no-allgather"
+
+    def unsupported_reasons(self, spec):
+        return ["no GEMM that waits for rows (fake backend)"] if spec.op == "allgather" else []

@@ -54,7 +54,7 @@ def test_bench_on_two_cpu_ranks_agrees_and_writes_json(tmp_path):
     rows = [line.split() for line in done.stdout.splitlines()
             if line.startswith(("64x48x32 ", "30x17x9 "))]
     # reduce_scatter of 30 rows on 2 ranks is fine; every op on both shapes ran and agreed
-    assert len(rows) == 6, done.stdout
+    assert len(rows) == 8, done.stdout
     assert all(row[-1] == "yes" and row[-2] == "reference" for row in rows), done.stdout
     # the output says what is compared, and why CPU ranks show no speedup
     assert "baseline: a @ b, then torch.distributed's collective" in done.stdout
@@ -69,7 +69,7 @@ def test_bench_on_two_cpu_ranks_agrees_and_writes_json(tmp_path):
         assert key in record
     assert record["environment"]["torch"]
     results = record["results"]
-    assert {r["op"] for r in results} == {"allreduce", "reduce_scatter", "all_to_all"}
+    assert {r["op"] for r in results} == {"allreduce", "reduce_scatter", "all_to_all", "allgather"}
     assert all(r["status"] == "ok" and r["max_error"] <= r["bound"] for r in results)
     assert all(len(r["overlapped_ms_per_iter"]) == 2 for r in results)
 
@@ -79,6 +79,13 @@ def test_bench_skips_what_cannot_run_and_rejects_bad_shapes():
                         "--shapes", "7x8x9", "--ops", "reduce_scatter", "--iters", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SKIPPED" in done.stdout and "divisible" in done.stdout
+
+    declined = flashoverlap("bench", "--backend", "fake_backends:NoAllgather", "--world-size",
+                            "2", "--shapes", "8x8x8", "--ops", "allgather,allreduce", "--iters",
+                            "1", env={"PYTHONPATH": str(TESTS)})
+    assert declined.returncode == 0, declined.stdout + declined.stderr
+    assert "8x8x8 allgather: skipped: backend 'fake-no-allgather' declines it: no GEMM that " \
+        "waits for rows" in declined.stdout, declined.stdout
 
     bad = flashoverlap("bench", "--shapes", "12x12")
     assert bad.returncode != 0 and "MxNxK" in bad.stderr

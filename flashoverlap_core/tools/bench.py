@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import registry
 from ..api import overlap
-from ..collectives import reduce_scatter_single, resolve_group
+from ..backend import OverlapSpec
+from ..collectives import all_gather_single, reduce_scatter_single, resolve_group
 from ..devices import current_device, device_name
 from ..grouping import equal_splits
 from ..plan import DTYPES
@@ -40,12 +42,12 @@ from .table import format_table
 CPU_SHAPES = "512x512x256,1024x1024x512,2048x1024x512"
 # Per-rank [M, N, K] of tensor-parallel LLM layers (tokens x hidden x sharded inner size).
 ACCELERATOR_SHAPES = "4096x8192x3584,8192x8192x3584,8192x8192x8192"
-OPS = ("allreduce", "reduce_scatter", "all_to_all")
+OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
 SEED = 1234
 ROUNDING_UNITS = 4  # output-dtype epsilons (times the largest |value|) always allowed
 LEGEND = (
     "baseline: a @ b, then torch.distributed's collective on the whole output, one after the "
-    "other; overlapped: fo.overlap(a, b, op), the same result with each wave group's "
+    "other (allgather: the all-gather of a, then the GEMM); overlapped: fo.overlap(a, b, op), the same result with each wave group's "
     "collective started as soon as the GEMM has written the group; speedup = baseline / "
     "overlapped (medians, slowest rank). max error: the largest difference between the two "
     "results; bound: what it may be (twice the baseline's own error against float64, plus "
@@ -70,7 +72,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"{ACCELERATOR_SHAPES} on accelerators)")
     parser.add_argument("--ops", type=choices_arg(OPS), default=list(OPS),
                         help=f"comma-separated ops out of {', '.join(OPS)} (default: all; "
-                        "all_to_all sends equal row blocks to every rank)")
+                        "all_to_all sends equal row blocks to every rank; for allgather M is "
+                        "each rank's rows of a)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="input and output dtype (default: float32 on the CPU, bfloat16 "
                         "on accelerators)")
@@ -89,9 +92,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # What runs on every rank
 # ---------------------------------------------------------------------------------------------
 def plain(op: str, a, b):
-    """The baseline: the GEMM, then torch.distributed's collective on its whole output."""
-    c = a @ b
+    """The baseline: the GEMM, then torch.distributed's collective on its whole output (for
+    allgather the other way round: the all-gather of a, then the GEMM)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    if op == "allgather":
+        gathered = a.new_empty(a.shape[0] * world, a.shape[1])
+        all_gather_single(gathered, a.contiguous())
+        return gathered @ b
+    c = a @ b
     if op == "allreduce":
         dist.all_reduce(c)
         return c
@@ -188,10 +196,17 @@ def summarise(res: Result, per_rank: list[dict]) -> Result:
     return res
 
 
-def _skip_reason(shape, op, world_size) -> str:
-    if op == "reduce_scatter" and shape[0] % world_size:
-        return f"reduce_scatter needs M divisible by the world size {world_size}"
-    return ""
+def _skip_reason(hw: Hardware, shape, op: str, dtype: str) -> str:
+    """Why the case cannot run here: the op's own rule, or the backend declining the call."""
+    m, n, k = shape
+    world = hw.world_size
+    if op == "reduce_scatter" and m % world:
+        return f"reduce_scatter needs M divisible by the world size {world}"
+    send = tuple(equal_splits(m, world)) if op == "all_to_all" else None
+    spec = OverlapSpec(m * world if op == "allgather" else m, n, k, op, world, dtype,
+                       hw.device_type, "col", send)
+    reasons = registry.get(hw.target).unsupported_reasons(spec)
+    return f"backend {hw.backend!r} declines it: " + "; ".join(reasons) if reasons else ""
 
 
 def run_cases(hw: Hardware, cases, dtype: str, warmup: int, iters: int, timeout: float):
@@ -201,7 +216,7 @@ def run_cases(hw: Hardware, cases, dtype: str, warmup: int, iters: int, timeout:
     with Ranks(hw.world_size, hw.device_type, timeout=timeout) as ranks:
         for shape, op in cases:
             res = Result("x".join(map(str, shape)), op, dtype, hw.backend, hw.world_size, "ok")
-            why = _skip_reason(shape, op, hw.world_size)
+            why = _skip_reason(hw, shape, op, dtype)
             if why:
                 res.status, res.detail = "skipped", why
                 yield res, name
