@@ -180,7 +180,7 @@ class CudaBackend(Backend):
         return [str(p) for p in kernels.build.prebuild(configs, jobs)]
 
     def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
-        return kernels.default_tile(self._arch())
+        return kernels.default_tile(self._arch(), spec, self.wave_size(spec, None))
 
     def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
