@@ -1,8 +1,9 @@
 """torch.compile and CUDA graphs with the cuda backend (issue 13): every string op compiled with
 fullgraph=True (inductor and aot_eager) equals eager and a float64 reference, forward and
 backward; mode="reduce-overhead" records and replays CUDA graphs (no cudagraph skips) with a
-NCCL group of one rank; the fo.nn MLP block compiles, trains and replays. Skips without the
-cuda backend (fails under FLASHOVERLAP_REQUIRE_HW=1, as test_cuda does)."""
+NCCL group of one rank; the fo.nn MLP block compiles, trains and replays. An op the cuda backend
+declines (test_cuda_runs_the_op says which, and why) runs on the backend chosen for it. Skips
+without the cuda backend (fails under FLASHOVERLAP_REQUIRE_HW=1, as test_cuda does)."""
 from __future__ import annotations
 
 import pytest
@@ -10,18 +11,38 @@ import torch
 import torch.nn.functional as F
 
 import flashoverlap_core as fo
-from test_cuda import _check, _inputs, nccl_group, needs_cuda  # noqa: F401 (nccl_group: fixture)
+from flashoverlap_core import registry
+from flashoverlap_core.backend import OverlapSpec
+from test_cuda import REASON, _check, _inputs, nccl_group, needs_cuda  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.timeout(600), needs_cuda]
 OPS = ("allreduce", "reduce_scatter", "allgather", "all_to_all")
 M, N, K = 640, 896, 128
+SPLITS = {"all_to_all": {"send_splits": [M], "recv_splits": [M]}}
+
+
+def cuda_declines(op: str) -> list[str]:
+    """Why the cuda backend does not run ``op`` on this test's shapes (empty: it does)."""
+    send = tuple(SPLITS[op]["send_splits"]) if op in SPLITS else None
+    spec = OverlapSpec(M, N, K, op, 1, "bfloat16", "cuda", "col", send)
+    return registry.get("cuda").unsupported_reasons(spec)
+
+
+BACKENDS = {op: None if REASON is not None or cuda_declines(op) else "cuda" for op in OPS}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_runs_the_op(op):
+    reasons = cuda_declines(op)
+    if reasons:
+        pytest.skip(f"the cuda backend declines {op}: {'; '.join(reasons)}; the tests below "
+                    f"run it on the backend chosen for it")
 
 
 def every_op(*tensors):
-    """Each string op once, on its own (a, b) pair, on the cuda backend (world size 1)."""
-    kwargs = {"all_to_all": {"send_splits": [M], "recv_splits": [M]}}
-    return tuple(fo.overlap(tensors[2 * i], tensors[2 * i + 1], op, backend="cuda",
-                            **kwargs.get(op, {}))
+    """Each string op once, on its own (a, b) pair, at world size 1."""
+    return tuple(fo.overlap(tensors[2 * i], tensors[2 * i + 1], op, backend=BACKENDS[op],
+                            **SPLITS.get(op, {}))
                  for i, op in enumerate(OPS))
 
 
@@ -75,7 +96,7 @@ def mlp(block, x):
 
 
 def mlp_block(hidden=512, inner=1536):
-    kw = {"bias": False, "device": "cuda", "dtype": torch.bfloat16, "backend": "cuda"}
+    kw = {"bias": False, "device": "cuda", "dtype": torch.bfloat16}  # each call's backend
     return torch.nn.ModuleList([
         fo.nn.ColumnParallelLinear(hidden, 2 * inner, gather_input=True, **kw),
         fo.nn.RowParallelLinear(inner, hidden, reduce="reduce_scatter", **kw)])
