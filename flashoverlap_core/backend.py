@@ -114,7 +114,7 @@ class Backend(abc.ABC):
 
     def prepare(self, template: OverlapCall) -> PreparedCall:
         """Build, once per key, what the calls of ``template``'s key need (tables, kernels,
-        communicator, workspaces); called on the first call of a key, outside CUDA-graph-like
+        communicator, workspaces); called on the first call of a key, outside graph
         capture. ``template`` is that first call (its tensors are only examples)."""
         return PreparedCall(self, template)
 
