@@ -89,7 +89,8 @@ def test_cluster_fits_agrees_with_the_rule_on_real_plans(items, cluster):
 def test_every_configuration_a_plan_can_select_is_valid(arch):
     configs = kernels.all_configs([arch])
     assert configs and all(c.arch == arch and not c.problems() for c in configs)
-    assert {c.tile for c in configs} == {kernels.default_tile(arch)}
+    tiles = {c.tile for c in configs}  # what default plans pick, all of them kernels of the table
+    assert kernels.default_tile(arch) in tiles and tiles <= kernels.supported_tiles(arch)
 
 
 @pytest.mark.parametrize("fields, complaint", [
