@@ -172,7 +172,12 @@ def test_plans_with_a_kernel_tile_are_accepted(backend, arch):
     for tile in kernels.supported_tiles(arch):
         assert backend.plan_reasons(one_group_plan(tile)) == []
         assert backend.plan_reasons(one_group_plan(tile, "reduce_scatter", 2)) == []
-    assert backend.default_tile(spec()) in kernels.supported_tiles(arch)
+    # the default plan's tile, whatever the call and the wave size, has a kernel
+    for m in (1, 127, 128, 1000, 4096, 8192):
+        for op, world in (("allreduce", 1), ("reduce_scatter", 2)):
+            for wave in (None, 2, 64, 128, 132):
+                call = spec(m=m * world, op=op, world_size=world)
+                assert kernels.default_tile(arch, call, wave) in kernels.supported_tiles(arch)
 
 
 @pytest.mark.parametrize("tile", [(64, 64), (128, 64), (256, 128), (8, 8)])
