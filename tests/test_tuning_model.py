@@ -123,19 +123,6 @@ def test_fit_counts_what_a_transfer_takes_beyond_its_cost_as_the_streams_delay()
         assert model.predict(sizes) == pytest.approx(in_call.predict(sizes), rel=2e-3)
 
 
-def test_fit_keeps_no_transfer_slowdown_that_is_within_the_scatter():
-    """Transfers that took up to 4% more or less than alone, whatever their time beside the
-    GEMM: noise, not contention (a plain least-squares slope of these points gives 1.02)."""
-    ends = tuple(0.1 * (w + 1) for w in range(12))
-    model = model_of(ends, per_tile_s=0.15 / 4, wave_size=4, contention=Contention(1.0, 1.3))
-    noisy, rng = [], np.random.default_rng(5)
-    for sizes in ((4,) * 12, (8, 4, 12, 24)):
-        trace, alone = synthetic_trace(model, sizes), model.works(sizes)
-        took = alone * (1 + rng.uniform(-0.04, 0.04, len(alone)))
-        noisy.append(replace(trace, transfer_end=tuple(np.array(trace.transfer_start) + took)))
-    assert fit_contention(noisy, model_of(ends, per_tile_s=0.15 / 4, wave_size=4)).comm == 1.0
-
-
 def test_fit_refuses_traces_without_transfer_times():
     model = model_of([1.0, 2.0])
     trace = TileTrace.from_stamps(wave_size=1, group_sizes=[2], item_end=[1.0, 2.0],

@@ -438,21 +438,12 @@ class _Samples:
         # (the stream's own cost, folded into its delays below); needs two such transfers.
         alone = o <= CLOCK_SLACK_S
         extra = float(np.median(x[alone])) if alone.sum() >= 2 else 0.0
-        comm = _slowdown_fit(o, x - extra)
+        # the rest of the excess = overlap * (1 - 1/comm): least squares through the origin
+        slope = float(o @ (x - extra) / (o @ o)) if (o @ o) > 0 else 0.0
+        comm = 1.0 / (1.0 - slope) if 0.0 < slope < 1.0 - 1.0 / MAX_SLOWDOWN else \
+            (MAX_SLOWDOWN if slope > 0 else 1.0)
         return Contention(float(np.median(self.gemm)), comm, _delay(self.gaps, extra),
                           _delay(self.lags, extra))
-
-
-def _slowdown_fit(overlap: np.ndarray, excess: np.ndarray) -> float:
-    """The slowdown f in excess = overlap * (1 - 1/f), by least squares through the origin;
-    1 unless the slope stands out of the scatter of the points (two standard errors)."""
-    if len(overlap) < 2 or overlap @ overlap <= 0:
-        return 1.0
-    slope = float(overlap @ excess / (overlap @ overlap))
-    scatter = float(np.sum((excess - slope * overlap) ** 2)) / (len(overlap) - 1)
-    if slope <= 2.0 * (scatter / (overlap @ overlap)) ** 0.5:
-        return 1.0
-    return 1.0 / (1.0 - slope) if slope < 1.0 - 1.0 / MAX_SLOWDOWN else MAX_SLOWDOWN
 
 
 def _delay(samples: list, extra: float) -> float:
