@@ -122,19 +122,14 @@ def log_sizes(smallest: int, largest: int, align: int = 1, per_octave: int = 1) 
 
 def measure_curve(send: Callable[[torch.Tensor], None] | None, sizes: list[int],
                   dtype: torch.dtype, device: torch.device, group, iters: int = 10,
-                  warmup: int = 3, rounds: int = 3) -> CostCurve:
-    """The time of one transfer of each size (bytes, multiples of the element size) when
-    transfers follow one another, as the groups' transfers of a call do: the median of
-    ``rounds`` samples of ``iters`` back-to-back transfers (:func:`sample_times`). Timing one
-    transfer at a time would count its launch by the host too (for a custom op tens of
-    microseconds of Python), which a call hides: it queues its transfers long before they run."""
+                  warmup: int = 3) -> CostCurve:
+    """The median time of one transfer of each size (bytes, multiples of the element size)."""
     if send is None:
         return CostCurve.free()
     itemsize = torch.empty((), dtype=dtype).element_size()
     buf = torch.zeros(max(sizes) // itemsize, dtype=dtype, device=device)
-    samples = sample_times([lambda n=size // itemsize: send(buf[:n]) for size in sizes],
-                           device, group, rounds, iters, warmup)
-    seconds = [float(s) for s in np.median(samples, axis=1)]
+    seconds = [median_time(lambda: send(buf[:size // itemsize]), device, group, iters, warmup)
+               for size in sizes]
     return CostCurve(tuple(sizes), tuple(seconds))
 
 

@@ -204,11 +204,11 @@ def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) 
     send = transfer_fn(work.op, group, work.world)
     itemsize, total = work.a.element_size(), work.output_bytes()
     align = itemsize * (work.world if job.op in ("reduce_scatter", "all_to_all") else 1)
-    key = {**transfer_key(work.context, transfer=job.transfer or job.op,
-                          world_size=work.world, dtype=job.dtype), "timed": "back to back"}
+    key = transfer_key(work.context, transfer=job.transfer or job.op, world_size=work.world,
+                       dtype=job.dtype)
     cost = _cached_curve(cache, key, work, refresh, total, lambda: measure_curve(
         send, log_sizes(min(plan.tile[0] * plan.tile[1] * itemsize, total), total, align),
-        work.a.dtype, dev, group, job.iters, job.warmup, job.rounds))
+        work.a.dtype, dev, group, job.iters, job.warmup))
     one_group = work.one_group(plan)
     work.run(one_group)  # warm-up: loads every kernel before anything is traced
     timing = gemm_timing(traced_calls(lambda: work.trace(one_group), dev, group,
