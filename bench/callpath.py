@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 import flashoverlap_core as fo
 from common import table, write_result
+from flashoverlap_core.tools.args import shape_arg, shapes_arg
 
-SHAPES = ["1x4096x4096", "8x4096x4096", "128x8192x4096", "3072x6144x5120", "4096x4096x4096",
-          "12288x4096x1536", "8192x8192x8192", "16384x8192x1024"]
+SHAPES = "1x4096x4096,8x4096x4096,128x8192x4096,3072x6144x5120,4096x4096x4096,12288x4096x1536,8192x8192x8192,16384x8192x1024"
 ISSUE = 20  # calls issued per host-time sample (the launch queue never fills)
 
 
@@ -90,8 +90,8 @@ def four_groups(plan) -> list[int]:
 
 def gpu_rows(shapes) -> list[dict]:
     rows = []
-    for shape in shapes:
-        m, n, k = map(int, shape.split("x"))
+    for m, n, k in shapes:
+        shape = f"{m}x{n}x{k}"
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         b = w.t()
@@ -131,7 +131,7 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
     from flashoverlap_core import api, registry
     from flashoverlap_core.backend import OverlapCall
 
-    m, n, k = map(int, shape.split("x"))
+    m, n, k = shape_arg(shape)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
     base = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda")
@@ -203,7 +203,8 @@ def cpu_figures() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="MxNxK list (default: %(default)s)")
+    parser.add_argument("--shapes", type=shapes_arg, default=shapes_arg(SHAPES),
+                        help=f"MxNxK list (default: {SHAPES})")
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU figures")
     args = parser.parse_args()
     os.environ.setdefault("FLASHOVERLAP_TUNING_CACHE", "off")  # the heuristic plan, everywhere
@@ -214,7 +215,7 @@ def main() -> None:
         store = tempfile.mktemp(prefix="fo-callpath-")
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
-        rows = gpu_rows(args.shapes.split(","))
+        rows = gpu_rows(args.shapes)
         summary["breakdown_us"] = breakdown()
         print("host us per piece:", {k: v if isinstance(v, (str, list)) else round(v, 2)
                                      for k, v in summary["breakdown_us"].items()}, flush=True)

@@ -375,7 +375,8 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if op not in PLAN_OPS:
-        raise ValueError(f"op must be one of {PLAN_OPS}, got {op!r}")
+        raise ValueError(f"op must be one of {OPS}, or {CUSTOM_OP!r} for a plan of a callable op, "
+                         f"got {op!r}")
     if op in ("reduce_scatter", GATHER_OP) and m % world_size:
         raise ValueError(f"{op} needs M divisible by the world size: M={m}, W={world_size}")
     send, _ = _check_splits_use(op, world_size, m, send_splits, None)
