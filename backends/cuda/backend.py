@@ -367,7 +367,8 @@ class CudaCall(PreparedCall):
         self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
                          plan.dtype)
         self._states: dict[int, StreamState] = {}
-        first = self.state(self.current_stream(self.index))
+        first = StreamState(plan, device, plan.torch_dtype, None)
+        self._states[self.current_stream(self.index)] = first
         with torch.cuda.device(device):
             # The layouts of the regions and of the post-reorder, from the first call: with a
             # communicator, all_to_all's counts are exchanged here, once.
@@ -375,6 +376,7 @@ class CudaCall(PreparedCall):
             self.staging_numel = exchange.staging.numel() if exchange.staging is not first.packed else None
             if self.staging_numel is not None:
                 first.staging = exchange.staging
+                first.staging.record_stream(first.comm)
             self.blocks = self._unpack_tables(exchange)
             self.steps, self.num_steps, self.per_step = collective_steps(exchange)
         if not self.python_path:
@@ -441,9 +443,8 @@ class CudaCall(PreparedCall):
         state = self._states.get(stream)
         if state is None:
             plan = self.template.plan
-            state = StreamState(plan, self.device, plan.torch_dtype,
-                                getattr(self, "staging_numel", None))
-            if hasattr(self, "blocks") and not self.python_path:
+            state = StreamState(plan, self.device, plan.torch_dtype, self.staging_numel)
+            if not self.python_path:
                 self._make_native(state)
             self._states[stream] = state
         return state
