@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The multi-GPU run (issue 6) in one call on a 2-, 4- or 8-GPU machine: install, build, the
 # conformance suite against `cuda` at every world size in 2,4,8 that fits the machine, then
-# bench/multigpu.py per world size (quick pass with the robustness checks, then the full shape
-# set). Logs and result JSON go to $OUT; every step runs under `timeout`; multicast stays off.
+# bench/multigpu.py per world size (quick pass with the robustness checks, the end-to-end MLP
+# block, then the full shape set). bench/multigpu.py runs every op, allgather included (its rows
+# run on the backend fo picks for it where `cuda` declines it, and say so; torch's fused
+# all-gather matmul is timed where symmetric memory works). Logs and result JSON go to $OUT;
+# every step runs under `timeout`; multicast stays off.
 #
 #   bash ci/multigpu.sh        (FO_MULTIGPU_FULL=0 skips the full shape set;
 #                               FO_MULTIGPU_ARGS adds arguments to every bench/multigpu.py run)
@@ -30,10 +33,13 @@ for w in "${SIZES[@]}"; do
   stage "multigpu-w$w-quick" 1200 $PY bench/multigpu.py --world-size "$w" --backend cuda \
     --quick --robustness --json "$OUT/multigpu-w$w-quick.json" ${FO_MULTIGPU_ARGS:-}
 done
+for w in "${SIZES[@]}"; do  # the Llama-style TP MLP block (issue 13), writes e2e-mlp-w<W>-*.json
+  stage "e2e-w$w" 900 $PY bench/e2e_mlp.py --world-size "$w"
+done
 if [ "${FO_MULTIGPU_FULL:-1}" = 1 ]; then
   for w in "${SIZES[@]}"; do
     # shellcheck disable=SC2086
-    stage "multigpu-w$w" 3600 $PY bench/multigpu.py --world-size "$w" --backend cuda \
+    stage "multigpu-w$w" 4800 $PY bench/multigpu.py --world-size "$w" --backend cuda \
       --json "$OUT/multigpu-w$w.json" ${FO_MULTIGPU_ARGS:-}
   done
 fi
