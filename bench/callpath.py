@@ -77,6 +77,12 @@ def graph_ms(fn, calls: int = 50, samples: int = 7) -> float:
     return device_ms(graph.replay, calls=1, samples=samples) / calls
 
 
+def alternate(pair: list):
+    """The other one of two tensors, each time it is called."""
+    pair.reverse()
+    return pair[0]
+
+
 def four_groups(plan) -> list[int]:
     """The plan's tiles cut into 4 groups of whole waves where possible (else equal parts)."""
     tiles, wave = plan.num_tiles, plan.wave_size
@@ -99,6 +105,11 @@ def gpu_rows(shapes) -> list[dict]:
         plan4 = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda",
                         group_sizes=four_groups(base))
         default = lambda: fo.overlap(a, b, op="allreduce")  # noqa: E731 - what users call
+        # A new a every call (two tensors in turn), as layers of a model pass: the replayed
+        # graph's GEMM node is re-pointed each time.
+        a2 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        turn = [a, a2]
+        moving = lambda: fo.overlap(alternate(turn), b, op="allreduce")  # noqa: E731
         planned = lambda: fo.overlap(a, b, op="allreduce", plan=plan4)  # noqa: E731
         matmul = lambda: a @ b  # noqa: E731
         ref = (a.float() @ b.float())
@@ -108,6 +119,7 @@ def gpu_rows(shapes) -> list[dict]:
         row = {
             "shape": shape, "groups_default": None, "groups_plan4": list(plan4.group_sizes),
             "host_us_default": host_us(default), "host_us_plan4": host_us(planned),
+            "host_us_default_moving_a": host_us(moving),
             "host_us_matmul": host_us(matmul),
             "eager_ms_default": device_ms(default), "graph_ms_default": graph_ms(default),
             "eager_ms_plan4": device_ms(planned), "graph_ms_plan4": graph_ms(planned),
@@ -147,6 +159,16 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
     alone.run(a, b, out, "allreduce")
     alone_state = alone.state()
     lda, ldb = a.stride(0), b.stride(1)
+    turn = [a, torch.randn_like(a)]
+    outs = [out, torch.empty_like(out)]
+    os.environ["FLASHOVERLAP_CUDA_GRAPH"] = "0"  # the same call, each launch issued by itself
+    launches = backend.prepare(OverlapCall(a, b, plan, "allreduce", prepared.template.group, 0, 1, out))
+    os.environ.pop("FLASHOVERLAP_CUDA_GRAPH")
+    launches.run(a, b, out, "allreduce")
+    launches_state = launches.state()
+    for _ in range(3):
+        prepared.run(a, b, out, "allreduce")
+    graph_state = prepared.graph_state()
     tables = prepared.tables
     gemm = prepared.gemm
     pieces = {
@@ -155,6 +177,11 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
         "prepared_run": lambda: prepared.run(a, b, out, "allreduce"),
         "native_call": lambda: prepared.runtime.call_run(state.handle, a.data_ptr(), lda,
                                                          b.data_ptr(), ldb, out.data_ptr(), stream, 0),
+        "native_call_moving_operands": lambda: prepared.runtime.call_run(
+            state.handle, alternate(turn).data_ptr(), lda, b.data_ptr(), ldb,
+            alternate(outs).data_ptr(), stream, 0),
+        "native_call_launch_by_launch": lambda: launches.runtime.call_run(
+            launches_state.handle, a.data_ptr(), lda, b.data_ptr(), ldb, out.data_ptr(), stream, 0),
         "native_call_no_collective": lambda: alone.runtime.call_run(
             alone_state.handle, a.data_ptr(), lda, b.data_ptr(), ldb, out.data_ptr(), stream, 0),
         "gemm_launch": lambda: gemm.run(a.data_ptr(), b.data_ptr(), state.packed.data_ptr(), 1, m, n,
@@ -168,6 +195,7 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
     torch.cuda.synchronize()
     tables.counters.zero_()
     result["shape"], result["groups"] = shape, list(plan.group_sizes)
+    result["graph_state"] = graph_state  # 1: the prepared call replays its captured graph
     return result
 
 
@@ -223,6 +251,7 @@ def main() -> None:
         summary.update({
             "max_host_us": max(r["host_us_plan4"] for r in rows),
             "max_host_us_default": max(r["host_us_default"] for r in rows),
+            "max_host_us_default_moving_a": max(r["host_us_default_moving_a"] for r in rows),
             "max_default_minus_plan_us": max(r["host_us_default"] - r["host_us_plan4"] for r in rows),
             "min_eager_vs_graph": min(r["eager_vs_graph"] for r in long) if long else None,
             "max_rel_err": max(r["max_rel_err"] for r in rows),

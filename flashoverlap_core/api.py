@@ -128,6 +128,8 @@ class _Prepared:
     __slots__ = ("prepared", "plan", "out_shape", "dtype", "device")
 
     def __init__(self, prepared, plan, out_shape, dtype, device):
+        # A plain tuple: torch.empty parses it faster than a torch.Size (about a microsecond).
+        out_shape = tuple(out_shape) if out_shape is not None else None
         self.prepared, self.plan, self.out_shape = prepared, plan, out_shape
         self.dtype, self.device = dtype, device
 
@@ -180,8 +182,12 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
                group if group is not None else current_default_group(), id(plan), backend,
                _splits_key(send_splits), _splits_key(recv_splits))
         entry = _prepared.get(key)
-        if entry is not None and entry.fits(out):
-            return entry.run(a, b, out, op)
+        if entry is not None:
+            if out is None and entry.out_shape is not None:  # the common call: a new result
+                out = torch.empty(entry.out_shape, dtype=entry.dtype, device=entry.device)
+                return entry.prepared.run(a, b, out, op)
+            if entry.fits(out):
+                return entry.run(a, b, out, op)
         return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
     a, a_type = _from_dlpack(a)
     b, _ = _from_dlpack(b)

@@ -50,6 +50,7 @@ log = logging.getLogger("flashoverlap")
 ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
 ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
 ENV_ARCH = "FLASHOVERLAP_CUDA_ARCH"
+ENV_GRAPH = "FLASHOVERLAP_CUDA_GRAPH"
 DEFAULT_RESERVED_SMS = 4  # 128 CTAs: measured faster than 132 for the cluster-2 kernels (csrc/cuda/NOTES.md)
 DEFAULT_WAIT = "stream_wait_value"
 ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned
@@ -60,6 +61,41 @@ def reserved_sms() -> int:
     if not value.isdigit():
         raise ValueError(f"{ENV_RESERVED_SMS} must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def replay_graphs() -> bool:
+    """Whether prepared calls replay a captured graph of the whole call (the default; 0 turns
+    it off: every call then launches each kernel, wait and collective itself)."""
+    value = os.environ.get(ENV_GRAPH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_GRAPH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def outside_graph_pools(fn, stream: torch.cuda.Stream):
+    """``fn()`` run in a short-lived thread whose current stream is ``stream``.
+
+    What a prepared call keeps between calls (tables, counters, buffers, communication streams)
+    must come from the ordinary caching allocator. torch.compile's CUDA graphs (cudagraph trees)
+    send every allocation *of the calling thread* to their private pool while they warm up and
+    record a graph, and then refuse a pool holding tensors that are not the graph's outputs.
+    Another thread's allocations stay in the ordinary pool.
+    """
+    result: dict = {}
+
+    def target():
+        try:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = e
+
+    worker = threading.Thread(target=target, name="flashoverlap-prepare")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def wait_mode() -> str:
@@ -153,9 +189,6 @@ class CudaBackend(Backend):
                            "(use backend='decomposition' or 'reference')")
         if spec.op == "all_to_all" and spec.send_splits and len(set(spec.send_splits)) > 1:
             reasons.append("all_to_all with unequal send_splits needs a grouped GEMM, which this "
-                           "backend does not have yet (use backend='decomposition')")
-        if spec.op == GATHER_OP:
-            reasons.append("allgather needs a GEMM that waits for arriving rows, which this "
                            "backend does not have yet (use backend='decomposition')")
         if spec.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
@@ -281,8 +314,15 @@ class CudaBackend(Backend):
         return aligned_rows(a), aligned_rows(b_rows), k
 
     # ---- the call ----------------------------------------------------------------------------
-    def prepare(self, template: OverlapCall) -> "CudaCall":
-        return CudaCall(self, template)
+    def prepare(self, template: OverlapCall) -> PreparedCall:
+        stream = torch.cuda.current_stream(template.a.device)
+        if template.plan.op == GATHER_OP:  # the gather feeds a waiting GEMM (gather.py)
+            from .gather import CudaGatherCall  # it imports this module
+
+            return outside_graph_pools(
+                lambda: CudaGatherCall(self, template, stream=stream.cuda_stream), stream)
+        return outside_graph_pools(lambda: CudaCall(self, template, stream=stream.cuda_stream),
+                                   stream)
 
     def run(self, call: OverlapCall) -> torch.Tensor:
         """One call without a kept preparation (``fo.overlap`` prepares once per key)."""
@@ -346,7 +386,8 @@ class CudaCall(PreparedCall):
     alignment, one native call that issues the GEMM, every wait and collective, and the
     post-reorder."""
 
-    def __init__(self, backend: CudaBackend, call: OverlapCall, python_path: bool = False):
+    def __init__(self, backend: CudaBackend, call: OverlapCall, python_path: bool = False,
+                 stream: int | None = None):
         super().__init__(backend, call)
         plan, a, device = call.plan, call.a, call.a.device
         self.device, self.index = device, device.index
@@ -357,7 +398,12 @@ class CudaCall(PreparedCall):
         self.direct = self._takes_directly(a, call.b)
         self.workspace = backend._workspace(self.gemm, plan, self.k, device)
         self.wait = wait_mode()
+        self.use_graph = replay_graphs()
         self.runtime = kernels.runtime_library()
+        self.call_run = self.runtime.call_run
+        self.warmed = False  # this key's first call ran (with host syncs where needed)
+        # The key fixes the strides: what the kernel takes as lda and ldb.
+        self.lda, self.ldb = a.stride(0), (call.b.stride(1) if self.col else call.b.stride(0))
         self.current_stream = _current_stream_getter()
         group = call.group
         self.python_path = python_path or self.kind == "custom" or (
@@ -368,7 +414,7 @@ class CudaCall(PreparedCall):
                          plan.dtype)
         self._states: dict[int, StreamState] = {}
         first = StreamState(plan, device, plan.torch_dtype, None)
-        self._states[self.current_stream(self.index)] = first
+        self._states[self.current_stream(self.index) if stream is None else stream] = first
         with torch.cuda.device(device):
             # The layouts of the regions and of the post-reorder, from the first call: with a
             # communicator, all_to_all's counts are exchanged here, once.
@@ -432,28 +478,55 @@ class CudaCall(PreparedCall):
         desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
         desc.ldo, desc.elem_size = plan.n, state.packed.element_size()
         desc.comm_stream = state.comm.cuda_stream
+        desc.gemm_set_node = self.gemm.set_node_address
+        desc.use_graph = int(self.use_graph)
         state.runtime = self.runtime
         state.handle = self.runtime.call_create(desc)
 
     # ---- per stream --------------------------------------------------------------------------
     def state(self, stream: int | None = None) -> StreamState:
-        """This compute stream's state, made on its first call."""
+        """This compute stream's state, made on its first call (outside graph pools)."""
         if stream is None:
             stream = self.current_stream(self.index)
         state = self._states.get(stream)
         if state is None:
             plan = self.template.plan
-            state = StreamState(plan, self.device, plan.torch_dtype, self.staging_numel)
+            current = torch.cuda.current_stream(self.device)
+            state = outside_graph_pools(
+                lambda: StreamState(plan, self.device, plan.torch_dtype, self.staging_numel),
+                current)
             if not self.python_path:
                 self._make_native(state)
             self._states[stream] = state
         return state
 
+    def graph_state(self, stream: int | None = None) -> int:
+        """How this key's calls on ``stream`` run: 1 replaying a captured graph, 0 launch by
+        launch (first call, python path, replay off), -1 the graph could not be made."""
+        state = self.state(stream)
+        return 0 if state.handle is None else self.runtime.call_graph_state(state.handle)
+
     # ---- the call ----------------------------------------------------------------------------
     def run(self, a, b, out, op):
+        # The steady state: this stream's native call, operands read in place, kernels loaded.
+        stream = self.current_stream(self.index)
+        state = self._states.get(stream)
+        if state is not None and self.warmed and self.direct and state.handle is not None:
+            a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
+            if (a_ptr | b_ptr) & (ALIGN_BYTES - 1) == 0 and _current_device() == self.index:
+                err = self.call_run(state.handle, a_ptr, self.lda, b_ptr, self.ldb,
+                                    out.data_ptr(), stream, 0)
+                if err:
+                    self._raise(err)
+                return out
+        return self._run(a, b, out, op)
+
+    def _run(self, a, b, out, op):
+        """Every other case: another device current, a first call, copied operands, the
+        python path."""
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
-                return self.run(a, b, out, op)
+                return self._run(a, b, out, op)
         stream = self.current_stream(self.index)
         state = self._states.get(stream) or self.state(stream)
         if self.python_path:
@@ -463,13 +536,16 @@ class CudaCall(PreparedCall):
             return call.out
         warm = self.backend.warm_up(self.warm_key)
         a_ptr, lda, b_ptr, ldb = self.operands(a, b)
-        err = self.runtime.call_run(state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream,
-                                    int(warm))
+        err = self.call_run(state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream, int(warm))
         if err:
-            gemm_detail = self.gemm.lib.fo_last_error()
-            self.runtime.check(err, "fo_call_run" + (
-                f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
+            self._raise(err)
+        self.warmed = True
         return out
+
+    def _raise(self, err: int) -> None:
+        gemm_detail = self.gemm.lib.fo_last_error()
+        self.runtime.check(err, "fo_call_run" + (
+            f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
 
     def run_python(self, call: OverlapCall, state: StreamState, monitor=None,
                    stamps: dict | None = None) -> None:

@@ -33,6 +33,22 @@ class CallDescription(ctypes.Structure):
         ("block_out_offset", POINTER(c_int64)), ("block_tiles", POINTER(c_void_p)),
         ("block_offsets", POINTER(c_void_p)), ("block_num_tiles", POINTER(c_int32)),
         ("ldo", c_int64), ("elem_size", c_int), ("comm_stream", c_void_p),
+        ("gemm_set_node", c_void_p), ("use_graph", c_int),
+    ]
+
+
+class GatherDescription(ctypes.Structure):
+    """fo_gather_desc: a prepared allgather call (see flashoverlap_cuda.h)."""
+
+    _fields_ = [
+        ("abi_version", c_int), ("gemm_run_ex", c_void_p), ("world", c_int), ("rank", c_int),
+        ("block_rows", c_int), ("N", c_int), ("K", c_int), ("copy_cols", c_int),
+        ("items", c_void_p), ("item_group", c_void_p), ("item_wait", c_void_p),
+        ("num_items", c_int), ("num_ctas", c_int), ("workspace", c_void_p),
+        ("gathered", c_void_p), ("ldg", c_int64), ("arrive_flags", c_void_p),
+        ("wait_flags", c_void_p), ("num_chunks", c_int), ("chunk_rows", POINTER(c_int32)),
+        ("elem_size", c_int), ("nccl_comm", c_void_p), ("nccl_dtype", c_int),
+        ("delay_us", c_int), ("comm_stream", c_void_p),
     ]
 
 
@@ -72,8 +88,15 @@ class GemmLibrary(_Library):
             c_void_p, c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_int64, c_int64,
             c_void_p, c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p]
         lib.fo_gemm_run.restype = c_int
+        lib.fo_gemm_run_ex.argtypes = [
+            c_void_p, c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_int64, c_int64, c_int64,
+            c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int, c_void_p, c_int, c_void_p,
+            c_void_p, c_void_p]
+        lib.fo_gemm_run_ex.restype = c_int
+        self.run_ex_address = ctypes.cast(lib.fo_gemm_run_ex, c_void_p).value  # fo_gather_desc
         self.description = lib.fo_gemm_describe().contents
         self.run_address = ctypes.cast(lib.fo_gemm_run, c_void_p).value  # for fo_call_desc
+        self.set_node_address = ctypes.cast(lib.fo_gemm_set_node, c_void_p).value
         if self.description.abi_version != ABI_VERSION:
             raise KernelError(f"{path} has ABI version {self.description.abi_version}, "
                               f"expected {ABI_VERSION}: rebuild it (flashoverlap build)")
@@ -91,6 +114,16 @@ class GemmLibrary(_Library):
         self.check(self.lib.fo_gemm_run(
             a, b, packed, blocks, block_rows, n, k, lda, ldb, items, item_group, num_items,
             counters, ctas, monitor, workspace, stream), "fo_gemm_run")
+
+    def run_ex(self, a, b, out, blocks, block_rows, n, k, lda, ldb, ldo, items, item_group,
+               item_wait, flags, num_flags, num_items, counters, ctas, monitor, workspace,
+               stream) -> None:
+        """fo_gemm_run_ex: ``ldo`` != 0 writes the tiles in place into a row-major out;
+        ``item_wait`` and ``flags`` make each item wait for its rows (allgather)."""
+        self.check(self.lib.fo_gemm_run_ex(
+            a, b, out, blocks, block_rows, n, k, lda, ldb, ldo, items, item_group, item_wait,
+            flags, num_flags, num_items, counters, ctas, monitor, workspace, stream),
+            "fo_gemm_run_ex")
 
 
 class RuntimeLibrary(_Library):
@@ -115,6 +148,17 @@ class RuntimeLibrary(_Library):
         lib.fo_nccl_unique_id.restype = c_int
         lib.fo_nccl_comm_init.argtypes = [POINTER(c_void_p), c_int, c_void_p, c_int, c_int]
         lib.fo_nccl_comm_init.restype = c_int
+        lib.fo_nccl_comm_init_bounded.argtypes = [POINTER(c_void_p), c_int, c_void_p, c_int, c_int,
+                                                  c_int]
+        lib.fo_nccl_comm_init_bounded.restype = c_int
+        lib.fo_gather_create.argtypes = [POINTER(GatherDescription), POINTER(c_void_p)]
+        lib.fo_gather_create.restype = c_int
+        lib.fo_gather_run.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                      c_int64, c_void_p, c_int]
+        lib.fo_gather_run.restype = c_int
+        lib.fo_gather_destroy.argtypes = [c_void_p]
+        lib.fo_gather_destroy.restype = None
+        lib.fo_gather_load_kernels.restype = c_int
         lib.fo_nccl_comm_destroy.argtypes = [c_void_p]
         lib.fo_nccl_comm_destroy.restype = c_int
         lib.fo_call_create.argtypes = [POINTER(CallDescription), POINTER(c_void_p)]
@@ -124,6 +168,8 @@ class RuntimeLibrary(_Library):
         lib.fo_call_run.restype = c_int
         lib.fo_call_destroy.argtypes = [c_void_p]
         lib.fo_call_destroy.restype = None
+        lib.fo_call_graph_state.argtypes = [c_void_p]
+        lib.fo_call_graph_state.restype = c_int
         self.call_run = lib.fo_call_run  # the per-call entry point, bound once
 
     # ---- NCCL, through the runtime object ----------------------------------------------------
@@ -140,11 +186,18 @@ class RuntimeLibrary(_Library):
         self.check(self.lib.fo_nccl_unique_id(buf), "ncclGetUniqueId")
         return buf.raw
 
-    def nccl_comm_init(self, nranks: int, unique_id: bytes, rank: int, device: int) -> int:
+    def nccl_comm_init(self, nranks: int, unique_id: bytes, rank: int, device: int,
+                       max_ctas: int | None = None) -> int:
+        """A communicator; with ``max_ctas``, one whose kernels use at most that many CTAs and
+        no CTA clusters (fo_nccl_comm_init_bounded, NCCL >= 2.17)."""
         comm = c_void_p(0)
         buf = ctypes.create_string_buffer(unique_id, 128)
-        self.check(self.lib.fo_nccl_comm_init(ctypes.byref(comm), nranks, buf, rank, device),
-                   "ncclCommInitRank")
+        if max_ctas is None:
+            err = self.lib.fo_nccl_comm_init(ctypes.byref(comm), nranks, buf, rank, device)
+        else:
+            err = self.lib.fo_nccl_comm_init_bounded(ctypes.byref(comm), nranks, buf, rank,
+                                                     device, max_ctas)
+        self.check(err, "ncclCommInitRank" + ("Config" if max_ctas is not None else ""))
         return comm.value
 
     def nccl_comm_destroy(self, comm: int) -> None:
@@ -160,6 +213,24 @@ class RuntimeLibrary(_Library):
     def call_destroy(self, handle: int) -> None:
         self.lib.fo_call_destroy(handle)
 
+    # ---- prepared allgather calls (gather_call.cuh) ------------------------------------------
+    def gather_create(self, desc: GatherDescription) -> int:
+        handle = c_void_p(0)
+        self.check(self.lib.fo_gather_create(ctypes.byref(desc), ctypes.byref(handle)),
+                   "fo_gather_create")
+        return handle.value
+
+    def gather_destroy(self, handle: int) -> None:
+        self.lib.fo_gather_destroy(handle)
+
+    def gather_load_kernels(self) -> None:
+        self.check(self.lib.fo_gather_load_kernels(), "fo_gather_load_kernels")
+
+    def call_graph_state(self, handle: int) -> int:
+        """0: the call launches kernel by kernel; 1: it replays its graph; -1: its graph
+        could not be made (fo_call_graph_state)."""
+        return self.lib.fo_call_graph_state(handle)
+
     def wait_counter(self, counter_ptr: int, value: int, mode: str, stream: int) -> None:
         self.check(self.lib.fo_wait_counter(counter_ptr, value, WAIT_MODES[mode], stream),
                    "fo_wait_counter")
@@ -173,5 +244,5 @@ class RuntimeLibrary(_Library):
                                             stream), "fo_unpack_tiles")
 
 
-__all__ = ["CallDescription", "GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES",
+__all__ = ["CallDescription", "GatherDescription", "GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES",
            "c_uint64"]

@@ -85,6 +85,23 @@ FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed,
                         void* workspace, cudaStream_t stream);
 FO_API size_t fo_gemm_workspace_size(int L, int block_rows, int N, int K, int num_ctas);
 
+// fo_gemm_run with two additions (fo_gemm_run is this with ldo = 0 and no waits):
+//   ldo: 0, the tiles go to their packed slots as above; else `out` is a row-major [M, ldo]
+//        matrix and item i's offset is the element offset of its first element there
+//        (row0 * ldo + col0): the tiles are written in place (allgather's output)
+//   item_wait, arrive_flags, num_flags (all given or item_wait == arrive_flags == nullptr):
+//        before loading anything of item i with item_wait[i] >= 0, the kernel waits until
+//        arrive_flags[item_wait[i]] != 0 (acquire at GPU scope, then on sm90 a proxy fence for
+//        the TMA loads): the consumer side of allgather, whose rows of A arrive during the GEMM.
+//        Whatever sets a flag must make the rows visible first (a stream write-value after the
+//        copy does), and must not need the SMs that this GEMM's CTAs occupy (gather_call.cuh).
+FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L, int block_rows,
+                                  int N, int K, int64_t lda, int64_t ldb, int64_t ldo,
+                                  const int64_t* items, const int32_t* item_group,
+                                  const int32_t* item_wait, const uint32_t* arrive_flags,
+                                  int num_flags, int num_items, int32_t* counters, int num_ctas,
+                                  uint64_t* monitor, void* workspace, cudaStream_t stream);
+
 // Device-side wait: `stream` waits until *counter >= value.
 //   mode 0: cuStreamWaitValue32 (GEQ), through the driver entry point
 //   mode 1: a one-thread spin kernel (relaxed load + nanosleep), acquire fence on exit
@@ -161,6 +178,12 @@ typedef struct {
   int64_t ldo;                         // out row stride, elements
   int elem_size;
   cudaStream_t comm_stream;
+  // Replay (optional): gemm_set_node is the GEMM library's fo_gemm_set_node. With use_graph != 0
+  // the second call captures the whole call (GEMM, waits, collectives, joins, post-reorder) into
+  // a graph once, and every later call outside stream capture replays it: one graph launch, plus
+  // a node update when a, b or out moved, instead of a launch per kernel, wait and collective.
+  void* gemm_set_node;
+  int use_graph;
 } fo_call_desc;
 
 FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);
@@ -170,6 +193,62 @@ FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);
 FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const void* b,
                                int64_t ldb, void* out, cudaStream_t stream, int warm);
 FO_API void fo_call_destroy(fo_call* call);
+// How the call runs now: 0 launch by launch, 1 replaying its graph, -1 its graph could not be
+// made (then it runs launch by launch; fo_last_error said why when it failed).
+FO_API int fo_call_graph_state(const fo_call* call);
+
+// ---- allgather: a gather that feeds a waiting GEMM (runtime object, gather_call.cuh) ---------
+// A prepared allgather call of rank `rank` of `world`: every rank's a is [block_rows, copy_cols];
+// `gathered` is [world * block_rows, ldg] row-major (rows s * block_rows .. of rank s, so a row of
+// gathered is the same row of out). fo_gather_run issues, with no host synchronisation:
+//   comm:    waits for the caller's stream (event); per chunk g (rows chunk_rows[2g] ..
+//            chunk_rows[2g+1] of every shard): copies this rank's rows of the chunk from a into
+//            gathered and sets flag (rank, g); then per chunk, one NCCL group of a send of those
+//            rows to every peer and a receive of every peer's, then flags (p, g) of the peers
+//   compute: the GEMM (fo_gemm_run_ex of `gemm_run_ex`) on gathered, writing out in place, each
+//            item waiting for its flag (item_wait, read from `wait_flags`); then a wait for the
+//            communication stream and the flags' reset to zero (so graph replays and
+//            back-to-back calls start from zero).
+// Flag (s, g) is arrive_flags[s * num_chunks + g]. `wait_flags` is arrive_flags, except in the
+// negative-control test (flags read as already set). `delay_us` > 0 (tests) spins that long on
+// the communication stream before each own-chunk copy. With nccl_comm == nullptr, world must be
+// 1 (a loopback of the own rows: the waits run, no NCCL).
+typedef struct fo_gather fo_gather;
+typedef struct {
+  int abi_version;  // FO_CUDA_ABI_VERSION
+  void* gemm_run_ex;
+  int world, rank, block_rows, N, K;  // K as the kernel takes it (>= copy_cols)
+  int copy_cols;
+  const int64_t* items;
+  const int32_t* item_group;
+  const int32_t* item_wait;
+  int num_items, num_ctas;
+  void* workspace;
+  void* gathered;
+  int64_t ldg;
+  uint32_t* arrive_flags;
+  const uint32_t* wait_flags;
+  int num_chunks;
+  const int32_t* chunk_rows;  // host, 2 per chunk
+  int elem_size;
+  void* nccl_comm;
+  int nccl_dtype;
+  int delay_us;
+  cudaStream_t comm_stream;
+} fo_gather_desc;
+
+FO_API cudaError_t fo_gather_create(const fo_gather_desc* desc, fo_gather** gather);
+// One call; `warm` != 0: the communication side first, to the end, then the GEMM, with a
+// synchronisation after each (the first call: every kernel it uses is loaded on an idle device).
+FO_API cudaError_t fo_gather_run(fo_gather* gather, const void* a, int64_t lda, const void* b,
+                                 int64_t ldb, void* out, int64_t ldo, cudaStream_t stream, int warm);
+FO_API void fo_gather_destroy(fo_gather* gather);
+// Force-loads the kernels only fo_gather_run launches (the tests' delay kernel).
+FO_API cudaError_t fo_gather_load_kernels(void);
+// ncclCommInitRankConfig with at most `max_ctas` CTAs per NCCL kernel and no CTA clusters
+// (NCCL >= 2.17): allgather's communicator, whose kernels must fit beside the waiting GEMM.
+FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
+                                             int device, int max_ctas);
 
 FO_API const char* fo_last_error(void);
 

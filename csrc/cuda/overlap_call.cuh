@@ -7,6 +7,21 @@
 #include "flashoverlap_cuda.h"
 #include "nccl_loader.cuh"
 
+// A call's captured graph (use_graph): the nodes a later call may have to re-point, and what
+// they point at now.
+struct fo_call_graph {
+  cudaGraph_t graph = nullptr;  // kept: node handles belong to it
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t gemm = nullptr;
+  std::vector<cudaGraphNode_t> unpack;  // per block with tiles, in block order
+  std::vector<int> unpack_block;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  int64_t lda = 0, ldb = 0;
+  void* out = nullptr;
+  int state = 0;  // 0 none yet, 1 replaying, -1 could not be made
+};
+
 struct fo_call {
   fo_call_desc d;
   std::vector<int32_t> group_sizes;
@@ -17,6 +32,8 @@ struct fo_call {
   std::vector<int32_t> block_num_tiles;
   cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
   cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
+  cudaStream_t capture = nullptr;      // where the graph is captured (never runs work)
+  fo_call_graph g;
 };
 
 namespace fo::runtime {
@@ -24,6 +41,9 @@ namespace fo::runtime {
 using GemmRun = cudaError_t (*)(const void*, const void*, void*, int, int, int, int, int64_t,
                                 int64_t, const int64_t*, const int32_t*, int, int32_t*, int,
                                 uint64_t*, void*, cudaStream_t);
+using GemmSetNode = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*, const void*,
+                                    void*, int, int, int, int, int64_t, int64_t, const int64_t*,
+                                    const int32_t*, int, int32_t*, int);
 
 inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
@@ -45,6 +65,8 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
                 d.collective);
   if (d.collective != 3 && d.per_step != 1)
     return fail(cudaErrorInvalidValue, "fo_call_create: only all_to_all has per_step > 1");
+  if (d.use_graph && !d.gemm_set_node)
+    return fail(cudaErrorInvalidValue, "fo_call_create: use_graph needs gemm_set_node");
   if (d.wait_mode != 0 && d.wait_mode != 1)
     return fail(cudaErrorInvalidValue, "fo_call_create: wait_mode %d is not 0 or 1", d.wait_mode);
   if (d.elem_size != 2 && d.elem_size != 4)
@@ -98,8 +120,27 @@ inline cudaError_t launch_step(const fo_call& c, int s) {
   }
 }
 
-inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
-                            void* out, cudaStream_t stream, bool warm) {
+// The last node captured on `stream` (its capture's single dependency after a launch).
+inline cudaError_t captured_node(cudaStream_t stream, cudaGraphNode_t* node) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraphNode_t* deps = nullptr;
+  size_t count = 0;
+#if CUDART_VERSION >= 13000
+  FO_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &count));
+#else
+  FO_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, nullptr, &deps, &count));
+#endif
+  if (status != cudaStreamCaptureStatusActive || count != 1)
+    return fail(cudaErrorStreamCaptureUnsupported,
+                "capturing the call: expected one node after a launch, found %zu", count);
+  *node = deps[0];
+  return cudaSuccess;
+}
+
+// Issues the whole call on `stream` (see fo_call_desc). `warm`: a host sync after each phase.
+// `g` (capture only): records the GEMM and post-reorder nodes.
+inline cudaError_t issue_call(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                              void* out, cudaStream_t stream, bool warm, fo_call_graph* g) {
   const fo_call_desc& d = c.d;
   // Without a collective (world size 1, no communicator) there is nothing to overlap: the
   // GEMM and the post-reorder run on the caller's stream, which orders them.
@@ -116,6 +157,10 @@ inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* 
       d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
   if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
     return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
+  if (g) {
+    err = captured_node(stream, &g->gemm);
+    if (err != cudaSuccess) return err;
+  }
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (int s = 0; communicate && s < d.num_steps; ++s) {
     if (s < d.num_groups) {
@@ -137,6 +182,12 @@ inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* 
                         c.block_tiles[k], c.block_offsets[k], c.block_num_tiles[k], d.elem_size,
                         reset ? nullptr : d.counters, reset ? 0 : d.num_groups, stream);
     if (err != cudaSuccess) return err;
+    if (g) {
+      g->unpack.emplace_back();
+      g->unpack_block.push_back(k);
+      err = captured_node(stream, &g->unpack.back());
+      if (err != cudaSuccess) return err;
+    }
     reset = true;
   }
   if (!reset) {  // nothing to unpack (a rank that receives no rows): reset on its own
@@ -145,6 +196,83 @@ inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* 
   }
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   return cudaSuccess;
+}
+
+// Captures the call once (on a private stream, thread-local mode: other threads' captures and
+// launches are not disturbed) and instantiates it. Nothing runs here.
+inline cudaError_t build_graph(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                               void* out) {
+  if (!c.capture) FO_CUDA_CHECK(cudaStreamCreateWithFlags(&c.capture, cudaStreamNonBlocking));
+  fo_call_graph g;
+  FO_CUDA_CHECK(cudaStreamBeginCapture(c.capture, cudaStreamCaptureModeThreadLocal));
+  cudaError_t err = issue_call(c, a, lda, b, ldb, out, c.capture, false, &g);
+  const cudaError_t ended = cudaStreamEndCapture(c.capture, &g.graph);
+  if (err == cudaSuccess && ended != cudaSuccess)
+    err = fail(ended, "capturing the call: cudaStreamEndCapture: %s", cudaGetErrorString(ended));
+  if (err == cudaSuccess) {
+    // Per-node priorities: the communication branch keeps its stream's high priority.
+    const cudaError_t made =
+        cudaGraphInstantiateWithFlags(&g.exec, g.graph, cudaGraphInstantiateFlagUseNodePriority);
+    if (made != cudaSuccess)
+      err = fail(made, "instantiating the call's graph: %s", cudaGetErrorString(made));
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the (non-sticky) error a failed capture leaves behind
+    if (g.graph) cudaGraphDestroy(g.graph);
+    return err;
+  }
+  g.a = a, g.b = b, g.lda = lda, g.ldb = ldb, g.out = out, g.state = 1;
+  c.g = std::move(g);
+  return cudaSuccess;
+}
+
+// Re-points the graph's GEMM and post-reorder nodes at this call's operands where they moved.
+inline cudaError_t update_graph(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                                void* out) {
+  fo_call_graph& g = c.g;
+  const fo_call_desc& d = c.d;
+  if (a != g.a || b != g.b || lda != g.lda || ldb != g.ldb) {
+    cudaError_t err = reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
+        g.exec, g.gemm, a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items,
+        d.item_group, d.num_items, d.counters, d.num_ctas);
+    if (err != cudaSuccess)
+      return fail(err, "re-pointing the graph's GEMM at new operands (cudaError %d)", int(err));
+    g.a = a, g.b = b, g.lda = lda, g.ldb = ldb;
+  }
+  if (out != g.out) {
+    for (size_t i = 0; i < g.unpack.size(); ++i) {
+      const int k = g.unpack_block[i];
+      UnpackLaunch u(d.staging, static_cast<char*>(out) + c.block_out_offset[k], d.ldo,
+                     c.block_tiles[k], c.block_offsets[k], c.block_num_tiles[k], d.elem_size,
+                     i == 0 ? d.counters : nullptr, i == 0 ? d.num_groups : 0);
+      void* args[8];
+      const cudaKernelNodeParams p = u.node(args);
+      FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(g.exec, g.unpack[i], &p));
+    }
+    g.out = out;
+  }
+  return cudaSuccess;
+}
+
+inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                            void* out, cudaStream_t stream, bool warm) {
+  // A warm (first) call loads every kernel launch by launch. Later calls replay the graph,
+  // except inside the caller's own capture, where the launches are what it records.
+  if (c.d.use_graph && !warm && c.g.state >= 0) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FO_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status == cudaStreamCaptureStatusNone) {
+      cudaError_t err = c.g.state == 1 ? update_graph(c, a, lda, b, ldb, out)
+                                       : build_graph(c, a, lda, b, ldb, out);
+      if (err == cudaSuccess) {
+        FO_CUDA_CHECK(cudaGraphLaunch(c.g.exec, stream));
+        return cudaSuccess;
+      }
+      if (c.g.state == 1) return err;  // an update failed: the arguments are bad
+      c.g.state = -1;  // the graph could not be made: launch by launch from now on
+    }
+  }
+  return issue_call(c, a, lda, b, ldb, out, stream, warm, nullptr);
 }
 
 }  // namespace fo::runtime
@@ -219,8 +347,13 @@ FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const 
   return fo::runtime::run_call(*call, a, lda, b, ldb, out, stream, warm != 0);
 }
 
+FO_API int fo_call_graph_state(const fo_call* call) { return call ? call->g.state : 0; }
+
 FO_API void fo_call_destroy(fo_call* call) {
   if (!call) return;
+  if (call->g.exec) cudaGraphExecDestroy(call->g.exec);
+  if (call->g.graph) cudaGraphDestroy(call->g.graph);
+  if (call->capture) cudaStreamDestroy(call->capture);
   if (call->inputs_ready) cudaEventDestroy(call->inputs_ready);
   if (call->comm_done) cudaEventDestroy(call->comm_done);
   delete call;

@@ -114,15 +114,53 @@ __global__ void __launch_bounds__(kUnpackThreads) unpack_tiles(const char* __res
 }
 
 // Split each tile over `parts` blocks so that small tile counts still fill the device.
+// The launch of unpack_tiles for one block: its grid and its argument values (kept together
+// so that a replayed graph's node can be re-pointed at a new `dst` with the same launch).
+struct UnpackLaunch {
+  dim3 grid;
+  const char* src;
+  char* dst;
+  int64_t ldd;
+  const int32_t* tiles;
+  const int64_t* src_offsets;
+  int elem_size;
+  int32_t* reset;
+  int num_reset;
+
+  UnpackLaunch(const void* src_, void* dst_, int64_t ldd_, const int32_t* tiles_,
+               const int64_t* src_offsets_, int num_tiles, int elem_size_, int32_t* reset_,
+               int num_reset_)
+      : src(static_cast<const char*>(src_)), dst(static_cast<char*>(dst_)), ldd(ldd_),
+        tiles(tiles_), src_offsets(src_offsets_), elem_size(elem_size_), reset(reset_),
+        num_reset(num_reset_) {
+    const int parts = num_tiles >= 1024 ? 1 : (1024 + num_tiles - 1) / num_tiles < 8 ? (1024 + num_tiles - 1) / num_tiles : 8;
+    grid = dim3(num_tiles, parts);
+  }
+
+  // Node parameters pointing at this object's fields (valid while it lives).
+  cudaKernelNodeParams node(void** args) {
+    args[0] = &src, args[1] = &dst, args[2] = &ldd, args[3] = &tiles, args[4] = &src_offsets;
+    args[5] = &elem_size, args[6] = &reset, args[7] = &num_reset;
+    cudaKernelNodeParams p = {};
+    p.func = reinterpret_cast<void*>(unpack_tiles);
+    p.gridDim = grid, p.blockDim = dim3(kUnpackThreads), p.sharedMemBytes = 0;
+    p.kernelParams = args;
+    return p;
+  }
+};
+
+inline cudaError_t launch_unpack(const UnpackLaunch& u, cudaStream_t stream) {
+  unpack_tiles<<<u.grid, kUnpackThreads, 0, stream>>>(u.src, u.dst, u.ldd, u.tiles, u.src_offsets,
+                                                      u.elem_size, u.reset, u.num_reset);
+  FO_CUDA_CHECK(cudaGetLastError());
+  return cudaSuccess;
+}
+
 inline cudaError_t launch_unpack(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
                                  const int64_t* src_offsets, int num_tiles, int elem_size,
                                  int32_t* reset, int num_reset, cudaStream_t stream) {
-  const int parts = num_tiles >= 1024 ? 1 : (1024 + num_tiles - 1) / num_tiles < 8 ? (1024 + num_tiles - 1) / num_tiles : 8;
-  unpack_tiles<<<dim3(num_tiles, parts), kUnpackThreads, 0, stream>>>(
-      static_cast<const char*>(src), static_cast<char*>(dst), ldd, tiles, src_offsets, elem_size,
-      reset, num_reset);
-  FO_CUDA_CHECK(cudaGetLastError());
-  return cudaSuccess;
+  return launch_unpack(UnpackLaunch(src, dst, ldd, tiles, src_offsets, num_tiles, elem_size, reset,
+                                    num_reset), stream);
 }
 
 cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
@@ -147,6 +185,7 @@ cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaSt
 }  // namespace fo::runtime
 
 #include "overlap_call.cuh"
+#include "gather_call.cuh"  // allgather: the gather that feeds a waiting GEMM
 
 using namespace fo::runtime;
 

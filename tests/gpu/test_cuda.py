@@ -126,6 +126,43 @@ def test_native_call_with_nccl_matches_float64(op, shape, nccl_group):
                 _check(out, a, b)
 
 
+def _last_prepared():
+    from flashoverlap_core import api
+    return list(api._prepared.values())[-1].prepared
+
+
+@needs_cuda
+@pytest.mark.parametrize("replay", ["1", "0"])
+@pytest.mark.parametrize("arch", ["90", "80"])
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "all_to_all"])
+def test_replayed_call_follows_moving_operands(op, arch, replay, monkeypatch, nccl_group):
+    """From its second call a key replays its captured graph; the GEMM and post-reorder nodes
+    are re-pointed whenever a, b or out move. Fresh operands and fresh (poisoned) outputs every
+    call, default arguments and out=, both layouts of b: every result matches float64."""
+    if arch == "90" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90a kernels need Hopper")
+    from flashoverlap_core import api
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_ARCH", arch)
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_GRAPH", replay)
+    api.forget_prepared()
+    m, n, k = 777, 1000, 264
+    plan = fo.plan(m, n, k, op=op, dtype=torch.bfloat16, backend="cuda",
+                   group_sizes=None)
+    for col_major in (True, False):
+        for i in range(12):
+            a, b = _inputs(m, n, k, torch.bfloat16, col_major)
+            if i % 3 == 2:
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                assert fo.overlap(a, b, op, plan=plan, out=out) is out
+            else:
+                out = fo.overlap(a, b, op, plan=plan)
+            torch.cuda.synchronize()
+            _check(out, a, b)
+        state = _last_prepared().graph_state()
+        assert state == (1 if replay == "1" else 0), f"graph state {state}"
+    api.forget_prepared()
+
+
 @needs_cuda
 def test_two_streams_share_nothing(nccl_group):
     """Two calls of the same key in flight on two streams: their own counters, buffers and
