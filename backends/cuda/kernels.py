@@ -97,8 +97,8 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     tile = DEFAULT_TILE[arch]
     if arch != 90 or spec is None or not wave_size:
         return tile
-    blocks = [spec.m]  # rows per destination block, as the plan cuts them
-    if spec.op == "reduce_scatter" and spec.world_size > 1:
+    blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
+    if spec.op in ("reduce_scatter", "allgather") and spec.world_size > 1:
         blocks = [spec.m // spec.world_size] * spec.world_size
     elif spec.op == "all_to_all" and spec.send_splits:
         blocks = [r for r in spec.send_splits if r > 0] or [spec.m]

@@ -20,7 +20,7 @@ from . import kernels
 ENV_LIBRARY = "FLASHOVERLAP_NCCL_LIBRARY"
 
 _lock = threading.Lock()
-_comms: dict = {}  # (group, device index) -> ncclComm_t (int)
+_comms: dict = {}  # (group, device index, max CTAs or None) -> ncclComm_t (int)
 
 
 def uses_nccl(group) -> bool:
@@ -49,10 +49,12 @@ def version() -> int:
     return runtime.nccl_version()
 
 
-def communicator(group, device: torch.device) -> int:
+def communicator(group, device: torch.device, max_ctas: int | None = None) -> int:
     """This rank's ncclComm_t for ``group`` on ``device``, created on first use (a collective:
-    every rank of the group must ask, in the same order, as for any collective)."""
-    key = (group, device.index)
+    every rank of the group must ask, in the same order, as for any collective). With
+    ``max_ctas``, a communicator of its own whose kernels take at most that many CTAs and no
+    CTA clusters (allgather's: its kernels must fit on the SMs its waiting GEMM leaves free)."""
+    key = (group, device.index, max_ctas)
     with _lock:
         comm = _comms.get(key)
         if comm is not None:
@@ -65,6 +67,7 @@ def communicator(group, device: torch.device) -> int:
             uid = torch.frombuffer(bytearray(runtime.nccl_unique_id()), dtype=torch.uint8)
         on_device = uid.to(device)
         dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
-        comm = runtime.nccl_comm_init(world, bytes(on_device.cpu().numpy()), rank, device.index)
+        comm = runtime.nccl_comm_init(world, bytes(on_device.cpu().numpy()), rank, device.index,
+                                      max_ctas)
         _comms[key] = comm
         return comm

@@ -95,10 +95,11 @@ inline cudaError_t prepare_kernel_once(Kernel kernel, int smem_bytes) {
 
 // One output tile of the plan (see flashoverlap_cuda.h, "Work items").
 struct WorkTile {
-  int64_t offset;  // element offset of the tile in the packed buffer
+  int64_t offset;  // element offset of the tile in the packed buffer (or in the row-major out)
   int row0, rows;  // rows of c (and a) that the tile covers
   int col0, cols;  // columns of c
   int n_blk;       // column tile index (col0 / BN)
+  int block;       // destination block (allgather: source shard) l
   int group;       // wave group whose counter the tile bumps
   bool valid;      // false for a cluster's filler item past the end of the table
 };
@@ -111,6 +112,8 @@ struct ItemTable {
   int L;
   int M, N;  // M = L * block_rows
   int64_t packed_numel;
+  int64_t ldo;  // 0: tiles packed (row stride = their width); else the row stride of a
+                // row-major [M, ldo] output that the tiles are written into in place
 };
 
 // Decodes item i. With Checked, traps on an item that lies outside the matrix or the packed
@@ -126,16 +129,44 @@ __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   w.col0 = int(n_blk * BN);
   w.cols = min(BN, int(t.N - n_blk * BN));
   w.n_blk = int(n_blk);
+  w.block = int(l);
   w.offset = offset;
   w.group = t.item_group[i];
   w.valid = true;
   if constexpr (Checked) {
+    const int64_t end = t.ldo ? offset + int64_t(w.rows - 1) * t.ldo + w.cols
+                              : offset + int64_t(w.rows) * w.cols;
     bool ok = l >= 0 && l < t.L && m_blk >= 0 && m_blk * BM < t.block_rows && n_blk >= 0 &&
-              n_blk * BN < t.N && offset >= 0 &&
-              offset + int64_t(w.rows) * w.cols <= t.packed_numel && w.group >= 0;
+              n_blk * BN < t.N && offset >= 0 && end <= t.packed_numel && w.group >= 0;
     if (!ok) __trap();
   }
   return w;
+}
+
+// ---- device: arrival waits (allgather: the GEMM consumes rows that a transfer brings) ------
+
+// Spins until `*flag` != 0, with an acquire load at GPU scope, so that whatever the writer
+// made visible before setting the flag (a stream write-value after a copy or an NCCL receive,
+// which orders the stream's earlier writes before it) is visible to this thread's later
+// generic-proxy loads. The backoff keeps the spinning threads off the memory system.
+__device__ inline void wait_flag(const uint32_t* flag) {
+  uint32_t v, sleep_ns = 32;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (v != 0) return;
+    __nanosleep(sleep_ns);
+    sleep_ns = sleep_ns < 1024 ? 2 * sleep_ns : 1024;
+  }
+}
+
+// Item i's arrival wait: item_wait[i] is the index of the flag its A rows need (-1: none).
+// Traps on an index outside the flag array.
+__device__ inline void wait_item_rows(const int32_t* item_wait, const uint32_t* flags,
+                                      int num_flags, int64_t i) {
+  const int32_t f = item_wait[i];
+  if (f < 0) return;
+  if (f >= num_flags) __trap();
+  wait_flag(flags + f);
 }
 
 // ---- device: signal and monitor ----------------------------------------------------------

@@ -18,11 +18,33 @@ __device__ inline uint32_t pack2(float x, float y) {
   return uint32_t(a.raw()) | (uint32_t(b.raw()) << 16);
 }
 
+// Stores this thread's accumulators of the first `rows` x `cols` of a tile into rows of stride
+// `ld` elements at `dst`. `coord` maps each accumulator to its (row, col) in the tile.
+// Accumulators come in pairs of adjacent columns (true of the sm80 mma and sm90 wgmma layouts;
+// checked below at compile time by constant folding), stored as one 32-bit word when the
+// address allows. The checked path every kernel keeps for partial tiles, unaligned slots, and
+// tiles written in place into a row-major output (allgather: ld = the output's row stride).
+template <class T, class Acc, class Coord>
+__device__ inline void store_tile_rows(const Acc& acc, const Coord& coord, T* dst, int rows,
+                                       int cols, int64_t ld) {
+  const bool words = ((reinterpret_cast<uintptr_t>(dst) & 3) == 0) && ((ld & 1) == 0);
+#pragma unroll
+  for (int i = 0; i < int(cute::size(acc)); i += 2) {
+    int r = cute::get<0>(coord(i)), c = cute::get<1>(coord(i));
+    if (r >= rows) continue;
+    T* p = dst + r * ld + c;
+    if (words && c + 1 < cols) {
+      *reinterpret_cast<uint32_t*>(p) = pack2<T>(acc(i), acc(i + 1));
+    } else {
+      if (c < cols) p[0] = T(acc(i));
+      if (c + 1 < cols) p[1] = T(acc(i + 1));
+    }
+  }
+}
+
 // Stores this thread's accumulators of one tile, row-major at its real size (row stride =
-// cols) at `dst`. `coord` maps each accumulator to its (row, col) in the tile. Accumulators come
-// in pairs of adjacent columns (true of the sm80 mma and sm90 wgmma layouts; checked below at
-// compile time by constant folding), stored as one 32-bit word when the address allows.
-// This is the checked path every kernel keeps for partial tiles and unaligned slots.
+// cols) at `dst`: its packed slot. Full tiles at a 4-byte aligned slot take a path without
+// bounds checks; the others store_tile_rows.
 template <class T, int BM, int BN, class Acc, class Coord>
 __device__ inline void store_tile(const Acc& acc, const Coord& coord, T* dst, int rows, int cols) {
   const bool words = ((reinterpret_cast<uintptr_t>(dst) & 3) == 0) && ((cols & 1) == 0);
@@ -34,18 +56,7 @@ __device__ inline void store_tile(const Acc& acc, const Coord& coord, T* dst, in
     }
     return;
   }
-#pragma unroll
-  for (int i = 0; i < int(cute::size(acc)); i += 2) {
-    int r = cute::get<0>(coord(i)), c = cute::get<1>(coord(i));
-    if (r >= rows) continue;
-    T* p = dst + r * cols + c;
-    if (words && c + 1 < cols) {
-      *reinterpret_cast<uint32_t*>(p) = pack2<T>(acc(i), acc(i + 1));
-    } else {
-      if (c < cols) p[0] = T(acc(i));
-      if (c + 1 < cols) p[1] = T(acc(i + 1));
-    }
-  }
+  store_tile_rows(acc, coord, dst, rows, cols, cols);
 }
 
 // Compile-time check that accumulators i and i+1 are adjacent columns of one row.

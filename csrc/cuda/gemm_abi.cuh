@@ -29,10 +29,16 @@ struct Args {
   int32_t* counters;
   int num_ctas;
   uint64_t* monitor;
+  // fo_gemm_run_ex only (zero / null from fo_gemm_run):
+  int64_t ldo;                   // 0: packed output; else out is row-major [M, ldo]
+  const int32_t* item_wait;      // per item: the arrival flag its A rows need (-1: none)
+  const uint32_t* arrive_flags;  // set (!= 0) by the transfer once the rows have landed
+  int num_flags;
 
   ItemTable table() const {
     const int M = L * block_rows;
-    return ItemTable{items, item_group, num_items, block_rows, L, M, N, int64_t(M) * N};
+    const int64_t numel = ldo ? int64_t(M) * ldo : int64_t(M) * N;
+    return ItemTable{items, item_group, num_items, block_rows, L, M, N, numel, ldo};
   }
 };
 
@@ -42,6 +48,9 @@ cudaError_t load_kernel();                         // cudaFuncGetAttributes + sh
 cudaError_t resident_ctas(int device, int* ctas);  // CTAs resident at once (current device)
 cudaError_t check_limits(const Args& args);        // limits beyond check_gemm_args
 cudaError_t launch(const Args& args, cudaStream_t stream);
+// Points a captured launch of this kernel (a kernel node of an instantiated graph) at new
+// arguments: the same launch as `launch`, written into the node instead of a stream.
+cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node);
 
 }  // namespace fo::gemm
 
@@ -64,22 +73,62 @@ FO_API cudaError_t fo_gemm_max_ctas(int device, int* max_ctas) {
 
 FO_API size_t fo_gemm_workspace_size(int, int, int, int, int) { return 0; }
 
+FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L, int block_rows,
+                                  int N, int K, int64_t lda, int64_t ldb, int64_t ldo,
+                                  const int64_t* items, const int32_t* item_group,
+                                  const int32_t* item_wait, const uint32_t* arrive_flags,
+                                  int num_flags, int num_items, int32_t* counters, int num_ctas,
+                                  uint64_t* monitor, void* workspace, cudaStream_t stream) {
+  (void)workspace;
+  const fo_gemm_config& c = fo::gemm::config();
+  cudaError_t err = fo::check_gemm_args(a, b, out, L, block_rows, N, K, lda, ldb, c.b_col_major,
+                                        items, item_group, num_items, num_ctas,
+                                        c.cta_multiple);
+  if (err == cudaSuccess && ldo != 0 && ldo < N)
+    err = fo::fail(cudaErrorInvalidValue, "fo_gemm_run_ex: ldo=%lld must be 0 (packed) or >= N=%d",
+                   (long long)ldo, N);
+  if (err == cudaSuccess && (!item_wait != !arrive_flags || (item_wait && num_flags < 1)))
+    err = fo::fail(cudaErrorInvalidValue,
+                   "fo_gemm_run_ex: item_wait and arrive_flags go together, with num_flags >= 1 "
+                   "(got item_wait=%p, arrive_flags=%p, num_flags=%d)", item_wait, arrive_flags,
+                   num_flags);
+  const fo::gemm::Args args{a, b, out, L, block_rows, N, K, lda, ldb,
+                            items, item_group, num_items, counters, num_ctas, monitor,
+                            ldo, item_wait, arrive_flags, num_flags};
+  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
+  if (err != cudaSuccess || num_items == 0) return err;
+  err = fo::gemm::load_kernel();
+  return err == cudaSuccess ? fo::gemm::launch(args, stream) : err;
+}
+
 FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L, int block_rows,
                                int N, int K, int64_t lda, int64_t ldb, const int64_t* items,
                                const int32_t* item_group, int num_items, int32_t* counters,
                                int num_ctas, uint64_t* monitor, void* workspace,
                                cudaStream_t stream) {
-  (void)workspace;
+  return fo_gemm_run_ex(a, b, packed, L, block_rows, N, K, lda, ldb, 0, items, item_group,
+                        nullptr, nullptr, 0, num_items, counters, num_ctas, monitor, workspace,
+                        stream);
+}
+
+// A graph's captured launch of this GEMM (fo_gemm_run inside stream capture) re-pointed at new
+// operands and tables, checked as fo_gemm_run checks them: a prepared call replays its captured
+// graph and only updates this node when a or b moved (overlap_call.cuh).
+FO_API cudaError_t fo_gemm_set_node(cudaGraphExec_t exec, cudaGraphNode_t node, const void* a,
+                                    const void* b, void* packed, int L, int block_rows, int N,
+                                    int K, int64_t lda, int64_t ldb, const int64_t* items,
+                                    const int32_t* item_group, int num_items, int32_t* counters,
+                                    int num_ctas) {
   const fo_gemm_config& c = fo::gemm::config();
+  if (!exec || !node) return fo::fail(cudaErrorInvalidValue, "fo_gemm_set_node: null graph or node");
   cudaError_t err = fo::check_gemm_args(a, b, packed, L, block_rows, N, K, lda, ldb, c.b_col_major,
                                         items, item_group, num_items, num_ctas,
                                         c.cta_multiple);
   const fo::gemm::Args args{a, b, packed, L, block_rows, N, K, lda, ldb,
-                            items, item_group, num_items, counters, num_ctas, monitor};
+                            items, item_group, num_items, counters, num_ctas, nullptr,
+                            0, nullptr, nullptr, 0};
   if (err == cudaSuccess) err = fo::gemm::check_limits(args);
-  if (err != cudaSuccess || num_items == 0) return err;
-  err = fo::gemm::load_kernel();
-  return err == cudaSuccess ? fo::gemm::launch(args, stream) : err;
+  return err == cudaSuccess ? fo::gemm::set_node(args, exec, node) : err;
 }
 
 FO_API const char* fo_last_error(void) { return fo::last_error_text().c_str(); }

@@ -12,6 +12,10 @@
 // which is one contiguous chunk; other tiles take the direct path); 3 none (full tiles are not
 // stored: an upper bound for measurements only, the output is wrong by design).
 //
+// allgather (fo_gemm_run_ex): with item_wait, thread 0 waits for each item's arrival flag
+// (acquire) and a barrier orders every thread's cp.async after it; with ldo, the tiles are
+// written in place into a row-major out (staged: 16-byte stores per row when ldo % 8 == 0).
+//
 // Configuration (-D macros, defaults in brackets): FO_TILE_M/N/K [128/128/32] (M, N multiples
 // of 64: one warp per 64x64 of the tile; K 32 or 64), FO_STAGES [0 = 4], FO_DTYPE [0 = bf16,
 // 1 = fp16], FO_B_COL_MAJOR [1], FO_EPILOGUE [0].
@@ -107,15 +111,19 @@ struct Params {
   Element* packed;
   int32_t* counters;
   uint64_t* monitor;
+  const int32_t* item_wait;  // allgather: the arrival flag of each item (null: no waits)
+  const uint32_t* arrive_flags;
+  int num_flags;
 };
 
 // Staged store of a full tile: accumulators -> shared memory (the mainloop ended with every
 // cp.async drained and a barrier, so its buffers are free), then each thread copies 16-byte
 // vectors of the tile, which is one contiguous chunk of the packed buffer: consecutive threads
-// write consecutive 16 bytes.
-template <class Acc, class Coord>
+// write consecutive 16 bytes. kRows: the tile's rows go to rows of stride `ld` (a multiple of 8
+// elements) of a row-major output instead (allgather's in-place output).
+template <bool kRows = false, class Acc, class Coord>
 __device__ inline void store_full_tile_staged(const Acc& acc, const Coord& coord, Element* stage,
-                                              Element* dst) {
+                                              Element* dst, int64_t ld = kBN) {
 #pragma unroll
   for (int i = 0; i < int(size(acc)); i += 2) {
     const int r = get<0>(coord(i)), c = get<1>(coord(i));
@@ -128,7 +136,8 @@ __device__ inline void store_full_tile_staged(const Acc& acc, const Coord& coord
 #pragma unroll 2
   for (int v = threadIdx.x; v < kVecs; v += kThreads) {
     const int r = v / kRowVecs, c = v % kRowVecs;
-    reinterpret_cast<uint4*>(dst)[v] = *reinterpret_cast<const uint4*>(stage + r * kStageRow + 8 * c);
+    uint4* to = kRows ? reinterpret_cast<uint4*>(dst + r * ld + 8 * c) : reinterpret_cast<uint4*>(dst) + v;
+    *to = *reinterpret_cast<const uint4*>(stage + r * kStageRow + 8 * c);
   }
 }
 
@@ -145,6 +154,13 @@ __global__ void __launch_bounds__(kThreads) signaling_gemm(const __grid_constant
 
   for (int64_t i = blockIdx.x; i < p.table.num_items; i += gridDim.x) {
     const WorkTile w = decode_item<kBM, kBN>(p.table, i);
+    if (p.item_wait != nullptr) {
+      // allgather: this item's rows of A must have arrived before any thread loads them. One
+      // thread waits (acquire); the barrier orders every thread's cp.async after it. The
+      // previous item ended with a barrier too, so nothing of it is still in flight.
+      if (threadIdx.x == 0) wait_item_rows(p.item_wait, p.arrive_flags, p.num_flags, i);
+      __syncthreads();
+    }
     // This tile's rows of A and columns of B as (rows, K) / (cols, K) views, cut into K tiles.
     Tensor mA = make_tensor(make_gmem_ptr(p.a + w.row0 * p.lda), make_shape(w.rows, p.K),
                             make_stride(p.lda, _1{}));
@@ -167,7 +183,14 @@ __global__ void __launch_bounds__(kThreads) signaling_gemm(const __grid_constant
 
     Element* dst = p.packed + w.offset;
     const bool full = w.rows == kBM && w.cols == kBN;
-    if (kEpilogue == 1 && full && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    const int64_t ldo = p.table.ldo;  // != 0: in place into a row-major out (allgather)
+    const bool aligned = (reinterpret_cast<uintptr_t>(dst) & 15) == 0;
+    if (ldo) {
+      if (kEpilogue == 1 && full && aligned && ldo % 8 == 0)
+        store_full_tile_staged<true>(acc, coord, reinterpret_cast<Element*>(smem), dst, ldo);
+      else
+        store_tile_rows(acc, coord, dst, w.rows, w.cols, ldo);
+    } else if (kEpilogue == 1 && full && aligned) {
       store_full_tile_staged(acc, coord, reinterpret_cast<Element*>(smem), dst);
     } else if (!(kEpilogue == 3 && full)) {
       store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
@@ -214,12 +237,26 @@ cudaError_t resident_ctas(int device, int* ctas) {
   return cudaSuccess;
 }
 
-cudaError_t launch(const Args& args, cudaStream_t stream) {
-  Params params{static_cast<const Element*>(args.a), static_cast<const Element*>(args.b), args.lda,
+static Params kernel_params(const Args& args) {
+  return Params{static_cast<const Element*>(args.a), static_cast<const Element*>(args.b), args.lda,
                 args.ldb, args.K, args.table(), static_cast<Element*>(args.packed), args.counters,
-                args.monitor};
-  signaling_gemm<<<args.num_ctas, kThreads, kSmemBytes, stream>>>(params);
+                args.monitor, args.item_wait, args.arrive_flags, args.num_flags};
+}
+
+cudaError_t launch(const Args& args, cudaStream_t stream) {
+  signaling_gemm<<<args.num_ctas, kThreads, kSmemBytes, stream>>>(kernel_params(args));
   FO_CUDA_CHECK(cudaGetLastError());
+  return cudaSuccess;
+}
+
+cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node) {
+  Params params = kernel_params(args);
+  void* arg[] = {&params};
+  cudaKernelNodeParams p = {};
+  p.func = reinterpret_cast<void*>(signaling_gemm);
+  p.gridDim = dim3(args.num_ctas), p.blockDim = dim3(kThreads), p.sharedMemBytes = kSmemBytes;
+  p.kernelParams = arg;
+  FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec, node, &p));
   return cudaSuccess;
 }
 

@@ -9,6 +9,10 @@
 //     its real size, and a store/signal thread (lane 0 of the producer warpgroup's warp 1) that
 //     bumps the tile's group counter with a release add at GPU scope once the tile's data is
 //     globally visible. So a counter never becomes visible before its tiles' data.
+// allgather (fo_gemm_run_ex): with item_wait, the producer waits for each item's arrival flag
+// (acquire, then a proxy fence) before it issues the item's TMA loads; with ldo, the tiles are
+// written in place into a row-major out (tma: a 3-D store map [L][block_rows][N] whose bounds
+// clip each tile at its block's end and at N, so partial tiles take the TMA store too).
 // A tile may start at any row (A's TMA tensor is offset to the tile's first row): destination
 // blocks need not be multiples of the tile height, and rows past a block's end are computed but
 // never stored. K tails and M/N edges are zero-filled by TMA.
@@ -185,8 +189,12 @@ struct Params {
   int32_t* counters;
   uint64_t* monitor;
   int K;
-  int tma_store;  // 1: full tiles at offsets that are multiples of kBN use the TMA store
-  cute::TmaDescriptor store_map;  // the packed buffer as [numel / kBN, kBN], box 64 x kBM
+  int tma_store;  // kTmaOff, kTmaPacked or kTmaRows: which tiles the TMA stores, and how
+  cute::TmaDescriptor store_map;  // kTmaPacked: the packed buffer as [numel / kBN, kBN], box
+                                  // 64 x kBM; kTmaRows: out as [L][block_rows][N], box 64 x kBM x 1
+  const int32_t* item_wait;       // allgather: the arrival flag of each item (null: no waits)
+  const uint32_t* arrive_flags;
+  int num_flags;
 };
 
 struct SharedStorage {
@@ -203,10 +211,18 @@ struct SharedStorage {
 constexpr int kSmemBytes = int(sizeof(SharedStorage));
 static_assert(kSmemBytes <= 232448, "shared memory: lower FO_STAGES or FO_EPI_SLOTS");
 
+// TMA store modes. kTmaPacked: full tiles whose packed slot starts on a row of the
+// [numel / kBN, kBN] view. kTmaRows (an output written in place, row-major): every tile, at
+// (column, row within its block, block) of the 3-D view of out, whose bounds clip a partial
+// tile's rows at its block's end and its columns at N.
+enum TmaMode { kTmaOff = 0, kTmaPacked = 1, kTmaRows = 2 };
+
 // Whether a tile goes through the TMA store: the math threads and the store thread decide
 // alike from the same item.
 __host__ __device__ inline bool tma_tile(const WorkTile& w, int tma_store) {
-  return kTmaStore && tma_store && w.valid && w.rows == kBM && w.cols == kBN && w.offset % kBN == 0;
+  if (!kTmaStore || !w.valid) return false;
+  if (tma_store == kTmaRows) return true;
+  return tma_store == kTmaPacked && w.rows == kBM && w.cols == kBN && w.offset % kBN == 0;
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FO_LAYOUT_SELFTEST)
@@ -268,13 +284,19 @@ __device__ inline void epilogue(const Params& p, const WorkTile& w, const Acc& a
                                 uint32_t slots, const int (&row_base)[kMmaM], int lane) {
   Element* dst = p.packed + w.offset;
   const bool full = w.valid && w.rows == kBM && w.cols == kBN;
+  const int64_t ldo = p.table.ldo;  // != 0: in place into a row-major out (allgather)
   if constexpr (kTmaStore) {
     const bool tma = tma_tile(w, p.tma_store);
-    if (w.valid && !tma) store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+    if (w.valid && !tma) {
+      if (ldo) store_tile_rows(acc, coord, dst, w.rows, w.cols, ldo);
+      else store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+    }
     stage_tile(acc, tma, epi, state, slots, row_base, lane);
   } else {
     epi.producer_acquire(state);
-    if (kEpilogue == kVec16 && full && (w.offset & 7) == 0 && (reinterpret_cast<uintptr_t>(p.packed) & 15) == 0) {
+    if (ldo) {
+      if (w.valid) store_tile_rows(acc, coord, dst, w.rows, w.cols, ldo);
+    } else if (kEpilogue == kVec16 && full && (w.offset & 7) == 0 && (reinterpret_cast<uintptr_t>(p.packed) & 15) == 0) {
       store_full_tile_vec16<Element, kBN, kMmaM>(acc, FragWord{}, row_base, lane, dst);
     } else if (w.valid && !(kEpilogue == kNone && full)) {
       store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
@@ -291,6 +313,32 @@ __device__ inline void tma_store_2d(const void* map, uint32_t smem, int col, int
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
                    reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row)
                : "memory");
+}
+__device__ inline void tma_store_3d(const void* map, uint32_t smem, int col, int row, int block) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row), "r"(block)
+               : "memory");
+}
+// Column block cb of tile w from the slot at `smem`, in the map's mode; false when there is
+// nothing to store (kTmaRows: the block lies wholly past N).
+__device__ inline bool tma_store_block(const Params& p, const WorkTile& w, int cb, uint32_t smem) {
+  if (p.tma_store == kTmaRows) {
+    const int col = w.col0 + cb * 64;
+    if (col >= p.table.N) return false;
+    tma_store_3d(&p.store_map, smem, col, w.row0 - w.block * p.table.block_rows, w.block);
+    return true;
+  }
+  tma_store_2d(&p.store_map, smem, cb * 64, int(w.offset / kBN));
+  return true;
+}
+
+// allgather: the producer waits until item i's rows of A have arrived, before it loads
+// anything of the item. The acquire (wait_item_rows) orders the arrival before this thread's
+// generic-proxy operations; the proxy fence then orders it before the TMA loads (async proxy)
+// that this thread issues next, so they read the arrived rows, not what was there before.
+__device__ inline void wait_for_rows(const Params& p, int64_t i) {
+  wait_item_rows(p.item_wait, p.arrive_flags, p.num_flags, i);
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 __device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 template <int N>
@@ -401,6 +449,9 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
       for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
         WorkTile w = cluster_item(p.table, base, rank);
+        // One uniform branch per tile, outside the K loop; a filler item loads rows it never
+        // stores, so it waits for nothing.
+        if (p.item_wait != nullptr && w.valid) wait_for_rows(p, base + rank);
         auto gA = local_tile(domain_offset(make_coord(w.row0, 0, 0), mA), TileShape{},
                              make_coord(_, _, _), Step<_1, X, _1>{});
         auto k_iter = make_coord_iterator(shape<3>(gA));
@@ -420,18 +471,18 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         const WorkTile w = stored_item(p.table, base, rank);
         if constexpr (kTmaStore) {
           const bool tma = tma_tile(w, p.tma_store);
-          const int row = int(w.offset / kBN);
           typename EpiPipeline::PipelineState previous = read_state;
 #pragma unroll 1
           for (int cb = 0; cb < kColBlocks; ++cb) {
             epi.consumer_wait(read_state);
-            if (tma) {
-              tma_store_2d(&p.store_map, slots + read_state.index() * kSlotBytes, cb * 64, row);
-              bulk_commit();
-            }
+            const bool stored = tma && tma_store_block(p, w, cb, slots + read_state.index() * kSlotBytes);
+            if (stored) bulk_commit();
             if constexpr (kSlots > 1) {  // free the previous block's slot once its copy read it
               if (cb > 0) {
-                if (tma) bulk_wait_read<1>();
+                // The newest group is this block's only if it stored one (kTmaRows skips
+                // blocks past N); otherwise the previous block's copy must be read too.
+                if (stored) bulk_wait_read<1>();
+                else if (tma) bulk_wait_read<0>();
                 epi.consumer_release(previous);
               }
               previous = read_state;
@@ -541,45 +592,77 @@ inline typename Mainloop::Params mainloop_params(const void* a, const void* b, i
   return cache.mainloop;
 }
 
-// The TMA store map of the packed buffer: a [numel / kBN, kBN] row-major tensor (a full tile at
-// an offset that is a multiple of kBN is its rows offset / kBN ..), boxes of kBM rows x 64
-// columns, 128-byte swizzle. Returns false (no TMA store; every tile takes the direct path)
-// when the buffer cannot be described: not 16-byte aligned, or smaller than one tile.
-inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* map, bool* usable) {
-  struct Cache {
-    std::mutex mutex;
-    void* packed = nullptr;
-    int64_t numel = -1;
-    bool usable = false;
-    cute::TmaDescriptor map;
-  };
-  static Cache cache;
+// One TMA store map, encoded again only when what it describes changes (a prepared call's
+// output is usually the same buffer from call to call).
+struct StoreMapCache {
+  std::mutex mutex;
+  bool valid = false, usable = false;
+  void* base = nullptr;
+  int rank = 0;
+  cuuint64_t dims[3] = {}, strides[2] = {};
+  cute::TmaDescriptor map;
+};
+
+// The map of `base` as a `rank`-D tensor (dims innermost first; strides in bytes of dims 1 ..),
+// boxes of 64 columns x kBM rows (x 1), 128-byte swizzle. `usable` = false records that the
+// buffer cannot be described (then every tile takes the direct path).
+inline cudaError_t cached_store_map(StoreMapCache& cache, void* base, int rank,
+                                    const cuuint64_t* dims, const cuuint64_t* strides,
+                                    bool usable, cute::TmaDescriptor* map, bool* usable_out) {
   std::lock_guard<std::mutex> lock(cache.mutex);
-  if (cache.packed != packed || cache.numel != numel) {
-    const int64_t rows = numel / kBN;
-    cache.usable = aligned16(packed) && rows >= kBM && rows < (int64_t(1) << 32);
-    if (cache.usable) {
-      cuuint64_t dims[2] = {cuuint64_t(kBN), cuuint64_t(rows)};
-      cuuint64_t strides[1] = {cuuint64_t(kBN) * sizeof(Element)};
-      cuuint32_t box[2] = {64, cuuint32_t(kBM)};
-      cuuint32_t element_strides[2] = {1, 1};
+  bool same = cache.valid && cache.base == base && cache.rank == rank && cache.usable == usable;
+  for (int i = 0; same && i < rank; ++i)
+    same = cache.dims[i] == dims[i] && (i == rank - 1 || cache.strides[i] == strides[i]);
+  if (!same) {
+    cache.valid = false;
+    if (usable) {
+      const cuuint32_t box[3] = {64, cuuint32_t(kBM), 1};
+      const cuuint32_t element_strides[3] = {1, 1, 1};
       CUresult r = cutlass::call_cuTensorMapEncodeTiled(
           &cache.map, FO_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-          2, packed, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+          rank, base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-      if (r != CUDA_SUCCESS) {
-        cache.packed = nullptr;
+      if (r != CUDA_SUCCESS)
         return fail(cudaErrorInvalidValue,
-                    "fo_gemm_run: cuTensorMapEncodeTiled failed (CUresult %d) for the packed "
-                    "buffer %p of %lld elements", int(r), packed, (long long)numel);
-      }
+                    "fo_gemm_run: cuTensorMapEncodeTiled failed (CUresult %d) for the %d-D output "
+                    "at %p (%llu x %llu elements)", int(r), rank, base,
+                    (unsigned long long)dims[0], (unsigned long long)dims[1]);
     }
-    cache.packed = packed, cache.numel = numel;
+    cache.usable = usable, cache.base = base, cache.rank = rank;
+    for (int i = 0; i < rank; ++i) cache.dims[i] = dims[i];
+    for (int i = 0; i + 1 < rank; ++i) cache.strides[i] = strides[i];
+    cache.valid = true;
   }
   *map = cache.map;
-  *usable = cache.usable;
+  *usable_out = cache.usable;
   return cudaSuccess;
+}
+
+// The TMA store map of the packed buffer: a [numel / kBN, kBN] row-major tensor (a full tile at
+// an offset that is a multiple of kBN is its rows offset / kBN ..). Not usable (no TMA store)
+// when the buffer cannot be described: not 16-byte aligned, or smaller than one tile.
+inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* map, bool* usable) {
+  static StoreMapCache cache;
+  const int64_t rows = numel / kBN;
+  const cuuint64_t dims[2] = {cuuint64_t(kBN), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(kBN) * sizeof(Element)};
+  const bool fits = aligned16(packed) && rows >= kBM && rows < (int64_t(1) << 32);
+  return cached_store_map(cache, packed, 2, dims, strides, fits, map, usable);
+}
+
+// The TMA store map of a row-major output written in place (allgather): out as a 3-D tensor
+// [L][block_rows][N] (row stride ldo), whose bounds clip each tile at its block's last row and
+// at N. Not usable when out cannot be described: not 16-byte aligned, a row stride that is not
+// a multiple of 16 bytes, or a block of fewer than kBM rows.
+inline cudaError_t rows_store_map(void* out, int L, int block_rows, int N, int64_t ldo,
+                                  cute::TmaDescriptor* map, bool* usable) {
+  static StoreMapCache cache;
+  const int64_t row_bytes = ldo * int64_t(sizeof(Element));
+  const cuuint64_t dims[3] = {cuuint64_t(N), cuuint64_t(block_rows), cuuint64_t(L)};
+  const cuuint64_t strides[2] = {cuuint64_t(row_bytes), cuuint64_t(row_bytes) * cuuint64_t(block_rows)};
+  const bool fits = aligned16(out) && row_bytes % 16 == 0 && block_rows >= kBM;
+  return cached_store_map(cache, out, 3, dims, strides, fits, map, usable);
 }
 
 }  // namespace fo::sm90
@@ -620,25 +703,55 @@ cudaError_t resident_ctas(int, int* ctas) {
   return cudaSuccess;
 }
 
-cudaError_t launch(const Args& args, cudaStream_t stream) {
-  Params params{};
-  params.mainloop = mainloop_params(args.a, args.b, args.L * args.block_rows, args.N, args.K,
-                                    args.lda, args.ldb);
-  params.table = args.table();
-  params.packed = static_cast<Element*>(args.packed);
-  params.counters = args.counters;
-  params.monitor = args.monitor;
-  params.K = args.K;
+static cudaError_t kernel_params(const Args& args, Params* params) {
+  *params = Params{};
+  params->mainloop = mainloop_params(args.a, args.b, args.L * args.block_rows, args.N, args.K,
+                                     args.lda, args.ldb);
+  params->table = args.table();
+  params->packed = static_cast<Element*>(args.packed);
+  params->counters = args.counters;
+  params->monitor = args.monitor;
+  params->K = args.K;
+  params->item_wait = args.item_wait;
+  params->arrive_flags = args.arrive_flags;
+  params->num_flags = args.num_flags;
   if constexpr (kTmaStore) {
     bool usable = false;
-    cudaError_t err = store_map(args.packed, params.table.packed_numel, &params.store_map, &usable);
+    cudaError_t err = args.ldo
+        ? rows_store_map(args.packed, args.L, args.block_rows, args.N, args.ldo, &params->store_map, &usable)
+        : store_map(args.packed, params->table.packed_numel, &params->store_map, &usable);
     if (err != cudaSuccess) return err;
-    params.tma_store = usable ? 1 : 0;
+    params->tma_store = !usable ? kTmaOff : args.ldo ? kTmaRows : kTmaPacked;
   }
+  return cudaSuccess;
+}
+
+cudaError_t launch(const Args& args, cudaStream_t stream) {
+  Params params;
+  cudaError_t err = kernel_params(args, &params);
+  if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
   config.stream = stream;
   FO_CUDA_CHECK(cudaLaunchKernelEx(&config, signaling_gemm, params));
+  return cudaSuccess;
+}
+
+// The node keeps the cluster dimension it was captured with (a launch attribute, which
+// cudaGraphExecKernelNodeSetParams leaves alone); grid, block and shared memory are as captured.
+cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node) {
+  Params params;
+  cudaError_t err = kernel_params(args, &params);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
+  void* arg[] = {&params};
+  cudaKernelNodeParams p = {};
+  p.func = reinterpret_cast<void*>(signaling_gemm);
+  p.gridDim = config.gridDim, p.blockDim = config.blockDim;
+  p.sharedMemBytes = config.dynamicSmemBytes;
+  p.kernelParams = arg;
+  FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec, node, &p));
   return cudaSuccess;
 }
 

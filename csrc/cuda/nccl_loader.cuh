@@ -7,6 +7,7 @@
 #include <dlfcn.h>
 #include <stddef.h>
 
+#include <climits>
 #include <cstring>
 #include <mutex>
 #include <type_traits>
@@ -38,7 +39,30 @@ struct Api {
   Result (*GroupStart)();
   Result (*GroupEnd)();
   const char* (*GetErrorString)(Result);
+  Result (*CommInitRankConfig)(Comm*, int, UniqueId, int, void*);  // NCCL >= 2.14; may be null
 };
+
+// ncclConfig_t as of NCCL 2.17 (nccl.h). Later versions append fields; NCCL reads `size` bytes
+// of the struct it is given and takes its defaults for the rest, so this prefix stays valid.
+struct ConfigPrefix {
+  size_t size;
+  unsigned int magic;    // 0xcafebeef
+  unsigned int version;  // NCCL_VERSION of the struct: 21700
+  int blocking;
+  int cgaClusterSize;
+  int minCTAs;
+  int maxCTAs;
+  const char* netName;
+};
+constexpr int kConfigUndefined = INT_MIN;  // NCCL_CONFIG_UNDEF_INT
+
+inline ConfigPrefix bounded_config(int max_ctas) {
+  ConfigPrefix c;
+  c.size = sizeof(ConfigPrefix), c.magic = 0xcafebeef, c.version = 21700;
+  c.blocking = 1, c.cgaClusterSize = 1, c.minCTAs = kConfigUndefined, c.maxCTAs = max_ctas;
+  c.netName = nullptr;
+  return c;
+}
 
 inline Api& api() {
   static Api a = {};
@@ -82,6 +106,8 @@ inline cudaError_t load(const char* path) {
   if (missing)
     return fail(cudaErrorSymbolNotFound, "the loaded NCCL has no %s (NCCL 2.7 or newer is needed)",
                 missing);
+  a.CommInitRankConfig = reinterpret_cast<decltype(a.CommInitRankConfig)>(
+      dlsym(lib, "ncclCommInitRankConfig"));  // optional: only allgather's communicator needs it
   api() = a;
   return cudaSuccess;
 }

@@ -1,0 +1,295 @@
+"""allgather on the ``cuda`` backend: the gather feeds a GEMM whose tiles wait for their rows.
+
+``fo.overlap(a, b, op="allgather", group)``: rank r's ``a`` is [m, K]; the result is
+``cat(a_0 .. a_{W-1}) @ b``, [W·m, N]. The call (native, ``csrc/cuda/gather_call.cuh``):
+
+* the rows are gathered into a row-major buffer ``gathered`` [W·m, ldg] in rank order, so a row
+  of ``gathered`` is the same row of ``out`` (not the plan's chunk-major packed layout): per
+  chunk g of the plan (rows ``plan.chunk_rows(g)`` of every shard) this rank's rows are copied
+  in from ``a`` and every peer's arrive by NCCL send/receive, each (shard, chunk) setting its
+  own flag on the device once its rows have landed;
+* the GEMM (``fo_gemm_run_ex``) reads ``gathered`` and writes the tiles in place into ``out``;
+  its item table runs this rank's own tiles first (``plan.local_tiles(rank)``), then each
+  chunk's other tiles (``plan.arriving_tiles(rank, g)``), and each item waits for the flag of
+  its (shard, chunk) before loading its rows;
+* the flags are zeroed on the compute stream after the GEMM and the gather: no host sync, graph
+  replays and back-to-back calls start from zero.
+
+At world size 1 the op is the plain GEMM on ``a`` (no copy, no flags), written in place.
+
+Deadlock freedom rests on the GEMM leaving SMs to the transfer (gather_call.cuh says why): its
+grid is capped at SMs - ``reserve`` CTAs (:func:`gather_grid`), ``reserve`` = max(the backend's
+reserved SMs, :data:`MIN_FREE_SMS`, at W > 1 the NCCL CTA bound), and the NCCL communicator of
+this op is made with at most that many CTAs. Copy engines (peer ``cudaMemcpyAsync``) would need
+no SM at all; they were not built because W > 1 cannot be measured here (csrc/cuda/NOTES.md).
+
+Test knobs (environment, read when a key is prepared): ``FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1``
+sends a world-size-1 call through the gathered buffer and its flags (one per chunk, so tiles
+really wait); ``FLASHOVERLAP_CUDA_GATHER_DELAY_US=N`` spins N µs on the communication stream
+before each chunk's copy; ``FLASHOVERLAP_CUDA_GATHER_NO_WAIT=1`` (negative control) hands the
+GEMM flags that read as already set, so it does not wait and a stress test must see wrong rows.
+"""
+from __future__ import annotations
+
+import os
+from ctypes import c_int32
+from dataclasses import dataclass
+
+import torch
+
+from flashoverlap_core.backend import OverlapCall, PreparedCall
+
+from . import kernels, nccl
+from .backend import (ALIGN_BYTES, NCCL_DTYPES, PlanTables, _current_device,
+                      _current_stream_getter, aligned_rows, outside_graph_pools, reserved_sms)
+from .runtime import ABI_VERSION, GatherDescription
+
+ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
+ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
+ENV_NO_WAIT = "FLASHOVERLAP_CUDA_GATHER_NO_WAIT"
+ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS"
+DEFAULT_NCCL_CTAS = 4  # the SMs the default reserve leaves free on an H200 (132 - 128)
+MIN_FREE_SMS = 2  # SMs a waiting GEMM never takes, whatever FLASHOVERLAP_CUDA_RESERVED_SMS says
+ROW_ALIGN = 8  # elements: gathered's row stride, as the kernels' 16-byte loads want it
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GatherOptions:
+    """How an allgather call runs: the NCCL CTA bound, and the test knobs (module doc)."""
+
+    nccl_ctas: int = DEFAULT_NCCL_CTAS
+    loopback: bool = False
+    delay_us: int = 0
+    no_wait: bool = False
+
+    @classmethod
+    def from_env(cls) -> "GatherOptions":
+        flag = lambda name: _env_int(name, 0, 0) != 0  # noqa: E731
+        return cls(nccl_ctas=_env_int(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS, 1),
+                   loopback=flag(ENV_LOOPBACK), delay_us=_env_int(ENV_DELAY, 0, 0),
+                   no_wait=flag(ENV_NO_WAIT))
+
+
+# ---- tables (pure: tested on the CPU) ---------------------------------------------------------
+
+def execution_tiles(plan, rank: int, waits: bool = True) -> list:
+    """The tiles in the GEMM's order on ``rank``: its own shard's first, then each chunk's
+    others, each group's in the plan's execution order; without waits (world size 1, nothing
+    gathered) the plan's execution order itself."""
+    if not waits:
+        return list(plan.grid.execution_order)
+    order = list(plan.local_tiles(rank))
+    for g in range(plan.num_groups):
+        order += plan.arriving_tiles(rank, g)
+    return order
+
+
+def flag_index(plan, shard: int, g: int) -> int:
+    """The flag that says chunk g of ``shard``'s rows has arrived."""
+    return shard * plan.num_groups + g
+
+
+def gather_items(plan, rank: int, waits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM's item table for ``rank`` (int64 [T, 4]: block, band within the block, column
+    tile, element offset of the tile in the row-major out) and each item's flag (int32 [T];
+    -1 everywhere without ``waits``)."""
+    (bm, bn), starts = plan.tile, plan.grid.block_starts
+    rows, wait = [], []
+    for t in execution_tiles(plan, rank, waits):
+        band = (t.row0 - starts[t.block]) // bm
+        rows.append((t.block, band, t.col0 // bn, t.row0 * plan.n + t.col0))
+        wait.append(flag_index(plan, t.block, plan.group_of_band[band]) if waits else -1)
+    return (torch.tensor(rows, dtype=torch.int64).view(-1, 4),
+            torch.tensor(wait, dtype=torch.int32))
+
+
+def chunk_table(plan) -> list[int]:
+    """[start, end) of every chunk within a shard, flattened (fo_gather_desc.chunk_rows)."""
+    return [row for g in range(plan.num_groups) for row in plan.chunk_rows(g)]
+
+
+def gather_reserve(world_size: int, loopback: bool, options: GatherOptions) -> int:
+    """SMs the waiting GEMM leaves free (0 when nothing waits)."""
+    if world_size == 1 and not loopback:
+        return 0
+    nccl_ctas = options.nccl_ctas if world_size > 1 else 0
+    return max(reserved_sms(), MIN_FREE_SMS, nccl_ctas)
+
+
+def gather_grid(wave_size: int, sms: int, max_ctas: int, reserve: int, multiple: int) -> int:
+    """The GEMM's grid: the plan's wave size, capped at ``sms - reserve`` CTAs (so that at least
+    ``reserve`` SMs hold none of them) and at what is resident at once, in whole clusters."""
+    cap = min(wave_size, max_ctas, sms - reserve if reserve else wave_size)
+    grid = cap // multiple * multiple
+    if grid < multiple:
+        raise ValueError(f"the allgather GEMM needs {reserve} of {sms} SMs left free and CTAs in "
+                         f"multiples of {multiple}: no grid fits (wave size {wave_size}); lower "
+                         "FLASHOVERLAP_CUDA_RESERVED_SMS or FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS")
+    return grid
+
+
+def round_up(x: int, step: int) -> int:
+    return -(-x // step) * step
+
+
+# ---- the prepared call -------------------------------------------------------------------------
+
+class GatherState:
+    """What the calls of one key on one compute stream use, and no other call: the gathered
+    rows, the arrival flags and the communication stream."""
+
+    def __init__(self, call: "CudaGatherCall"):
+        plan, device = call.template.plan, call.device
+        _, high = torch.cuda.Stream.priority_range()
+        self.comm = torch.cuda.Stream(device=device, priority=high)
+        # zeros: sm80 reads K padded to 8, whose padding must stay zero (copies write K columns)
+        self.gathered = torch.zeros(plan.m, call.ldg, dtype=plan.torch_dtype, device=device)
+        flags = plan.world_size * plan.num_groups
+        self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
+        self.wait_flags = torch.ones_like(self.flags) if call.options.no_wait else self.flags
+        for t in (self.gathered, self.flags, self.wait_flags):
+            t.record_stream(self.comm)  # freed only once the communication stream is done
+        self.runtime = call.runtime
+        self.handle = self.runtime.gather_create(call.description(self))
+
+    def __del__(self):
+        handle = getattr(self, "handle", None)
+        if handle:
+            self.runtime.gather_destroy(handle)
+
+
+class CudaGatherCall(PreparedCall):
+    """The prepared allgather calls of one key on the cuda backend (module doc)."""
+
+    def __init__(self, backend, call: OverlapCall, options: GatherOptions | None = None,
+                 stream: int | None = None):
+        super().__init__(backend, call)
+        plan, device = call.plan, call.a.device
+        self.options = options if options is not None else GatherOptions.from_env()
+        self.device, self.index = device, device.index
+        self.world, self.rank = call.world_size, call.rank
+        self.gathers = self.world > 1 or self.options.loopback
+        if self.world > 1 and not nccl.uses_nccl(call.group):
+            raise ValueError("the cuda backend gathers allgather's rows with NCCL; this process "
+                             "group does not use NCCL (use backend='decomposition')")
+        items, self.item_wait_host = gather_items(plan, self.rank, self.gathers)
+        self.tables = PlanTables(items, items.to(device),
+                                 torch.zeros(items.shape[0], dtype=torch.int32, device=device),
+                                 counters=None)
+        self.item_wait = self.item_wait_host.to(device)
+        self.gemm, self.col, self.arch = backend.gemm_for(plan, self.tables, call.b)
+        self.k = round_up(plan.k, ROW_ALIGN) if self.arch == 80 else plan.k
+        self.ldg = round_up(plan.k, ROW_ALIGN)
+        self.workspace = backend._workspace(self.gemm, plan, self.k, device)
+        self.runtime = kernels.runtime_library()
+        self.current_stream = _current_stream_getter()
+        self.ctas = plan.wave_size
+        self._states: dict[int, GatherState] = {}
+        if not self.gathers:
+            return
+        reserve = gather_reserve(self.world, self.options.loopback, self.options)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.ctas = gather_grid(plan.wave_size, sms, self.gemm.max_ctas(self.index), reserve,
+                                self.gemm.description.cta_multiple)
+        self.runtime.gather_load_kernels()
+        self.comm = (nccl.communicator(call.group, device, max_ctas=self.options.nccl_ctas)
+                     if self.world > 1 else None)
+        self.chunks = (c_int32 * (2 * plan.num_groups))(*chunk_table(plan))
+        self.warm_key = (self.gemm.path, call.group, "allgather", plan.dtype, self.options)
+        with torch.cuda.device(device):
+            first = self.current_stream(self.index) if stream is None else stream
+            self._states[first] = GatherState(self)
+
+    def description(self, state: GatherState) -> GatherDescription:
+        plan, d = self.template.plan, GatherDescription()
+        d.abi_version, d.gemm_run_ex = ABI_VERSION, self.gemm.run_ex_address
+        d.world, d.rank, d.block_rows = self.world, self.rank, plan.shard_rows
+        d.N, d.K, d.copy_cols = plan.n, self.k, plan.k
+        d.items, d.item_group = self.tables.items.data_ptr(), self.tables.item_group.data_ptr()
+        d.item_wait, d.num_items, d.num_ctas = self.item_wait.data_ptr(), plan.num_tiles, self.ctas
+        d.workspace = self.workspace.data_ptr() if self.workspace is not None else None
+        d.gathered, d.ldg = state.gathered.data_ptr(), self.ldg
+        d.arrive_flags, d.wait_flags = state.flags.data_ptr(), state.wait_flags.data_ptr()
+        d.num_chunks, d.chunk_rows = plan.num_groups, self.chunks
+        d.elem_size = state.gathered.element_size()
+        d.nccl_comm, d.nccl_dtype = self.comm, NCCL_DTYPES[plan.dtype]
+        d.delay_us, d.comm_stream = self.options.delay_us, state.comm.cuda_stream
+        return d
+
+    def state(self, stream: int) -> GatherState:
+        """This compute stream's state, made on its first call (outside graph pools)."""
+        state = self._states.get(stream)
+        if state is None:
+            current = torch.cuda.current_stream(self.device)
+            state = self._states[stream] = outside_graph_pools(lambda: GatherState(self), current)
+        return state
+
+    # ---- operands ----------------------------------------------------------------------------
+    def b_operand(self, b: torch.Tensor):
+        """(b's address, its row stride, a temporary to keep alive or None) as the kernel takes
+        b: rows of K (column-major b) or of N, 16-byte aligned; sm80: K padded with zeros."""
+        rows = b.t() if self.col else b
+        k = self.template.plan.k
+        if self.k != k:
+            pad = b.new_zeros((rows.shape[0], self.k) if self.col else (self.k, rows.shape[1]))
+            (pad[:, :k] if self.col else pad[:k]).copy_(rows)
+            return pad.data_ptr(), pad.stride(0), pad
+        step = ALIGN_BYTES // rows.element_size()
+        if rows.stride(1) == 1 and rows.stride(0) % step == 0 and rows.data_ptr() % ALIGN_BYTES == 0:
+            return rows.data_ptr(), rows.stride(0), None
+        copy = aligned_rows(rows)
+        return copy.data_ptr(), copy.stride(0), copy
+
+    @staticmethod
+    def a_rows(a: torch.Tensor) -> torch.Tensor:
+        """a with unit column stride and a row stride >= K (what a 2-D device copy reads)."""
+        if a.stride(1) == 1 and (a.shape[0] == 1 or a.stride(0) >= a.shape[1]):
+            return a
+        return a.contiguous()
+
+    # ---- the call ----------------------------------------------------------------------------
+    def run(self, a, b, out, op):
+        if _current_device() != self.index:
+            with torch.cuda.device(self.device):
+                return self.run(a, b, out, op)
+        stream = self.current_stream(self.index)
+        if not self.gathers:
+            return self.run_plain(a, b, out, stream)
+        state = self._states.get(stream) or self.state(stream)
+        warm = self.backend.warm_up(self.warm_key)
+        a_rows = self.a_rows(a)
+        lda = a_rows.stride(0) if a_rows.shape[0] > 1 else a_rows.shape[1]
+        b_ptr, ldb, _keep = self.b_operand(b)
+        err = self.runtime.lib.fo_gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
+                                             out.data_ptr(), out.stride(0), stream, int(warm))
+        if err:
+            detail = self.gemm.lib.fo_last_error()
+            self.runtime.check(err, "fo_gather_run" + (
+                f" (GEMM library: {detail.decode()})" if detail else ""))
+        return out
+
+    def run_plain(self, a, b, out, stream: int):
+        """World size 1: the GEMM on a, written in place, nothing to wait for."""
+        plan = self.template.plan
+        a_op = a
+        if self.k != plan.k:
+            a_op = a.new_zeros(a.shape[0], self.k)
+            a_op[:, :plan.k] = a
+        a_op = aligned_rows(a_op)
+        b_ptr, ldb, _keep = self.b_operand(b)
+        self.gemm.run_ex(a_op.data_ptr(), b_ptr, out.data_ptr(), 1, plan.m, plan.n, self.k,
+                         a_op.stride(0) if a_op.shape[0] > 1 else self.k, ldb, out.stride(0),
+                         self.tables.items.data_ptr(), self.tables.item_group.data_ptr(), None,
+                         None, 0, plan.num_tiles, None, self.ctas, None,
+                         self.workspace.data_ptr() if self.workspace is not None else None,
+                         stream)
+        return out

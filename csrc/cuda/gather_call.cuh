@@ -1,0 +1,312 @@
+// allgather's prepared call (fo_gather_* in flashoverlap_cuda.h): the gather that feeds a GEMM
+// whose tiles wait for their rows. Included by runtime.cu after overlap_call.cuh.
+//
+// One call, rank r of W, a chunk g = rows chunk_rows[g] of every rank's shard:
+//   compute stream  --event-->  communication stream
+//     comm:    per chunk g: own rows of chunk g: a -> gathered (device copy); flag (r, g) := 1
+//     compute: the GEMM on gathered, every item first waiting for its flag (s, g)
+//     comm:    per chunk g: one NCCL group: send own rows of g to every peer, receive every
+//              peer's rows of g; flags (p, g) := 1 for every peer p
+//   communication stream  --event-->  compute stream: flags := 0 (ready for the next call)
+// A flag write is cuStreamWriteValue32 with its default memory barrier: the stream's earlier
+// writes (the copy, the NCCL receive) are visible before the flag is; the GEMM reads the flag
+// with an acquire (and on sm90 a proxy fence before its TMA loads, gemm_sm90.cu).
+//
+// Why this cannot deadlock. The GEMM's CTAs spin until their flags are set, and only the
+// communication stream sets flags; so the GEMM ends if that stream's work does, and that work
+// must never need what a spinning GEMM holds:
+//  - it depends on the compute stream only through the event recorded before the GEMM (the
+//    call's inputs), never on the GEMM; its flag writes are stream memory operations (no SM);
+//  - its kernels (NCCL's send/receive kernels; the tests' delay kernel) need SMs. The GEMM's
+//    grid is capped at (SMs - reserve) CTAs (backends/cuda/gather.py), so at least `reserve`
+//    SMs hold no GEMM CTA whatever the block scheduler does; NCCL's communicator for this call
+//    is made with at most `reserve` CTAs and no CTA clusters (fo_nccl_comm_init_bounded), so
+//    every CTA of an NCCL kernel is resident at once on those SMs, on every rank (none waits
+//    behind a spinning GEMM CTA for a slot while its peer's CTA waits for it);
+//  - a peer's NCCL kernels depend only on that peer's communication stream, likewise;
+//  - two gather GEMMs in flight on one device could together take every SM: a device-wide
+//    event makes each gather GEMM launched outside graph capture wait for the previous one
+//    (gemm_turn); graphs replayed concurrently on two streams are not covered (docs/design.md);
+//  - every kernel is loaded before a call overlaps: the first call (warm) runs the
+//    communication side to its end, then the GEMM, with host syncs (under lazy loading a first
+//    launch waits for an idle device, which a spinning GEMM would never leave).
+// So every flag is set in finite time whatever the GEMM does, and then the GEMM finishes.
+#pragma once
+#include <cuda.h>
+
+#include <mutex>
+#include <vector>
+
+#include "flashoverlap_cuda.h"
+#include "nccl_loader.cuh"
+
+using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+struct fo_gather {
+  fo_gather_desc d;
+  std::vector<int32_t> chunk_rows;
+  StreamWriteValue32 write_value = nullptr;
+  cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
+  cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
+};
+
+namespace fo::gather {
+
+using GemmRunEx = cudaError_t (*)(const void*, const void*, void*, int, int, int, int, int64_t,
+                                  int64_t, int64_t, const int64_t*, const int32_t*,
+                                  const int32_t*, const uint32_t*, int, int, int32_t*, int,
+                                  uint64_t*, void*, cudaStream_t);
+
+// The tests' slow transfer: one thread spins `us` microseconds on the global timer.
+__global__ void delay_kernel(uint32_t us) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < uint64_t(us) * 1000);
+}
+
+inline cudaError_t driver_write_value(StreamWriteValue32* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000,
+                                                     cudaEnableDefault, &found);
+  if (err == cudaSuccess && found != cudaDriverEntryPointSuccess) err = cudaErrorSymbolNotFound;
+  if (err != cudaSuccess)
+    return fail(err, "cuStreamWriteValue32 is not available from the driver: %s",
+                cudaGetErrorString(err));
+  *fn = reinterpret_cast<StreamWriteValue32>(p);
+  return cudaSuccess;
+}
+
+inline cudaError_t check_desc(const fo_gather_desc& d) {
+  if (d.abi_version != FO_CUDA_ABI_VERSION)
+    return fail(cudaErrorInvalidValue, "fo_gather_create: descriptor ABI %d, library ABI %d",
+                d.abi_version, FO_CUDA_ABI_VERSION);
+  if (!d.gemm_run_ex || !d.items || !d.item_group || !d.item_wait || !d.gathered ||
+      !d.arrive_flags || !d.wait_flags || !d.chunk_rows || !d.comm_stream)
+    return fail(cudaErrorInvalidValue,
+                "fo_gather_create: gemm_run_ex, items, item_group, item_wait, gathered, "
+                "arrive_flags, wait_flags, chunk_rows and comm_stream are required");
+  if (d.world < 1 || d.rank < 0 || d.rank >= d.world || d.block_rows < 1 || d.N < 1 ||
+      d.copy_cols < 1 || d.K < d.copy_cols || d.ldg < d.K || d.num_chunks < 1 ||
+      d.num_items < 1 || d.num_ctas < 1 || d.delay_us < 0 || (d.elem_size != 2 && d.elem_size != 4))
+    return fail(cudaErrorInvalidValue,
+                "fo_gather_create: bad sizes (world %d, rank %d, block_rows %d, N %d, K %d, "
+                "copy_cols %d, ldg %lld, chunks %d, items %d, ctas %d, delay %d, elem_size %d)",
+                d.world, d.rank, d.block_rows, d.N, d.K, d.copy_cols, (long long)d.ldg,
+                d.num_chunks, d.num_items, d.num_ctas, d.delay_us, d.elem_size);
+  if (d.world > 1 && (!d.nccl_comm || !nccl::loaded()))
+    return fail(cudaErrorInvalidValue,
+                "fo_gather_create: world size %d needs NCCL loaded and a communicator", d.world);
+  int previous = 0;
+  for (int g = 0; g < d.num_chunks; ++g) {
+    const int start = d.chunk_rows[2 * g], end = d.chunk_rows[2 * g + 1];
+    if (start != previous || end <= start || end > d.block_rows)
+      return fail(cudaErrorInvalidValue,
+                  "fo_gather_create: chunk %d is rows [%d, %d); chunks must be consecutive, "
+                  "non-empty and within the %d rows of a shard", g, start, end, d.block_rows);
+    previous = end;
+  }
+  if (previous != d.block_rows)
+    return fail(cudaErrorInvalidValue, "fo_gather_create: the chunks cover %d of %d rows",
+                previous, d.block_rows);
+  return cudaSuccess;
+}
+
+inline char* shard_rows(const fo_gather& c, int shard, int row) {
+  const fo_gather_desc& d = c.d;
+  return static_cast<char*>(d.gathered) +
+         (int64_t(shard) * d.block_rows + row) * d.ldg * d.elem_size;
+}
+
+inline cudaError_t set_flag(const fo_gather& c, int shard, int g) {
+  const fo_gather_desc& d = c.d;
+  CUresult r = c.write_value(reinterpret_cast<CUstream>(d.comm_stream),
+                             reinterpret_cast<CUdeviceptr>(d.arrive_flags + shard * d.num_chunks + g),
+                             1, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS)
+    return fail(cudaErrorUnknown, "cuStreamWriteValue32 failed with CUresult %d", int(r));
+  return cudaSuccess;
+}
+
+// This rank's rows of every chunk, a -> gathered, each chunk's flag set once it has landed.
+inline cudaError_t copy_own_rows(const fo_gather& c, const void* a, int64_t lda) {
+  const fo_gather_desc& d = c.d;
+  const size_t es = size_t(d.elem_size);
+  for (int g = 0; g < d.num_chunks; ++g) {
+    const int start = c.chunk_rows[2 * g], rows = c.chunk_rows[2 * g + 1] - start;
+    if (d.delay_us > 0) {
+      delay_kernel<<<1, 1, 0, d.comm_stream>>>(uint32_t(d.delay_us));
+      FO_CUDA_CHECK(cudaGetLastError());
+    }
+    FO_CUDA_CHECK(cudaMemcpy2DAsync(shard_rows(c, d.rank, start), size_t(d.ldg) * es,
+                                    static_cast<const char*>(a) + int64_t(start) * lda * es,
+                                    size_t(lda) * es, size_t(d.copy_cols) * es, size_t(rows),
+                                    cudaMemcpyDeviceToDevice, d.comm_stream));
+    cudaError_t err = set_flag(c, d.rank, g);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+// Per chunk, one NCCL group: this rank's rows of the chunk (whole rows of gathered, padding
+// included, so each shard's chunk is one contiguous run) to every peer, every peer's into its
+// shard; then the peers' flags.
+inline cudaError_t exchange_chunks(const fo_gather& c) {
+  const fo_gather_desc& d = c.d;
+  const nccl::Api& n = nccl::api();
+  auto comm = static_cast<nccl::Comm>(d.nccl_comm);
+  for (int g = 0; g < d.num_chunks && d.world > 1; ++g) {
+    const int start = c.chunk_rows[2 * g];
+    const size_t count = size_t(c.chunk_rows[2 * g + 1] - start) * size_t(d.ldg);
+    FO_NCCL_CHECK(n.GroupStart());
+    for (int peer = 0; peer < d.world; ++peer) {
+      if (peer == d.rank) continue;
+      nccl::Result r = n.Send(shard_rows(c, d.rank, start), count, d.nccl_dtype, peer, comm,
+                              d.comm_stream);
+      if (r == 0)
+        r = n.Recv(shard_rows(c, peer, start), count, d.nccl_dtype, peer, comm, d.comm_stream);
+      if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
+    }
+    FO_NCCL_CHECK(n.GroupEnd());
+    for (int peer = 0; peer < d.world; ++peer) {
+      if (peer == d.rank) continue;
+      cudaError_t err = set_flag(c, peer, g);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+// One gather GEMM at a time per device (see the header): each waits for the previous one's
+// end through this event. Not inside stream capture, where an event of another capture or of
+// none cannot be waited on.
+inline cudaError_t gemm_turn(cudaStream_t stream, bool before) {
+  static std::mutex lock;
+  static cudaEvent_t events[64] = {};
+  cudaStreamCaptureStatus capture;
+  FO_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  int device = 0;
+  FO_CUDA_CHECK(cudaGetDevice(&device));
+  if (capture != cudaStreamCaptureStatusNone || device >= 64) return cudaSuccess;
+  std::lock_guard<std::mutex> guard(lock);
+  if (!events[device]) FO_CUDA_CHECK(cudaEventCreateWithFlags(&events[device], cudaEventDisableTiming));
+  if (before) FO_CUDA_CHECK(cudaStreamWaitEvent(stream, events[device], 0));
+  else FO_CUDA_CHECK(cudaEventRecord(events[device], stream));
+  return cudaSuccess;
+}
+
+inline cudaError_t launch_gemm(const fo_gather& c, const void* b, int64_t ldb, void* out,
+                               int64_t ldo, cudaStream_t stream) {
+  const fo_gather_desc& d = c.d;
+  cudaError_t err = gemm_turn(stream, true);
+  if (err != cudaSuccess) return err;
+  err = reinterpret_cast<GemmRunEx>(d.gemm_run_ex)(
+      d.gathered, b, out, d.world, d.block_rows, d.N, d.K, d.ldg, ldb, ldo, d.items, d.item_group,
+      d.item_wait, d.wait_flags, d.world * d.num_chunks, d.num_items, nullptr, d.num_ctas, nullptr,
+      d.workspace, stream);
+  if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
+    return fail(err, "the allgather GEMM could not be launched (cudaError %d)", int(err));
+  return gemm_turn(stream, false);
+}
+
+inline cudaError_t run(fo_gather& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                       void* out, int64_t ldo, cudaStream_t stream, bool warm) {
+  const fo_gather_desc& d = c.d;
+  FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
+  FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
+  cudaError_t err = copy_own_rows(c, a, lda);
+  if (err == cudaSuccess && !warm) err = launch_gemm(c, b, ldb, out, ldo, stream);
+  if (err == cudaSuccess) err = exchange_chunks(c);
+  if (err != cudaSuccess) return err;
+  FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
+  if (warm) {  // the communication side to its end, then the GEMM (its waits all pass)
+    FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+    err = launch_gemm(c, b, ldb, out, ldo, stream);
+    if (err != cudaSuccess) return err;
+    FO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
+  FO_CUDA_CHECK(cudaMemsetAsync(d.arrive_flags, 0, sizeof(uint32_t) * d.world * d.num_chunks, stream));
+  if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return cudaSuccess;
+}
+
+}  // namespace fo::gather
+
+extern "C" {
+
+FO_API cudaError_t fo_gather_load_kernels(void) {
+  cudaFuncAttributes attr;
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, fo::gather::delay_kernel));
+  StreamWriteValue32 fn;
+  return fo::gather::driver_write_value(&fn);
+}
+
+FO_API void fo_gather_destroy(fo_gather* gather) {
+  if (!gather) return;
+  if (gather->inputs_ready) cudaEventDestroy(gather->inputs_ready);
+  if (gather->comm_done) cudaEventDestroy(gather->comm_done);
+  delete gather;
+}
+
+FO_API cudaError_t fo_gather_create(const fo_gather_desc* desc, fo_gather** out) {
+  if (!desc || !out) return fo::fail(cudaErrorInvalidValue, "fo_gather_create: null argument");
+  cudaError_t err = fo::gather::check_desc(*desc);
+  if (err != cudaSuccess) return err;
+  auto* c = new fo_gather();
+  c->d = *desc;
+  c->chunk_rows.assign(desc->chunk_rows, desc->chunk_rows + 2 * desc->num_chunks);
+  c->d.chunk_rows = c->chunk_rows.data();  // the caller's host array is the caller's
+  err = fo::gather::driver_write_value(&c->write_value);
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->inputs_ready, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->comm_done, cudaEventDisableTiming);
+  if (err != cudaSuccess) {
+    fo_gather_destroy(c);
+    return fo::fail(err, "fo_gather_create: %s", fo::last_error_text().empty()
+                                                     ? cudaGetErrorString(err)
+                                                     : fo::last_error_text().c_str());
+  }
+  *out = c;
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_gather_run(fo_gather* gather, const void* a, int64_t lda, const void* b,
+                                 int64_t ldb, void* out, int64_t ldo, cudaStream_t stream,
+                                 int warm) {
+  if (!gather || !a || !b || !out || lda < gather->d.copy_cols || ldo < gather->d.N)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_gather_run: gather, a, b and out must be non-null, lda >= %d, ldo >= %d",
+                    gather ? gather->d.copy_cols : 0, gather ? gather->d.N : 0);
+  return fo::gather::run(*gather, a, lda, b, ldb, out, ldo, stream, warm != 0);
+}
+
+FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
+                                             int device, int max_ctas) {
+  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  if (!fo::nccl::api().CommInitRankConfig)
+    return fo::fail(cudaErrorSymbolNotFound,
+                    "the loaded NCCL has no ncclCommInitRankConfig (NCCL 2.17 or newer is needed "
+                    "to bound its CTAs beside allgather's waiting GEMM)");
+  int version = 0;
+  FO_NCCL_CHECK(fo::nccl::api().GetVersion(&version));
+  if (version < 21700)  // older NCCL takes maxCTAs from its defaults, silently
+    return fo::fail(cudaErrorNotSupported,
+                    "NCCL %d cannot bound its CTAs per communicator (2.17 or newer is needed)",
+                    version);
+  if (!comm || !id128 || nranks < 1 || rank < 0 || rank >= nranks || max_ctas < 1)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_nccl_comm_init_bounded: bad arguments (nranks %d, rank %d, max_ctas %d)",
+                    nranks, rank, max_ctas);
+  FO_CUDA_CHECK(cudaSetDevice(device));
+  fo::nccl::UniqueId id;
+  memcpy(&id, id128, sizeof(id));
+  fo::nccl::ConfigPrefix config = fo::nccl::bounded_config(max_ctas);
+  FO_NCCL_CHECK(fo::nccl::api().CommInitRankConfig(reinterpret_cast<fo::nccl::Comm*>(comm), nranks,
+                                                   id, rank, &config));
+  return cudaSuccess;
+}
+
+}  // extern "C"

@@ -1,0 +1,288 @@
+"""GPU tests of the cuda backend's allgather (backends/cuda/gather.py): at world size 1, the
+plain in-place GEMM and the loopback path, which gathers through the buffer and its flags so
+that the GEMM's tiles really wait (FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1).
+
+Every case that runs the waiting GEMM runs in a fresh process under a timeout (a GEMM that
+waits for a flag nobody sets would hang the test process): the ``case_*`` functions below are
+run by ``python -c`` with the knobs in the environment. Ragged shapes, both dtypes and layouts
+of b, out= poisoned and not, back-to-back calls with fresh inputs, CUDA-graph replays, two
+streams, and the stress test with a slow transfer, plus its negative control: a GEMM that does
+not wait (FLASHOVERLAP_CUDA_GATHER_NO_WAIT=1) must be caught reading rows before they arrive.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_cuda import _inputs, needs_cuda  # the cuda tests' inputs and availability skip
+
+import flashoverlap_core as fo
+
+pytestmark = pytest.mark.timeout(900)
+
+HERE = Path(__file__).resolve().parent
+SHAPES = [(1, 1, 1), (7, 127, 33), (130, 257, 8), (1000, 1000, 1000), (4097, 384, 72),
+          (300, 4099, 136)]
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- helpers (also used inside the child processes) ---------------------------------------------
+
+def error(out, a, b) -> float:
+    """Largest error of out against the float64 product, in units of the dtype's rounding of
+    |a| @ |b| (<= 4 passes); inf for NaN (an unwritten poisoned element)."""
+    ref = a.double() @ b.double()
+    bound = (a.double().abs() @ b.double().abs()) * torch.finfo(a.dtype).eps + 1e-6
+    if torch.isnan(out).any():
+        return float("inf")
+    return ((out.double() - ref).abs() / bound).max().item()
+
+
+def check(out, a, b, what=""):
+    e = error(out, a, b)
+    assert e <= 4, f"{what}: error {e:.3g} x eps-bound against float64"
+
+
+def chunked_plan(m, n, k, dtype, bands_per_chunk=1):
+    """A plan whose chunks are ``bands_per_chunk`` bands each (many flags, so tiles wait)."""
+    base = fo.plan(m, n, k, op="allgather", dtype=dtype, backend="cuda")
+    unit = -(-n // base.tile[1])
+    bands = base.num_tiles // unit
+    sizes = [unit * min(bands_per_chunk, bands - s) for s in range(0, bands, bands_per_chunk)]
+    return fo.plan(m, n, k, op="allgather", dtype=dtype, backend="cuda", tile=base.tile,
+                   group_sizes=sizes)
+
+
+# ---- cases, run in child processes -------------------------------------------------------------
+
+def case_shapes(dtype: str):
+    """Every shape, both layouts of b, out= poisoned and not, default arguments and a chunked
+    plan; three calls each with fresh inputs."""
+    dt = DTYPES[dtype]
+    for m, n, k in SHAPES:
+        for col_major in (True, False):
+            for plan in (None, chunked_plan(m, n, k, dt)):
+                for i in range(3):
+                    a, b = _inputs(m, n, k, dt, col_major)
+                    if i % 2:
+                        out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+                        assert fo.overlap(a, b, "allgather", plan=plan, out=out) is out
+                    else:
+                        out = fo.overlap(a, b, "allgather", plan=plan)
+                    torch.cuda.synchronize()
+                    check(out, a, b, f"{m}x{n}x{k} col={col_major} plan={plan is not None} call {i}")
+    return {"ok": True}
+
+
+def case_strided_a():
+    """a with a row stride larger than K (a slice of a wider tensor) and a transposed a."""
+    wide = torch.randn(333, 200, device="cuda", dtype=torch.bfloat16)
+    a, b = wide[:, 10:74], torch.randn(64, 520, device="cuda", dtype=torch.bfloat16)
+    out = fo.overlap(a, b, "allgather")
+    torch.cuda.synchronize()
+    check(out, a, b, "strided a")
+    at = torch.randn(64, 333, device="cuda", dtype=torch.bfloat16).t()
+    out = fo.overlap(at, b, "allgather")
+    torch.cuda.synchronize()
+    check(out, at, b, "transposed a")
+    return {"ok": True}
+
+
+def case_back_to_back(calls: int):
+    """``calls`` calls in a row with fresh inputs (queued without syncs), each result checked."""
+    m, n, k = 1500, 1000, 264
+    plan = chunked_plan(m, n, k, torch.bfloat16, 2)
+    done = []
+    for i in range(calls):
+        a, b = _inputs(m, n, k, torch.bfloat16, i % 2 == 0)
+        done.append((fo.overlap(a, b, "allgather", plan=plan), a, b))
+        if len(done) == 10:
+            torch.cuda.synchronize()
+            for j, (out, a, b) in enumerate(done):
+                check(out, a, b, f"call {i - 9 + j}")
+            done.clear()
+    return {"ok": True}
+
+
+def case_graph(replays: int):
+    """A call captured in a CUDA graph after one eager call; each replay after new inputs are
+    copied into the captured tensors gives their product."""
+    m, n, k = 1100, 777, 200
+    plan = chunked_plan(m, n, k, torch.bfloat16, 2)
+    a, b = _inputs(m, n, k, torch.bfloat16, True)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    fo.overlap(a, b, "allgather", plan=plan, out=out)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fo.overlap(a, b, "allgather", plan=plan, out=out)  # this stream's state, made eagerly
+    stream.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        fo.overlap(a, b, "allgather", plan=plan, out=out)
+    for i in range(replays):
+        new_a, new_b = _inputs(m, n, k, torch.bfloat16, True)
+        a.copy_(new_a)
+        b.copy_(new_b)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, a, b, f"replay {i}")
+    return {"ok": True}
+
+
+def case_first_call_in_capture():
+    a, b = _inputs(640, 896, 128, torch.bfloat16, True)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            fo.overlap(a, b, "allgather")
+    except ValueError as e:
+        message = str(e)
+    else:
+        return {"ok": False, "why": "no error"}
+    out = fo.overlap(a, b, "allgather")  # eagerly it works
+    torch.cuda.synchronize()
+    check(out, a, b, "after the refused capture")
+    return {"ok": "outside the capture" in message, "message": message}
+
+
+def case_two_streams(rounds: int):
+    """Two calls of one key in flight on two streams, each with its own buffer and flags."""
+    m, n, k = 1024, 2048, 512
+    plan = chunked_plan(m, n, k, torch.bfloat16, 2)
+    pairs = [_inputs(m, n, k, torch.bfloat16, True, seed=s) for s in (1, 2)]
+    expected = [fo.overlap(a, b, "allgather", plan=plan) for a, b in pairs]
+    torch.cuda.synchronize()
+    for want, (a, b) in zip(expected, pairs):
+        check(want, a, b, "eager")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for i in range(rounds):
+        for (a, b), out, s in zip(pairs, outs, streams):
+            with torch.cuda.stream(s):
+                fo.overlap(a, b, "allgather", plan=plan, out=out)
+        if i % 50 == 49 or i == rounds - 1:
+            torch.cuda.synchronize()
+            for out, want in zip(outs, expected):
+                assert torch.equal(out, want), f"round {i}: a call was disturbed by the other stream"
+            for out in outs:
+                out.fill_(float("nan"))
+    return {"ok": True}
+
+
+def case_stress(calls: int):
+    """Fresh inputs every call into one chunked plan (a flag per band), the transfer slowed by
+    FLASHOVERLAP_CUDA_GATHER_DELAY_US per chunk: the count of wrong results. A GEMM that reads
+    a chunk before its flag is set reads the previous call's rows and is wrong."""
+    m, n, k = 2048, 1024, 512
+    plan = chunked_plan(m, n, k, torch.bfloat16, 1)
+    wrong, errors = 0, []
+    for i in range(calls):
+        a, b = _inputs(m, n, k, torch.bfloat16, i % 2 == 0)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fo.overlap(a, b, "allgather", plan=plan, out=out)
+        torch.cuda.synchronize()
+        e = error(out, a, b)
+        errors.append(e)
+        wrong += e > 4
+    return {"ok": True, "wrong": wrong, "calls": calls, "chunks": plan.num_groups,
+            "max_error": max(errors)}
+
+
+# ---- the tests: each case in a fresh process -----------------------------------------------------
+
+def run_case(case: str, *args, env: dict | None = None, timeout: int = 300) -> dict:
+    code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import test_cuda_allgather as t; "
+            f"print('RESULT', json.dumps(t.{case}(*{args!r})))")
+    full = dict(os.environ, **(env or {}))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}{args} with {env} did not finish in {timeout} s (a GEMM waiting "
+                    "for rows that never arrive?)")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"{case}{args} with {env} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+LOOPBACK = {"FLASHOVERLAP_CUDA_GATHER_LOOPBACK": "1"}
+PATHS = {"plain": {}, "loopback": LOOPBACK,
+         "sm80-loopback": dict(LOOPBACK, FLASHOVERLAP_CUDA_ARCH="80")}
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_ragged_shapes_match_float64(path, dtype):
+    assert run_case("case_shapes", dtype, env=PATHS[path], timeout=600)["ok"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["plain", "loopback"])
+def test_strided_a(path):
+    assert run_case("case_strided_a", env=PATHS[path])["ok"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["plain", "loopback"])
+def test_back_to_back_with_fresh_inputs(path):
+    assert run_case("case_back_to_back", 100, env=PATHS[path])["ok"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["plain", "loopback"])
+def test_graph_replays_follow_new_inputs(path):
+    assert run_case("case_graph", 20, env=PATHS[path])["ok"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["plain", "loopback"])
+def test_first_call_inside_graph_capture_is_a_clear_error(path):
+    result = run_case("case_first_call_in_capture", env=PATHS[path])
+    assert result["ok"], result
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["plain", "loopback"])
+def test_two_streams_share_nothing(path):
+    assert run_case("case_two_streams", 200, env=PATHS[path])["ok"]
+
+
+STRESS_DELAY_US = "150"
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["native", "80"])
+def test_stress_slow_transfer_results_exact(arch):
+    """The transfer of every chunk is slowed down, so the GEMM is far ahead of it: with the
+    waits every result is right."""
+    env = dict(LOOPBACK, FLASHOVERLAP_CUDA_GATHER_DELAY_US=STRESS_DELAY_US)
+    if arch == "80":
+        env["FLASHOVERLAP_CUDA_ARCH"] = "80"
+    result = run_case("case_stress", int(os.environ.get("FO_STRESS_RUNS", "30")), env=env)
+    assert result["wrong"] == 0, result
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["native", "80"])
+def test_stress_catches_a_gemm_that_does_not_wait(arch):
+    """Negative control: the same stress with flags that read as already set. The GEMM then
+    reads chunks before they arrive, and the stress test must see wrong results (else it
+    could not catch a broken wait)."""
+    env = dict(LOOPBACK, FLASHOVERLAP_CUDA_GATHER_DELAY_US=STRESS_DELAY_US,
+               FLASHOVERLAP_CUDA_GATHER_NO_WAIT="1")
+    if arch == "80":
+        env["FLASHOVERLAP_CUDA_ARCH"] = "80"
+    result = run_case("case_stress", 10, env=env)
+    # the first call runs phase by phase (the warm-up), so it is right; the others must not be
+    assert result["wrong"] >= 5, result
