@@ -198,3 +198,44 @@ def test_default_tile_counts_the_waves_of_each_shard():
     # cooperative tile; the shards are 16 tiles (2 waves) or 32 (3 waves): ragged, pingpong.
     assert kernels.default_tile(90, one_block, 14) == (128, 256)
     assert kernels.default_tile(90, shards, 14) == (128, 128)
+
+
+# ---- the descriptor's layout: ctypes against the C header -----------------------------------------
+
+def test_gather_description_matches_the_c_struct(tmp_path):
+    """GatherDescription (ctypes) and fo_gather_desc (flashoverlap_cuda.h) must agree field by
+    field: a shifted field would hand the native call a wrong pointer. Compiled with the host
+    compiler against the CUDA headers (no GPU)."""
+    import ctypes
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from flashoverlap_backends.cuda import build
+    from flashoverlap_backends.cuda.runtime import GatherDescription
+
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = build.find_nvcc()
+    if nvcc:
+        homes.append(str(Path(nvcc).resolve().parents[1]))
+    includes = [Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime.h").is_file()]
+    cxx = shutil.which("c++")
+    if cxx is None or not includes:
+        pytest.skip("needs a C++ compiler and the CUDA headers (cuda_runtime.h)")
+    include = includes[0]
+    fields = [name for name, _ in GatherDescription._fields_]
+    lines = [f'  printf("\\"{f}\\": %zu,\\n", offsetof(fo_gather_desc, {f}));' for f in fields]
+    source = tmp_path / "layout.cc"
+    source.write_text("#include <cstddef>\n#include <cstdio>\n#include \"flashoverlap_cuda.h\"\n"
+                      "int main() {\n  printf(\"{\\n\");\n" + "\n".join(lines) +
+                      '\n  printf("\\"size\\": %zu}\\n", sizeof(fo_gather_desc));\n}\n')
+    program = tmp_path / "layout"
+    subprocess.run([cxx, "-std=c++17", f"-I{build.source_dir()}", f"-I{include}", str(source),
+                    "-o", str(program)], check=True, capture_output=True, timeout=120)
+    c_layout = json.loads(subprocess.run([str(program)], check=True, capture_output=True,
+                                         text=True, timeout=30).stdout)
+    py_layout = {f: getattr(GatherDescription, f).offset for f in fields}
+    py_layout["size"] = ctypes.sizeof(GatherDescription)
+    assert py_layout == c_layout

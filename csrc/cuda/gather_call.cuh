@@ -35,6 +35,7 @@
 #include <cuda.h>
 
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "flashoverlap_cuda.h"
@@ -56,6 +57,8 @@ using GemmRunEx = cudaError_t (*)(const void*, const void*, void*, int, int, int
                                   int64_t, int64_t, const int64_t*, const int32_t*,
                                   const int32_t*, const uint32_t*, int, int, int32_t*, int,
                                   uint64_t*, void*, cudaStream_t);
+static_assert(std::is_same<decltype(&fo_gemm_run_ex), GemmRunEx>::value,
+              "GemmRunEx must be fo_gemm_run_ex's type (flashoverlap_cuda.h)");
 
 // The tests' slow transfer: one thread spins `us` microseconds on the global timer.
 __global__ void delay_kernel(uint32_t us) {
