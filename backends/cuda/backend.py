@@ -437,12 +437,14 @@ class CudaCall(PreparedCall):
         return ok(a) and ok(b_rows) and self.k == a.shape[1]
 
     def operands(self, a, b):
-        """(a, lda, b, ldb) for the kernel; copies only when a and b cannot be read in place."""
+        """(a, lda, b, ldb, copies) for the kernel; copies only when a and b cannot be read in
+        place. The caller keeps ``copies`` alive until the launch is queued, and no longer:
+        kept on the call, they would sit in a CUDA-graph pool as tensors no graph output owns
+        (torch.compile's cudagraph trees refuse that)."""
         if self.direct and (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0:
-            return a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if self.col else b.stride(0)
+            return a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if self.col else b.stride(0), None
         a_op, b_op, _ = CudaBackend._operands(self.arch, a, b, self.col)
-        self._keep = (a_op, b_op)  # alive until the launch is queued
-        return a_op.data_ptr(), a_op.stride(0), b_op.data_ptr(), b_op.stride(0)
+        return a_op.data_ptr(), a_op.stride(0), b_op.data_ptr(), b_op.stride(0), (a_op, b_op)
 
     # ---- tables built once -----------------------------------------------------------------
     def _unpack_tables(self, exchange) -> list:
@@ -535,8 +537,9 @@ class CudaCall(PreparedCall):
             self.run_python(call, state)
             return call.out
         warm = self.backend.warm_up(self.warm_key)
-        a_ptr, lda, b_ptr, ldb = self.operands(a, b)
+        a_ptr, lda, b_ptr, ldb, copies = self.operands(a, b)
         err = self.call_run(state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream, int(warm))
+        del copies  # queued: the caching allocator orders their reuse after these kernels
         if err:
             self._raise(err)
         self.warmed = True
