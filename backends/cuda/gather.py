@@ -285,9 +285,14 @@ class CudaGatherCall(PreparedCall):
             a_op = a.new_zeros(a.shape[0], self.k)
             a_op[:, :plan.k] = a
         a_op = aligned_rows(a_op)
+        # One row: its stride means nothing (a [1, K] view may have any); the kernel wants one
+        # >= K and a multiple of 8, and reads no second row.
+        lda = a_op.stride(0)
+        if a_op.shape[0] == 1 and lda < self.k:
+            lda = round_up(self.k, ROW_ALIGN)
         b_ptr, ldb, _keep = self.b_operand(b)
         self.gemm.run_ex(a_op.data_ptr(), b_ptr, out.data_ptr(), 1, plan.m, plan.n, self.k,
-                         a_op.stride(0) if a_op.shape[0] > 1 else self.k, ldb, out.stride(0),
+                         lda, ldb, out.stride(0),
                          self.tables.items.data_ptr(), self.tables.item_group.data_ptr(), None,
                          None, 0, plan.num_tiles, None, self.ctas, None,
                          self.workspace.data_ptr() if self.workspace is not None else None,
