@@ -12,6 +12,7 @@ context, no compilation.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -61,7 +62,12 @@ class PreparedCall:
     :meth:`Backend.prepare` and return their own."""
 
     def __init__(self, backend: "Backend", template: OverlapCall):
-        self.backend, self.template = backend, template
+        # The template keeps what the key fixes, not the first call's tensors: holding them
+        # would keep their memory alive as long as the key (and inside a CUDA-graph pool, a
+        # tensor no graph output owns). Subclasses read the tensors from ``template`` in their
+        # own __init__ (the argument), before it returns.
+        self.backend = backend
+        self.template = dataclasses.replace(template, a=None, b=None, out=None)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         t = self.template
