@@ -302,24 +302,12 @@ def symm_mem_everywhere(work):
 
 
 def prepared_calls() -> list[dict]:
-    """What fo.overlap has prepared in this process since ``api.forget_prepared()``: per call
-    key, the op, the plan's M, N, K, and the backend and strategy that run it. Read from the
-    call path's table of prepared keys: fo has no public accessor for it."""
-    found = []
-    for key, entry in list(getattr(api, "_prepared", {}).items()):
-        plan, runner = entry.plan, entry.prepared
-        a_shape, b_shape, _, b_stride = key[:4]  # the key starts with shapes and strides
-        b_meta = torch.empty_strided(b_shape, b_stride, device="meta")
-        # A sequential plan runs the device's own matmul and torch.distributed, whatever
-        # backend made the plan.
-        runs = ("torch matmul + torch.distributed" if plan.strategy == "sequential"
-                else type(runner).__name__)
-        found.append({"op": plan.op, "M": plan.m, "N": plan.n, "K": plan.k,
-                      "world_size": plan.world_size, "a": list(a_shape), "b": list(b_shape),
-                      "b_layout": api.b_layout(b_meta), "groups": plan.num_groups,
-                      "backend": getattr(getattr(runner, "backend", None), "name", plan.backend),
-                      "strategy": plan.strategy, "runs": runs})
-    return found
+    """What fo.overlap has prepared in this process since ``api.forget_prepared()``
+    (:func:`fo.prepared_calls <flashoverlap_core.api.prepared_calls>`: per call key the op,
+    shapes, b's layout, M, N, K, backend, strategy, groups and runner), each with ``runs``: the
+    runner, or for a sequential plan what it runs whatever backend made the plan."""
+    return [{**call, "runs": "torch matmul + torch.distributed" if call["strategy"] == "sequential"
+             else call["runner"]} for call in api.prepared_calls()]
 
 
 def what_ran(calls: list[dict]) -> str:

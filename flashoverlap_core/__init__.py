@@ -6,7 +6,7 @@ started on the device as soon as the GEMM has written that group's tiles (for al
 chunk of rows computed as soon as it has arrived). See docs/design.md.
 """
 from . import api as _api
-from .api import backends, make_plan, plan
+from .api import backends, make_plan, plan, prepared_calls
 from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from .plan import OPS, Plan, Region
 from .registry import BackendError, BackendStatus, register
@@ -22,5 +22,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend", "BackendError", "BackendStatus", "OPS", "OverlapCall", "OverlapSpec", "Plan",
     "PreparedCall", "Region", "Schedule", "TileRect", "backends", "make_plan", "overlap", "plan",
-    "register",
+    "prepared_calls", "register",
 ]

@@ -401,5 +401,31 @@ def backends() -> list[registry.BackendStatus]:
     return registry.backends()
 
 
+def prepared_calls() -> list[dict]:
+    """What each prepared call key runs, oldest first: ``op``, the shapes of ``a`` and ``b``
+    (this rank's), ``b_layout``, ``dtype``, ``device``, the plan's ``M``, ``N``, ``K`` and
+    ``world_size``, the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan
+    runs the device's matmul and torch.distributed, whatever backend made it) and ``groups``,
+    and ``runner``, the type name of the prepared call. Read from the call path's table, which
+    keeps the last :data:`MAX_PREPARED` keys since :func:`forget_prepared`."""
+    from types import SimpleNamespace
+
+    found = []
+    for key, entry in list(_prepared.items()):  # a copy: another thread may prepare meanwhile
+        a_shape, b_shape, _, b_strides = key[:4]
+        p, runner = entry.plan, entry.prepared
+        ran_by = getattr(runner, "backend", None)
+        # b_layout reads only shape and stride(dim): the key's own, without making a tensor
+        b_view = SimpleNamespace(shape=b_shape, stride=b_strides.__getitem__)
+        found.append({
+            "op": p.op, "a": list(a_shape), "b": list(b_shape),
+            "b_layout": b_layout(b_view), "dtype": dtype_name(entry.dtype),
+            "device": str(entry.device), "M": p.m, "N": p.n, "K": p.k,
+            "world_size": p.world_size,
+            "backend": ran_by.name if isinstance(ran_by, Backend) else p.backend,
+            "strategy": p.strategy, "groups": p.num_groups, "runner": type(runner).__name__})
+    return found
+
+
 __all__ = ["PreparedCall", "backends", "check_arguments", "forget_prepared", "make_plan",
-           "overlap", "plan", "set_plan_lookup"]
+           "overlap", "plan", "prepared_calls", "set_plan_lookup"]

@@ -216,3 +216,43 @@ def test_all_to_all_with_recv_splits_exchanges_counts_once():
     with RankPool(2, timeout=240) as pool:
         for counts in pool.run(_a2a_count_exchanges, 5):
             assert counts == {True: 1, False: 3}, counts
+
+
+def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
+    """fo.prepared_calls(): one entry per prepared key, in order, with the backend, strategy,
+    groups and runner that each key's calls run (a sequential plan: the SequentialCall, whatever
+    backend made the plan) and b's layout read from the key's strides (no tensor made for it)."""
+    assert fo.prepared_calls() == []
+    f32 = torch.float32
+    plans = [fo.plan(6, 11, 9, "allreduce", dtype=f32, backend="reference", tile=(4, 4),
+                     group_sizes=[3, 3]),
+             fo.plan(8, 5, 9, "reduce_scatter", dtype=f32, backend="decomposition", tile=(4, 4),
+                     group_sizes=[1, 1, 2]),
+             fo.plan(4, 5, 9, "allgather", dtype=f32, backend="reference", tile=(4, 4),
+                     group_sizes=[2])]
+    plans[2] = fo.Plan.from_dict({**plans[2].to_dict(), "strategy": "sequential"})
+    weight = torch.randn(11, 9)
+    fo.overlap(torch.randn(6, 9), weight.t(), "allreduce", plan=plans[0])
+    fo.overlap(torch.randn(8, 9), torch.randn(9, 5), "reduce_scatter", plan=plans[1])
+    fo.overlap(torch.randn(4, 9), torch.randn(9, 10)[:, ::2], "allgather", plan=plans[2])
+    fo.overlap(torch.randn(6, 9), weight.t(), "allreduce", plan=plans[0])  # a known key
+    made = []
+    real_empty_strided = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided",
+                        lambda *a, **k: made.append(a) or real_empty_strided(*a, **k))
+    calls = fo.prepared_calls()
+    assert made == []
+    same = {"dtype": "float32", "device": "cpu", "world_size": 1, "K": 9}
+    assert calls == [
+        {"op": "allreduce", "a": [6, 9], "b": [9, 11], "b_layout": "col", "M": 6, "N": 11,
+         "backend": "reference", "strategy": "overlap", "groups": 2, "runner": "PreparedCall",
+         **same},
+        {"op": "reduce_scatter", "a": [8, 9], "b": [9, 5], "b_layout": "row", "M": 8, "N": 5,
+         "backend": "decomposition", "strategy": "overlap", "groups": 3,
+         "runner": "PreparedCall", **same},
+        {"op": "allgather", "a": [4, 9], "b": [9, 5], "b_layout": "strided", "M": 4, "N": 5,
+         "backend": "reference", "strategy": "sequential", "groups": 1,
+         "runner": "SequentialCall", **same},
+    ]
+    api.forget_prepared()
+    assert fo.prepared_calls() == []
