@@ -20,8 +20,9 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from . import api
-from .plan import Plan
+from . import api, registry
+from .backend import OverlapSpec
+from .plan import Plan, dtype_name
 
 NAMESPACE = "flashoverlap"
 STRING_OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
@@ -230,10 +231,32 @@ CUSTOM_OPS = {op: _define(op) for op in STRING_OPS}
 # dL/da_r = dL/dc_r @ b_r^T and dL/db_r = a_r^T @ dL/dc_r, using an overlapped op where the
 # mapping's collective feeds (or is fed by) one of these GEMMs.
 def _setup_context(ctx, inputs, output, keyword_only_inputs=None):
+    # torch passes the schema's keyword-only arguments (plan, backend) as keyword_only_inputs=;
+    # one left at its default may be missing from it.
     a, b, name = inputs[:3]
     ctx.save_for_backward(a, b)
     ctx.group_name = name
     ctx.splits = inputs[3:5]
+    ctx.backend = (keyword_only_inputs or {}).get("backend")
+
+
+def _backward_backend(ctx, op: str, a, b) -> str | None:
+    """The forward's ``backend=`` for the backward's overlapped ``op`` of ``a @ b`` when that
+    backend can run it, else None (the automatic choice): a layer built with ``backend="X"``
+    keeps X for its backward, and X declining the backward's op is no error."""
+    if ctx.backend is None:
+        return None
+    try:
+        chosen = registry.get(ctx.backend)
+    except registry.BackendError:  # unavailable here: the forward's call says so
+        return None
+    world = world_size(ctx.group_name)
+    rows = a.shape[0] * world if op == "allgather" else a.shape[0]
+    spec = OverlapSpec(rows, b.shape[1], a.shape[1], op, world, dtype_name(a.dtype),
+                       a.device.type, api.b_layout(b))
+    if chosen.device_type not in (None, spec.device_type) or chosen.unsupported_reasons(spec):
+        return None
+    return ctx.backend
 
 
 def _grads(ctx, grad_c):
@@ -257,7 +280,8 @@ def _backward_reduce_scatter(ctx, grad):
     a, b = ctx.saved_tensors
     grad = grad.contiguous()
     gathered = _all_gather(grad, ctx.group_name) if ctx.needs_input_grad[1] else None
-    grad_a = (overlap(grad, b.t(), "allgather", resolve_group(ctx.group_name))
+    grad_a = (overlap(grad, b.t(), "allgather", resolve_group(ctx.group_name),
+                      backend=_backward_backend(ctx, "allgather", grad, b.t()))
               if ctx.needs_input_grad[0] else None)
     grad_b = a.t() @ gathered if gathered is not None else None
     return grad_a, grad_b, None
@@ -269,7 +293,9 @@ def _backward_allgather(ctx, grad):
     # the gathered a again (gathered once more rather than kept from the forward, as Megatron does).
     a, b = ctx.saved_tensors
     gathered = _all_gather(a, ctx.group_name) if ctx.needs_input_grad[1] else None
-    grad_a = (overlap(grad.contiguous(), b.t(), "reduce_scatter", resolve_group(ctx.group_name))
+    grad = grad.contiguous()
+    grad_a = (overlap(grad, b.t(), "reduce_scatter", resolve_group(ctx.group_name),
+                      backend=_backward_backend(ctx, "reduce_scatter", grad, b.t()))
               if ctx.needs_input_grad[0] else None)
     grad_b = gathered.t() @ grad if gathered is not None else None
     return grad_a, grad_b, None

@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import flashoverlap_core as fo
+from flashoverlap_core import api, registry
+from flashoverlap_core.backend import OverlapSpec
 from flashoverlap_core.nn import ColumnParallelLinear, RowParallelLinear
+from flashoverlap_core.reference import ReferenceBackend
 from test_readme import python_block
 from test_torch_ops_ranks import INDUCTOR, WORLD_SIZES
 from test_torch_ops_ranks import ranks as shared_ranks
@@ -239,3 +242,74 @@ def test_the_readme_model_snippet_runs(monkeypatch):
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
     exec(compile(python_block("fo.nn.ColumnParallelLinear.from_linear"), "README.md", "exec"), {})
+
+
+# ---- the backward keeps the forward's backend --------------------------------------------------
+# (kind, its forward's overlapped op, the op of its backward's overlapped call)
+OVERLAPPED_BACKWARD = (("row_reduce_scatter", "reduce_scatter", "allgather"),
+                       ("column_gather", "allgather", "reduce_scatter"))
+
+
+class NoAllgather(ReferenceBackend):
+    """The reference backend under another name, declining allgather: a reduce-scattering
+    layer built with it has its backward's allgather on the automatic choice."""
+
+    name = "test-nn-no-allgather"
+    priority = -100  # never chosen automatically
+
+    def unsupported_reasons(self, spec):
+        return ["no allgather (test backend)"] if spec.op == "allgather" else []
+
+
+def run_on_backend(kind: str, backend: str, compile_backend: str | None) -> list[dict]:
+    """One layer built with ``backend=``, forward and backward against the unsharded float64
+    layer; what each overlapped call ran on (fo.prepared_calls)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    c = case(kind, rank, world)
+    cls, option = ((RowParallelLinear, {"reduce": "reduce_scatter"}) if kind.startswith("row")
+                   else (ColumnParallelLinear, {"gather_input": True}))
+    layer = cls.from_linear(c[1], backend=backend, **option)
+    x = c[0][0].float().requires_grad_()
+    fn = layer if compile_backend is None else torch.compile(layer, fullgraph=True,
+                                                             backend=compile_backend)
+    api.forget_prepared()
+    out = fn(x)
+    (out * c[0][1].float()).sum().backward()
+    check_against_unsharded([kind], [layer], [x], [out], [c], f"backend={backend}")
+    return fo.prepared_calls()
+
+
+def check_backward_backends(compile_backend: str | None) -> list:
+    """With backend="reference" every overlapped call, forward and backward, runs on it; with a
+    backend that declines the backward's op, that call runs on the automatic choice."""
+    ran = []
+    for kind, forward_op, backward_op in OVERLAPPED_BACKWARD:
+        calls = run_on_backend(kind, "reference", compile_backend)
+        ran.append(sorted((c["op"], c["backend"]) for c in calls))
+        assert ran[-1] == sorted([(forward_op, "reference"), (backward_op, "reference")]), calls
+    if compile_backend is None:
+        registry.register(NoAllgather())
+        try:
+            calls = run_on_backend("row_reduce_scatter", NoAllgather.name, None)
+        finally:
+            registry._loaded.pop(NoAllgather.name, None)
+        by_op = {c["op"]: c for c in calls}
+        assert by_op["reduce_scatter"]["backend"] == NoAllgather.name, calls
+        gather = by_op["allgather"]
+        spec = OverlapSpec(gather["M"], gather["N"], gather["K"], "allgather",
+                           gather["world_size"], "float32", "cpu", gather["b_layout"])
+        assert gather["backend"] == registry.select(spec).name != NoAllgather.name, calls
+        ran.append(sorted(by_op))
+    return ran
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"W{w}")
+def test_backward_keeps_the_forward_backend(world, compile_backend):
+    results = shared_ranks(world).run(check_backward_backends, compile_backend)
+    assert results == [results[0]] * world and len(results[0]) == 2 + (compile_backend is None)
+
+
+def test_backward_keeps_the_forward_backend_without_torch_distributed():
+    assert len(check_backward_backends(None)) == 3
