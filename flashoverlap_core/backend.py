@@ -63,9 +63,9 @@ class PreparedCall:
 
     def __init__(self, backend: "Backend", template: OverlapCall):
         # The template keeps what the key fixes, not the first call's tensors: holding them
-        # would keep their memory alive as long as the key (and inside a CUDA-graph pool, a
-        # tensor no graph output owns). Subclasses read the tensors from ``template`` in their
-        # own __init__ (the argument), before it returns.
+        # would keep their memory alive as long as the key (and, inside a device graph's memory
+        # pool, a tensor that no graph output owns). Subclasses read the tensors from
+        # ``template`` in their own __init__ (the argument), before it returns.
         self.backend = backend
         self.template = dataclasses.replace(template, a=None, b=None, out=None)
 
