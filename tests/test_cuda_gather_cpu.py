@@ -46,8 +46,11 @@ def tile_of(plan, item):
 @settings(max_examples=60, deadline=None)
 @given(plan=plans, data=st.data())
 def test_items_run_own_tiles_first_then_chunks_in_order_each_waiting_for_its_rows(plan, data):
+    """Own tiles first (copied before the GEMM: no flag; the loopback test's own_waits gives
+    them their chunk's flag too), then chunk by chunk, each tile waiting for its own rows."""
     rank = data.draw(st.integers(0, plan.world_size - 1))
-    items, wait = gather.gather_items(plan, rank, waits=True)
+    own_waits = data.draw(st.booleans())
+    items, wait = gather.gather_items(plan, rank, waits=True, own_waits=own_waits)
     assert items.dtype == torch.int64 and wait.dtype == torch.int32
     assert items.shape == (plan.num_tiles, 4) and wait.shape == (plan.num_tiles,)
     rects = [tile_of(plan, it) for it in items.tolist()]
@@ -60,6 +63,9 @@ def test_items_run_own_tiles_first_then_chunks_in_order_each_waiting_for_its_row
     for i, ((block, _, _, offset), flag) in enumerate(zip(items.tolist(), wait.tolist())):
         row0, rows, col0, _ = rects[i]
         assert offset == row0 * plan.n + col0  # the tile's place in the row-major out
+        if block == rank and not own_waits:
+            assert flag == -1
+            continue
         shard, g = divmod(flag, chunks)
         assert shard == block  # it waits for its own shard's rows ...
         start, end = plan.chunk_rows(g)  # ... and for the chunk that brings them
@@ -135,11 +141,22 @@ def test_gather_grid_that_cannot_fit_says_what_to_change():
 def test_reserve(monkeypatch):
     monkeypatch.setenv(ENV_RESERVED_SMS, "0")
     options = gather.GatherOptions(nccl_ctas=6)
-    assert gather.gather_reserve(1, False, options) == 0  # nothing waits
-    assert gather.gather_reserve(1, True, options) == gather.MIN_FREE_SMS  # loopback: no NCCL
-    assert gather.gather_reserve(2, False, options) == 6  # every NCCL CTA has a free SM
+    assert gather.gather_reserve(1, options) == 0  # nothing waits
+    own_copy = gather.GatherOptions(nccl_ctas=6, loopback=gather.LOOPBACK_OWN_COPY)
+    assert gather.gather_reserve(1, own_copy) == 0  # own rows copied first: nothing waits
+    chunks = gather.GatherOptions(nccl_ctas=6, loopback=gather.LOOPBACK_CHUNKS)
+    assert gather.gather_reserve(1, chunks) == gather.MIN_FREE_SMS  # loopback: no NCCL
+    assert gather.gather_reserve(2, options) == 6  # every NCCL CTA has a free SM
+    assert gather.gather_reserve(2, chunks) == 6  # the loopback is for world size 1 only
     monkeypatch.setenv(ENV_RESERVED_SMS, "9")
-    assert gather.gather_reserve(2, False, options) == 9
+    assert gather.gather_reserve(2, options) == 9
+
+
+def test_loopback_modes():
+    off, chunks, own = (gather.GatherOptions(loopback=v) for v in (0, 1, 2))
+    assert [o.gathers(1) for o in (off, chunks, own)] == [False, True, True]
+    assert [o.own_chunks(1) for o in (off, chunks, own)] == [False, True, False]
+    assert all(o.gathers(2) and not o.own_chunks(2) for o in (off, chunks, own))
 
 
 # ---- knobs ----------------------------------------------------------------------------------------
@@ -152,12 +169,12 @@ def test_options_from_the_environment(monkeypatch):
     monkeypatch.setenv(gather.ENV_DELAY, "250")
     monkeypatch.setenv(gather.ENV_NO_WAIT, "1")
     monkeypatch.setenv(gather.ENV_NCCL_CTAS, "2")
-    assert gather.GatherOptions.from_env() == gather.GatherOptions(2, True, 250, True)
+    assert gather.GatherOptions.from_env() == gather.GatherOptions(2, 1, 250, True)
 
 
 @pytest.mark.parametrize("name, value", [
     (gather.ENV_DELAY, "-5"), (gather.ENV_DELAY, "soon"), (gather.ENV_NCCL_CTAS, "0"),
-    (gather.ENV_LOOPBACK, "yes"),
+    (gather.ENV_LOOPBACK, "yes"), (gather.ENV_LOOPBACK, "3"),
 ])
 def test_bad_knobs_are_value_errors_naming_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

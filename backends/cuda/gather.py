@@ -4,14 +4,16 @@
 ``cat(a_0 .. a_{W-1}) @ b``, [W·m, N]. The call (native, ``csrc/cuda/gather_call.cuh``):
 
 * the rows are gathered into a row-major buffer ``gathered`` [W·m, ldg] in rank order, so a row
-  of ``gathered`` is the same row of ``out`` (not the plan's chunk-major packed layout): per
-  chunk g of the plan (rows ``plan.chunk_rows(g)`` of every shard) this rank's rows are copied
-  in from ``a`` and every peer's arrive by NCCL send/receive, each (shard, chunk) setting its
-  own flag on the device once its rows have landed;
+  of ``gathered`` is the same row of ``out`` (not the plan's chunk-major packed layout): this
+  rank's rows are copied in from ``a`` on the compute stream before the GEMM (the whole device
+  copies them: on the communication stream beside the waiting GEMM such a copy gets only the
+  SMs it leaves free, 2-3x the GEMM's time on the H200); per chunk g of the plan (rows
+  ``plan.chunk_rows(g)`` of every shard) every peer's rows arrive by NCCL send/receive, each
+  (shard, chunk) setting its own flag on the device once its rows have landed;
 * the GEMM (``fo_gemm_run_ex``) reads ``gathered`` and writes the tiles in place into ``out``;
-  its item table runs this rank's own tiles first (``plan.local_tiles(rank)``), then each
-  chunk's other tiles (``plan.arriving_tiles(rank, g)``), and each item waits for the flag of
-  its (shard, chunk) before loading its rows;
+  its item table runs this rank's own tiles first (``plan.local_tiles(rank)``, nothing to wait
+  for), then each chunk's other tiles (``plan.arriving_tiles(rank, g)``), each waiting for the
+  flag of its (shard, chunk) before loading its rows;
 * the flags are zeroed on the compute stream after the GEMM and the gather: no host sync, graph
   replays and back-to-back calls start from zero.
 
@@ -24,8 +26,11 @@ this op is made with at most that many CTAs. Copy engines (peer ``cudaMemcpyAsyn
 no SM at all; they were not built because W > 1 cannot be measured here (csrc/cuda/NOTES.md).
 
 Test knobs (environment, read when a key is prepared): ``FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1``
-sends a world-size-1 call through the gathered buffer and its flags (one per chunk, so tiles
-really wait); ``FLASHOVERLAP_CUDA_GATHER_DELAY_US=N`` spins N µs on the communication stream
+sends a world-size-1 call through the gathered buffer and its flags: the own rows are copied
+chunk by chunk on the communication stream, each chunk setting its flag, so tiles really wait;
+``=2`` takes the path of the other world sizes for the own rows (one copy on the compute
+stream, the GEMM on the gathered buffer; nothing waits at world size 1), to measure it.
+``FLASHOVERLAP_CUDA_GATHER_DELAY_US=N`` (with ``=1``) spins N µs on the communication stream
 before each chunk's copy; ``FLASHOVERLAP_CUDA_GATHER_NO_WAIT=1`` (negative control) hands the
 GEMM flags that read as already set, so it does not wait and a stress test must see wrong rows.
 """
@@ -48,6 +53,7 @@ ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
 ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
 ENV_NO_WAIT = "FLASHOVERLAP_CUDA_GATHER_NO_WAIT"
 ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS"
+LOOPBACK_OFF, LOOPBACK_CHUNKS, LOOPBACK_OWN_COPY = 0, 1, 2
 DEFAULT_NCCL_CTAS = 4  # the SMs the default reserve leaves free on an H200 (132 - 128)
 MIN_FREE_SMS = 2  # SMs a waiting GEMM never takes, whatever FLASHOVERLAP_CUDA_RESERVED_SMS says
 ROW_ALIGN = 8  # elements: gathered's row stride, as the kernels' 16-byte loads want it
@@ -67,16 +73,26 @@ class GatherOptions:
     """How an allgather call runs: the NCCL CTA bound, and the test knobs (module doc)."""
 
     nccl_ctas: int = DEFAULT_NCCL_CTAS
-    loopback: bool = False
+    loopback: int = 0  # LOOPBACK_OFF, LOOPBACK_CHUNKS or LOOPBACK_OWN_COPY
     delay_us: int = 0
     no_wait: bool = False
 
     @classmethod
     def from_env(cls) -> "GatherOptions":
-        flag = lambda name: _env_int(name, 0, 0) != 0  # noqa: E731
-        return cls(nccl_ctas=_env_int(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS, 1),
-                   loopback=flag(ENV_LOOPBACK), delay_us=_env_int(ENV_DELAY, 0, 0),
-                   no_wait=flag(ENV_NO_WAIT))
+        loopback = _env_int(ENV_LOOPBACK, LOOPBACK_OFF, 0)
+        if loopback not in (LOOPBACK_OFF, LOOPBACK_CHUNKS, LOOPBACK_OWN_COPY):
+            raise ValueError(f"{ENV_LOOPBACK} must be 0, 1 or 2, got {loopback}")
+        return cls(nccl_ctas=_env_int(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS, 1), loopback=loopback,
+                   delay_us=_env_int(ENV_DELAY, 0, 0), no_wait=_env_int(ENV_NO_WAIT, 0, 0) != 0)
+
+    def own_chunks(self, world_size: int) -> bool:
+        """Whether the own rows are copied chunk by chunk on the communication stream, each
+        setting its flag (the loopback test), rather than at once on the compute stream."""
+        return world_size == 1 and self.loopback == LOOPBACK_CHUNKS
+
+    def gathers(self, world_size: int) -> bool:
+        """Whether the call goes through the gathered buffer (else the plain GEMM on a)."""
+        return world_size > 1 or self.loopback != LOOPBACK_OFF
 
 
 # ---- tables (pure: tested on the CPU) ---------------------------------------------------------
@@ -98,16 +114,19 @@ def flag_index(plan, shard: int, g: int) -> int:
     return shard * plan.num_groups + g
 
 
-def gather_items(plan, rank: int, waits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_items(plan, rank: int, waits: bool, own_waits: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM's item table for ``rank`` (int64 [T, 4]: block, band within the block, column
-    tile, element offset of the tile in the row-major out) and each item's flag (int32 [T];
-    -1 everywhere without ``waits``)."""
+    tile, element offset of the tile in the row-major out) and each item's flag (int32 [T]):
+    -1 (none) for the own shard's tiles unless ``own_waits`` (the loopback test), and
+    everywhere without ``waits``."""
     (bm, bn), starts = plan.tile, plan.grid.block_starts
     rows, wait = [], []
     for t in execution_tiles(plan, rank, waits):
         band = (t.row0 - starts[t.block]) // bm
         rows.append((t.block, band, t.col0 // bn, t.row0 * plan.n + t.col0))
-        wait.append(flag_index(plan, t.block, plan.group_of_band[band]) if waits else -1)
+        flagged = waits and (t.block != rank or own_waits)
+        wait.append(flag_index(plan, t.block, plan.group_of_band[band]) if flagged else -1)
     return (torch.tensor(rows, dtype=torch.int64).view(-1, 4),
             torch.tensor(wait, dtype=torch.int32))
 
@@ -117,12 +136,11 @@ def chunk_table(plan) -> list[int]:
     return [row for g in range(plan.num_groups) for row in plan.chunk_rows(g)]
 
 
-def gather_reserve(world_size: int, loopback: bool, options: GatherOptions) -> int:
+def gather_reserve(world_size: int, options: GatherOptions) -> int:
     """SMs the waiting GEMM leaves free (0 when nothing waits)."""
-    if world_size == 1 and not loopback:
-        return 0
-    nccl_ctas = options.nccl_ctas if world_size > 1 else 0
-    return max(reserved_sms(), MIN_FREE_SMS, nccl_ctas)
+    if world_size > 1:
+        return max(reserved_sms(), MIN_FREE_SMS, options.nccl_ctas)
+    return max(reserved_sms(), MIN_FREE_SMS) if options.own_chunks(world_size) else 0
 
 
 def gather_grid(wave_size: int, sms: int, max_ctas: int, reserve: int, multiple: int) -> int:
@@ -177,11 +195,12 @@ class CudaGatherCall(PreparedCall):
         self.options = options if options is not None else GatherOptions.from_env()
         self.device, self.index = device, device.index
         self.world, self.rank = call.world_size, call.rank
-        self.gathers = self.world > 1 or self.options.loopback
+        self.gathers = self.options.gathers(self.world)
+        self.own_chunks = self.options.own_chunks(self.world)
         if self.world > 1 and not nccl.uses_nccl(call.group):
             raise ValueError("the cuda backend gathers allgather's rows with NCCL; this process "
                              "group does not use NCCL (use backend='decomposition')")
-        items, self.item_wait_host = gather_items(plan, self.rank, self.gathers)
+        items, self.item_wait_host = gather_items(plan, self.rank, self.gathers, self.own_chunks)
         self.tables = PlanTables(items, items.to(device),
                                  torch.zeros(items.shape[0], dtype=torch.int32, device=device),
                                  counters=None)
@@ -196,7 +215,7 @@ class CudaGatherCall(PreparedCall):
         self._states: dict[int, GatherState] = {}
         if not self.gathers:
             return
-        reserve = gather_reserve(self.world, self.options.loopback, self.options)
+        reserve = gather_reserve(self.world, self.options)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.ctas = gather_grid(plan.wave_size, sms, self.gemm.max_ctas(self.index), reserve,
                                 self.gemm.description.cta_multiple)
@@ -222,7 +241,9 @@ class CudaGatherCall(PreparedCall):
         d.num_chunks, d.chunk_rows = plan.num_groups, self.chunks
         d.elem_size = state.gathered.element_size()
         d.nccl_comm, d.nccl_dtype = self.comm, NCCL_DTYPES[plan.dtype]
-        d.delay_us, d.comm_stream = self.options.delay_us, state.comm.cuda_stream
+        d.own_chunks = int(self.own_chunks)
+        d.delay_us = self.options.delay_us if self.own_chunks else 0
+        d.comm_stream = state.comm.cuda_stream
         return d
 
     def state(self, stream: int) -> GatherState:

@@ -48,7 +48,7 @@ class GatherDescription(ctypes.Structure):
         ("gathered", c_void_p), ("ldg", c_int64), ("arrive_flags", c_void_p),
         ("wait_flags", c_void_p), ("num_chunks", c_int), ("chunk_rows", POINTER(c_int32)),
         ("elem_size", c_int), ("nccl_comm", c_void_p), ("nccl_dtype", c_int),
-        ("delay_us", c_int), ("comm_stream", c_void_p),
+        ("delay_us", c_int), ("own_chunks", c_int), ("comm_stream", c_void_p),
     ]
 
 

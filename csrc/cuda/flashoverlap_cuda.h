@@ -201,18 +201,20 @@ FO_API int fo_call_graph_state(const fo_call* call);
 // A prepared allgather call of rank `rank` of `world`: every rank's a is [block_rows, copy_cols];
 // `gathered` is [world * block_rows, ldg] row-major (rows s * block_rows .. of rank s, so a row of
 // gathered is the same row of out). fo_gather_run issues, with no host synchronisation:
-//   comm:    waits for the caller's stream (event); per chunk g (rows chunk_rows[2g] ..
-//            chunk_rows[2g+1] of every shard): copies this rank's rows of the chunk from a into
-//            gathered and sets flag (rank, g); then per chunk, one NCCL group of a send of those
-//            rows to every peer and a receive of every peer's, then flags (p, g) of the peers
+//   compute: copies this rank's rows from a into gathered (one 2-D device copy)
+//   comm:    waits for that (event); per chunk g (rows chunk_rows[2g] .. chunk_rows[2g+1] of
+//            every shard), one NCCL group of a send of this rank's rows of g to every peer and a
+//            receive of every peer's, then flags (p, g) of the peers
 //   compute: the GEMM (fo_gemm_run_ex of `gemm_run_ex`) on gathered, writing out in place, each
 //            item waiting for its flag (item_wait, read from `wait_flags`); then a wait for the
 //            communication stream and the flags' reset to zero (so graph replays and
 //            back-to-back calls start from zero).
+// own_chunks = 1 (the loopback test) copies the own rows chunk by chunk on the communication
+// stream instead, each chunk then setting flag (rank, g).
 // Flag (s, g) is arrive_flags[s * num_chunks + g]. `wait_flags` is arrive_flags, except in the
-// negative-control test (flags read as already set). `delay_us` > 0 (tests) spins that long on
-// the communication stream before each own-chunk copy. With nccl_comm == nullptr, world must be
-// 1 (a loopback of the own rows: the waits run, no NCCL).
+// negative-control test (flags read as already set). `delay_us` > 0 (tests, with own_chunks)
+// spins that long on the communication stream before each own-chunk copy. With
+// nccl_comm == nullptr, world must be 1 (a loopback of the own rows, no NCCL).
 typedef struct fo_gather fo_gather;
 typedef struct {
   int abi_version;  // FO_CUDA_ABI_VERSION
@@ -234,6 +236,7 @@ typedef struct {
   void* nccl_comm;
   int nccl_dtype;
   int delay_us;
+  int own_chunks;
   cudaStream_t comm_stream;
 } fo_gather_desc;
 

@@ -2,12 +2,17 @@
 // whose tiles wait for their rows. Included by runtime.cu after overlap_call.cuh.
 //
 // One call, rank r of W, a chunk g = rows chunk_rows[g] of every rank's shard:
+//     compute: own rows a -> gathered (one device copy, the whole device: the GEMM has not
+//              started; the own tiles then need no flag)
 //   compute stream  --event-->  communication stream
-//     comm:    per chunk g: own rows of chunk g: a -> gathered (device copy); flag (r, g) := 1
-//     compute: the GEMM on gathered, every item first waiting for its flag (s, g)
+//     compute: the GEMM on gathered, every other shard's item first waiting for its flag (s, g)
 //     comm:    per chunk g: one NCCL group: send own rows of g to every peer, receive every
 //              peer's rows of g; flags (p, g) := 1 for every peer p
 //   communication stream  --event-->  compute stream: flags := 0 (ready for the next call)
+// The loopback test (own_chunks = 1) copies the own rows chunk by chunk on the communication
+// stream instead, each chunk setting flag (r, g), so that at world size 1 tiles really wait.
+// (Measured on the H200: a device copy on the communication stream beside the waiting GEMM gets
+// only the SMs the GEMM leaves free; the own rows' copy there made the call 2-3x the GEMM.)
 // A flag write is cuStreamWriteValue32 with its default memory barrier: the stream's earlier
 // writes (the copy, the NCCL receive) are visible before the flag is; the GEMM reads the flag
 // with an acquire (and on sm90 a proxy fence before its TMA loads, gemm_sm90.cu).
@@ -94,7 +99,8 @@ inline cudaError_t check_desc(const fo_gather_desc& d) {
                 "arrive_flags, wait_flags, chunk_rows and comm_stream are required");
   if (d.world < 1 || d.rank < 0 || d.rank >= d.world || d.block_rows < 1 || d.N < 1 ||
       d.copy_cols < 1 || d.K < d.copy_cols || d.ldg < d.K || d.num_chunks < 1 ||
-      d.num_items < 1 || d.num_ctas < 1 || d.delay_us < 0 || (d.elem_size != 2 && d.elem_size != 4))
+      d.num_items < 1 || d.num_ctas < 1 || d.delay_us < 0 || (d.delay_us > 0 && !d.own_chunks) ||
+      (d.elem_size != 2 && d.elem_size != 4))
     return fail(cudaErrorInvalidValue,
                 "fo_gather_create: bad sizes (world %d, rank %d, block_rows %d, N %d, K %d, "
                 "copy_cols %d, ldg %lld, chunks %d, items %d, ctas %d, delay %d, elem_size %d)",
@@ -134,10 +140,18 @@ inline cudaError_t set_flag(const fo_gather& c, int shard, int g) {
   return cudaSuccess;
 }
 
-// This rank's rows of every chunk, a -> gathered, each chunk's flag set once it has landed.
-inline cudaError_t copy_own_rows(const fo_gather& c, const void* a, int64_t lda) {
+// This rank's rows, a -> gathered: in one copy on `stream` (own_chunks = 0), or (the loopback
+// test) chunk by chunk on the communication stream, each chunk's flag set once it has landed.
+inline cudaError_t copy_own_rows(const fo_gather& c, const void* a, int64_t lda,
+                                 cudaStream_t stream) {
   const fo_gather_desc& d = c.d;
   const size_t es = size_t(d.elem_size);
+  if (!d.own_chunks) {
+    FO_CUDA_CHECK(cudaMemcpy2DAsync(shard_rows(c, d.rank, 0), size_t(d.ldg) * es, a,
+                                    size_t(lda) * es, size_t(d.copy_cols) * es,
+                                    size_t(d.block_rows), cudaMemcpyDeviceToDevice, stream));
+    return cudaSuccess;
+  }
   for (int g = 0; g < d.num_chunks; ++g) {
     const int start = c.chunk_rows[2 * g], rows = c.chunk_rows[2 * g + 1] - start;
     if (d.delay_us > 0) {
@@ -218,9 +232,12 @@ inline cudaError_t launch_gemm(const fo_gather& c, const void* b, int64_t ldb, v
 inline cudaError_t run(fo_gather& c, const void* a, int64_t lda, const void* b, int64_t ldb,
                        void* out, int64_t ldo, cudaStream_t stream, bool warm) {
   const fo_gather_desc& d = c.d;
+  cudaError_t err = d.own_chunks ? cudaSuccess : copy_own_rows(c, a, lda, stream);
+  if (err != cudaSuccess) return err;
+  // After the own rows' copy: the sends read them from gathered.
   FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
   FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
-  cudaError_t err = copy_own_rows(c, a, lda);
+  if (d.own_chunks) err = copy_own_rows(c, a, lda, d.comm_stream);
   if (err == cudaSuccess && !warm) err = launch_gemm(c, b, ldb, out, ldo, stream);
   if (err == cudaSuccess) err = exchange_chunks(c);
   if (err != cudaSuccess) return err;

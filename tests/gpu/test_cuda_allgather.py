@@ -1,6 +1,7 @@
 """GPU tests of the cuda backend's allgather (backends/cuda/gather.py): at world size 1, the
-plain in-place GEMM and the loopback path, which gathers through the buffer and its flags so
-that the GEMM's tiles really wait (FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1).
+plain in-place GEMM, the loopback path, which gathers through the buffer and its flags so that
+the GEMM's tiles really wait (FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1), and the own rows' path of the
+other world sizes (=2: one copy on the compute stream, the GEMM on the gathered buffer).
 
 Every case that runs the waiting GEMM runs in a fresh process under a timeout (a GEMM that
 waits for a flag nobody sets would hang the test process): the ``case_*`` functions below are
@@ -216,8 +217,9 @@ def run_case(case: str, *args, env: dict | None = None, timeout: int = 300) -> d
 
 
 LOOPBACK = {"FLASHOVERLAP_CUDA_GATHER_LOOPBACK": "1"}
-PATHS = {"plain": {}, "loopback": LOOPBACK,
+PATHS = {"plain": {}, "loopback": LOOPBACK, "own-copy": {"FLASHOVERLAP_CUDA_GATHER_LOOPBACK": "2"},
          "sm80-loopback": dict(LOOPBACK, FLASHOVERLAP_CUDA_ARCH="80")}
+EAGER_PATHS = ["plain", "loopback", "own-copy"]
 
 
 @needs_cuda
@@ -228,32 +230,32 @@ def test_ragged_shapes_match_float64(path, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["plain", "loopback"])
+@pytest.mark.parametrize("path", EAGER_PATHS)
 def test_strided_a(path):
     assert run_case("case_strided_a", env=PATHS[path])["ok"]
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["plain", "loopback"])
+@pytest.mark.parametrize("path", EAGER_PATHS)
 def test_back_to_back_with_fresh_inputs(path):
     assert run_case("case_back_to_back", 100, env=PATHS[path])["ok"]
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["plain", "loopback"])
+@pytest.mark.parametrize("path", EAGER_PATHS)
 def test_graph_replays_follow_new_inputs(path):
     assert run_case("case_graph", 20, env=PATHS[path])["ok"]
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["plain", "loopback"])
+@pytest.mark.parametrize("path", EAGER_PATHS)
 def test_first_call_inside_graph_capture_is_a_clear_error(path):
     result = run_case("case_first_call_in_capture", env=PATHS[path])
     assert result["ok"], result
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["plain", "loopback"])
+@pytest.mark.parametrize("path", EAGER_PATHS)
 def test_two_streams_share_nothing(path):
     assert run_case("case_two_streams", 200, env=PATHS[path])["ok"]
 
