@@ -198,3 +198,16 @@ def test_a_bad_forced_architecture_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(ENV_ARCH, "75")
     with pytest.raises(ValueError, match=f"{ENV_ARCH} must be 80 or 90, got '75'"):
         CudaBackend().plan_reasons(one_group_plan((128, 128)))
+
+
+def test_tracing_an_allgather_call_is_a_clear_error():
+    """The tile monitor belongs to the signalling GEMM: tracing allgather on cuda says so
+    before any device work (the CPU tensors here would fail any device work)."""
+    from flashoverlap_core.backend import OverlapCall
+
+    plan = fo.plan(256, 128, 64, op="allgather", world_size=1, dtype=torch.bfloat16,
+                   backend="reference")
+    a, b = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
+    call = OverlapCall(a, b, plan, "allgather", None, 0, 1, torch.empty(256, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot trace an allgather"):
+        CudaBackend().trace(call)

@@ -346,6 +346,12 @@ class CudaBackend(Backend):
         each group's transfer (CUDA events), on one clock whose origin is the GEMM's launch.
         The tile clock is aligned so that the last tile ends when the GEMM kernel does."""
         plan = call.plan
+        if plan.op == GATHER_OP:
+            # Its GEMM waits for rows instead of signalling tiles: there is no monitored
+            # signalling run to trace (and the tuner has no allgather workload).
+            raise ValueError("the cuda backend cannot trace an allgather call (its GEMM waits for "
+                             "arriving rows; the tile monitor belongs to the signalling GEMM): "
+                             "trace it with backend='reference'")
         monitor = torch.zeros(plan.num_tiles, 2, dtype=torch.int64, device=call.a.device)
         stamps: dict = {}
         prepared = CudaCall(self, call, python_path=True)
