@@ -213,6 +213,11 @@ class RuntimeLibrary(_Library):
     def call_destroy(self, handle: int) -> None:
         self.lib.fo_call_destroy(handle)
 
+    def call_graph_state(self, handle: int) -> int:
+        """0: the call launches kernel by kernel; 1: it replays its graph; -1: its graph
+        could not be made (fo_call_graph_state)."""
+        return self.lib.fo_call_graph_state(handle)
+
     # ---- prepared allgather calls (gather_call.cuh) ------------------------------------------
     def gather_create(self, desc: GatherDescription) -> int:
         handle = c_void_p(0)
@@ -225,11 +230,6 @@ class RuntimeLibrary(_Library):
 
     def gather_load_kernels(self) -> None:
         self.check(self.lib.fo_gather_load_kernels(), "fo_gather_load_kernels")
-
-    def call_graph_state(self, handle: int) -> int:
-        """0: the call launches kernel by kernel; 1: it replays its graph; -1: its graph
-        could not be made (fo_call_graph_state)."""
-        return self.lib.fo_call_graph_state(handle)
 
     def wait_counter(self, counter_ptr: int, value: int, mode: str, stream: int) -> None:
         self.check(self.lib.fo_wait_counter(counter_ptr, value, WAIT_MODES[mode], stream),
