@@ -18,6 +18,7 @@ Environment variables read when a key is first prepared, not on every call:
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -151,9 +152,11 @@ _prepare_lock = threading.Lock()
 
 
 def forget_prepared() -> None:
-    """Drop every prepared call (the next call of each key prepares it again)."""
+    """Drop every prepared call and every settled choice (the next call of each key prepares
+    it again; at world size > 1 that is collective: call it on every rank)."""
     with _prepare_lock:
         _prepared.clear()
+        _settled.clear()
 
 
 def _splits_key(splits):
@@ -213,8 +216,17 @@ def _to_array_type(t: torch.Tensor, kind: type):
 
 
 def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend):
-    """Check everything, prepare the key if it is new, and run the call."""
-    call, chosen = _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend)
+    """Check everything, prepare the key if it is new, and run the call.
+
+    What decides the collectives a call issues (backend and plan) is settled once per *group
+    key*: the facts of a call that are the same on every rank of the group (op, group, the
+    shapes every rank shares, dtype, device type, the plan and backend asked for). Its first
+    call is collective at world size > 1 (:func:`_agree`); a new local key under a settled
+    group key (this rank's own strides, say) prepares without communicating, so ranks whose
+    local keys differ never disagree on whether a call is a first call. all_to_all's rows and
+    splits are this rank's own: its group key is still the local key."""
+    c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
+    gkey = key if c["op"] == "all_to_all" else _group_key(c, a, op, plan, backend)
     with _prepare_lock:
         entry = _prepared.get(key)
         if entry is None:
@@ -224,7 +236,21 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
                     "captured in a graph: preparing it loads kernels, builds tables and checks the "
                     "plan across ranks, with host synchronisation. Run the call once outside the "
                     "capture (a warm-up call), then capture")
-            _agree_across_ranks(call, a.shape[0])
+            settled = _settled.get(gkey)
+            if settled is None:
+                call, chosen = _agree(c, a, b, op, plan, out, recv_splits, backend)
+                _settled[gkey] = (chosen, call.plan)
+                while len(_settled) > MAX_PREPARED:
+                    _settled.pop(next(iter(_settled)))
+            else:
+                chosen, agreed = settled
+                spec = _spec_of(c, a, b)
+                reasons = chosen.unsupported_reasons(spec) + chosen.plan_reasons(agreed)
+                if reasons:  # a fact of this rank's own (b's layout, say) the choice cannot take
+                    raise ValueError(f"backend {chosen.name!r}, which the ranks agreed on for this "
+                                     f"call, cannot run it with this rank's arguments: "
+                                     + "; ".join(reasons))
+                call = _call_of(c, a, b, op, agreed, out)
             if call.plan.strategy == "sequential":
                 prepared = SequentialCall(call)
             else:
@@ -234,7 +260,18 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
             _prepared[key] = entry
             while len(_prepared) > MAX_PREPARED:
                 _prepared.pop(next(iter(_prepared)))
+        else:  # prepared meanwhile by another thread: this call's out still needs its checks
+            call = _call_of(c, a, b, op, entry.plan, out)
     return entry.prepared.run(a, b, call.out, op)
+
+
+def _group_key(c: dict, a, op, plan, backend) -> tuple:
+    """The facts of a call every rank of its group shares (see :func:`_first_call`)."""
+    kind = op if op.__class__ is str else type(op)
+    return (kind, c["group"], c["m"], c["n"], c["k"], a.dtype, a.device.type, plan, backend)
+
+
+_settled: dict = {}  # group key -> (backend, plan) the ranks agreed on
 
 
 def _capturing(device: torch.device) -> bool:
@@ -276,54 +313,129 @@ def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_
                 world_size=world, send=send, recv=recv, rows=rows)
 
 
-def _checked_call(a, b, op, group, plan, out, send_splits, recv_splits, backend
-                  ) -> tuple[OverlapCall, Backend]:
-    """Every argument checked (TypeError/ValueError, no device work), the backend chosen and
-    the plan made or checked: the call as the backend will see it."""
-    c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
-    m, n, k, op_name, dtype = c["m"], c["n"], c["k"], c["op"], c["dtype"]
-    group, rank, world, send, recv, rows = (c["group"], c["rank"], c["world_size"], c["send"],
-                                            c["recv"], c["rows"])
-    spec = OverlapSpec(_result_rows(op_name, m, world), n, k, op_name, world, dtype,
-                       a.device.type, b_layout(b), send)
-    chosen = registry.select(spec, backend, plan.backend if plan is not None else None)
+def _spec_of(c: dict, a, b) -> OverlapSpec:
+    return OverlapSpec(_result_rows(c["op"], c["m"], c["world_size"]), c["n"], c["k"], c["op"],
+                       c["world_size"], c["dtype"], a.device.type, b_layout(b), c["send"])
+
+
+def _call_of(c: dict, a, b, op, plan: Plan, out) -> OverlapCall:
+    if out is None and c["rows"] is not None:
+        out = torch.empty((c["rows"], c["n"]), dtype=a.dtype, device=a.device)
+    return OverlapCall(a, b, plan, op, c["group"], c["rank"], c["world_size"], out, c["recv"])
+
+
+def _plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:
+    """The plan the call runs with ``chosen``: ``plan`` checked against the call, else the
+    tuned or default plan."""
     if plan is None:
-        transfer = type(op).__name__ if op_name == CUSTOM_OP else ""
-        plan = _default_plan(spec, chosen, group, transfer)
-    else:
-        wrong = plan.mismatches(m=spec.m, n=n, k=k, op=op_name, world_size=world, dtype=dtype,
-                                send_splits=send)
-        wrong += chosen.plan_reasons(plan)
-        if wrong:
-            raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
-    if out is None and rows is not None:
-        out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-    return OverlapCall(a, b, plan, op, group, rank, world, out, recv), chosen
+        transfer = type(op).__name__ if c["op"] == CUSTOM_OP else ""
+        return _default_plan(spec, chosen, c["group"], transfer)
+    wrong = plan.mismatches(m=spec.m, n=spec.n, k=spec.k, op=c["op"], world_size=c["world_size"],
+                            dtype=c["dtype"], send_splits=c["send"])
+    wrong += chosen.plan_reasons(plan)
+    if wrong:
+        raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
+    return plan
 
 
-def _agree_across_ranks(call: OverlapCall, local_rows: int) -> None:
-    """One small collective on a key's first call: every rank of the group must run the same
-    plan (a tuning cache on one host only, say, would otherwise deadlock or corrupt the
-    result), and allgather's shards must have the same rows everywhere."""
-    if call.group is None or call.world_size == 1:
+def _agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapCall, Backend]:
+    """The backend and plan of a new group key. At world size > 1 this is one small collective
+    (two when the ranks' first choices differ): every rank sends the backends it can run the
+    call on, its plan's digest, or why it cannot; the ranks take the first backend of rank 0's
+    order that every rank can run, and must then run the same plan. Any rank's error (no
+    backend, a plan that does not fit, plans that differ) is raised on every rank, naming the
+    rank: a per-rank difference is an error, never a hang."""
+    spec = _spec_of(c, a, b)
+    world, group = c["world_size"], c["group"]
+    plan_backend = plan.backend if plan is not None else None
+    selection = spec
+    if (c["op"] == "all_to_all" and world > 1
+            and registry.explicit_choice(backend, plan_backend) is None):
+        # the automatic choice must not follow this rank's own rows and splits
+        selection = dataclasses.replace(spec, send_splits=None)
+
+    def attempt(names):
+        """(fit names, plan, digest, error text) for this rank, choosing among ``names``."""
+        try:
+            able = registry.able(selection, backend, plan_backend)
+            # this rank's own facts (its splits, say) may rule out more than the selection did
+            fit = [x for x in able if not x.unsupported_reasons(spec)
+                   and (names is None or x.name in names)]
+            if names is not None:
+                fit.sort(key=lambda x: names.index(x.name))
+            if not fit:
+                why = "; ".join(f"{x.name}: {'; '.join(x.unsupported_reasons(spec))}"
+                                for x in able if x.unsupported_reasons(spec))
+                raise registry.BackendError(
+                    f"no backend{' of ' + str(names) if names else ''} can run this call with "
+                    f"this rank's arguments{': ' + why if why else ''}")
+            chosen_plan = _plan_for(c, spec, fit[0], plan, op)
+            return fit, chosen_plan, _plan_digest(chosen_plan), None
+        except (TypeError, ValueError) as e:
+            return [], None, None, e
+
+    fit, chosen_plan, digest, error = attempt(None)
+    if group is None or world == 1:
+        if error is not None:
+            raise error
+        return _call_of(c, a, b, op, chosen_plan, out), fit[0]
+    views = exchange_objects(([x.name for x in fit], digest, _error_text(error), a.shape[0],
+                              _plan_summary(chosen_plan)), group)
+    _raise_errors(views, error)
+    common = [n for n in views[0][0] if all(n in v[0] for v in views)]
+    if not common:
+        raise registry.BackendError(
+            "no backend can run this call on every rank of the group: "
+            + "; ".join(f"rank {r} can run {v[0]}" for r, v in enumerate(views)))
+    if any(v[0][0] != common[0] for v in views):  # some rank's first choice is not common
+        fit, chosen_plan, digest, error = attempt([common[0]])
+        views = exchange_objects(([x.name for x in fit], digest, _error_text(error), a.shape[0],
+                                  _plan_summary(chosen_plan)), group)
+        _raise_errors(views, error)
+    _check_same_plan(c["op"], views)
+    return _call_of(c, a, b, op, chosen_plan, out), fit[0]
+
+
+def _error_text(error) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_errors(views, error) -> None:
+    failed = {r: v[2] for r, v in enumerate(views) if v[2] is not None}
+    if not failed:
         return
-    fields = call.plan.to_dict()
-    if call.plan.op == "all_to_all":  # each rank's rows, splits and groups are its own
+    if error is not None:
+        raise error
+    raise ValueError("this call failed on other ranks of the group: "
+                     + "; ".join(f"rank {r}: {text}" for r, text in failed.items()))
+
+
+def _plan_digest(plan: Plan) -> str:
+    fields = plan.to_dict()
+    if plan.op == "all_to_all":  # each rank's rows, splits and groups are its own
         for own in ("M", "send_splits", "group_sizes"):
             fields.pop(own)
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-    mine = (digest, local_rows, call.plan.describe_grid(), call.plan.group_sizes)
-    views = exchange_objects(mine, call.group)
-    if call.plan.op == GATHER_OP and len({v[1] for v in views}) > 1:
-        rows = {r: v[1] for r, v in enumerate(views)}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _plan_summary(plan: Plan | None):
+    return None if plan is None else (plan.describe_grid(), plan.group_sizes, plan.backend)
+
+
+def _check_same_plan(op: str, views) -> None:
+    """Every rank runs the same plan, and allgather's shards have the same rows everywhere
+    (a tuning cache on one host only, say, would otherwise deadlock or corrupt the result)."""
+    if op == GATHER_OP and len({v[3] for v in views}) > 1:
+        rows = {r: v[3] for r, v in enumerate(views)}
         raise ValueError(f"allgather needs the same rows of a on every rank; the ranks have {rows}")
-    differ = [r for r, v in enumerate(views) if v[0] != views[0][0]]
+    differ = [r for r, v in enumerate(views) if v[1] != views[0][1]]
     if differ:
+        first, other = views[0][4], views[differ[0]][4]
         raise ValueError(
             f"the ranks of the group do not run the same plan for this call: ranks {differ} differ "
-            f"from rank 0 (rank 0: {views[0][2]}, groups {list(views[0][3])}; rank {differ[0]}: "
-            f"{views[differ[0]][2]}, groups {list(views[differ[0]][3])}). Give every rank the same "
-            "plan= or the same tuning cache (FLASHOVERLAP_TUNING_CACHE)")
+            f"from rank 0 (rank 0: {first[0]}, groups {list(first[1])}, backend {first[2]}; rank "
+            f"{differ[0]}: {other[0]}, groups {list(other[1])}, backend {other[2]}). Give every "
+            "rank the same plan= or the same tuning cache (FLASHOVERLAP_TUNING_CACHE)")
 
 
 # ---- plans ---------------------------------------------------------------------------------------

@@ -109,6 +109,14 @@ class Backend(abc.ABC):
         """Devices this backend can use (0 for host-only backends)."""
         return 0
 
+    def rank_environment(self, rank: int, world_size: int, shared_devices: bool) -> dict[str, str]:
+        """Environment variables rank ``rank`` of a spawned group of ``world_size`` needs
+        before its collective library starts. ``shared_devices``: ranks share devices (rank r
+        on device r mod count), a test topology that only checks correctness; a backend whose
+        collective library refuses two ranks on one device says here how to make it accept
+        them. Read in the parent process: no device context."""
+        return {}
+
     def prebuild(self, archs: list[int] | None = None, jobs: int | None = None) -> list[str]:
         """Compile this backend's kernels ahead of time (for ``archs``, its own naming of the
         device generations; None: what it supports); the paths written. Nothing to build: []."""

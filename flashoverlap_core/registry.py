@@ -174,6 +174,15 @@ def explicit_choice(name: str | None, plan_backend: str | None = None) -> tuple[
 
 def select(spec: OverlapSpec, name: str | None = None, plan_backend: str | None = None) -> Backend:
     """Pick the backend for a call: explicit choice, else the best one for the device type."""
+    return able(spec, name, plan_backend)[0]
+
+
+def able(spec: OverlapSpec, name: str | None = None, plan_backend: str | None = None
+         ) -> list[Backend]:
+    """The backends that can run ``spec``, most preferred first: the explicit choice alone
+    when there is one, else every candidate for the device type that can (a BackendError
+    saying why when none can). The first is this process's choice; ranks of a group agree on
+    the first one every rank can run (``api``)."""
     choice = explicit_choice(name, plan_backend)
     if choice is not None:
         backend = get(choice[0])
@@ -182,20 +191,24 @@ def select(spec: OverlapSpec, name: str | None = None, plan_backend: str | None 
             raise BackendError(f"backend {backend.name!r} ({choice[1]}) cannot run this call: "
                                f"{'; '.join(reasons)}. Known backends:\n{_listing()}")
         log.info("flashoverlap: backend %s chosen (%s)", backend.name, choice[1])
-        return backend
-    rejected = []
+        return [backend]
+    rejected, fit, passed_over = [], [], []
     for candidate in candidates(spec.device_type):
         reason = _probe(candidate)
         reasons = [reason] if reason else candidate.unsupported_reasons(spec)
         if not reasons:
-            log.info("flashoverlap: backend %s chosen (auto detect for device %s%s)",
-                     candidate.name, spec.device_type,
-                     "; passed over " + "; ".join(rejected) if rejected else "")
-            return candidate
+            fit.append(candidate)
+            continue
         rejected.append(f"{candidate.name}: {'; '.join(reasons)}")
-    raise BackendError(f"no backend can run this call on device {spec.device_type!r}:\n  "
-                       + "\n  ".join(rejected or ["(no backend for this device type)"])
-                       + f"\nKnown backends:\n{_listing()}")
+        if not fit:
+            passed_over.append(rejected[-1])
+    if not fit:
+        raise BackendError(f"no backend can run this call on device {spec.device_type!r}:\n  "
+                           + "\n  ".join(rejected or ["(no backend for this device type)"])
+                           + f"\nKnown backends:\n{_listing()}")
+    log.info("flashoverlap: backend %s chosen (auto detect for device %s%s)", fit[0].name,
+             spec.device_type, "; passed over " + "; ".join(passed_over) if passed_over else "")
+    return fit
 
 
 def _device_reasons(backend: Backend, spec: OverlapSpec) -> list[str]:

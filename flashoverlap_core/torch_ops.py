@@ -72,12 +72,13 @@ def _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, bac
                          f"got {op!r}")
     kwargs = {"plan": _plan_text(plan) if plan is not None else None, "backend": backend}
     name = group_name(group)
+    size = dist.get_world_size(group) if name else 1  # dynamo folds this to a constant
     if op == "all_to_all":
-        args = (a, b, name, _split_list(send_splits), _split_list(recv_splits))
+        args = (a, b, name, size, _split_list(send_splits), _split_list(recv_splits))
     elif send_splits is not None or recv_splits is not None:
         raise ValueError(f"send_splits/recv_splits only apply to op='all_to_all', not {op!r}")
     else:
-        args = (a, b, name)
+        args = (a, b, name, size)
     result = CUSTOM_OPS[op](*args, **kwargs)
     if out is None:
         return result
@@ -147,20 +148,26 @@ def _plan_from_text(text: str) -> Plan:
 
 
 # ---- the custom ops --------------------------------------------------------------------------
+# The group travels by name and by size, as in torch's functional collectives: the result's
+# shape depends on the size, so it must be an argument of the op. Otherwise a graph traced (and
+# cached on disk by torch.compile) at one world size is reused at another: the names of the
+# default groups are the same at every world size.
+_HEAD = "(Tensor a, Tensor b, str group_name, int group_size, "
 _TAIL = "*, str? plan=None, str? backend=None) -> Tensor"
 SCHEMAS = {
-    "allreduce": "(Tensor a, Tensor b, str group_name, " + _TAIL,
-    "reduce_scatter": "(Tensor a, Tensor b, str group_name, " + _TAIL,
-    "allgather": "(Tensor a, Tensor b, str group_name, " + _TAIL,
-    "all_to_all": ("(Tensor a, Tensor b, str group_name, SymInt[]? send_splits, "
-                   "SymInt[]? recv_splits, " + _TAIL),
+    "allreduce": _HEAD + _TAIL,
+    "reduce_scatter": _HEAD + _TAIL,
+    "allgather": _HEAD + _TAIL,
+    "all_to_all": _HEAD + "SymInt[]? send_splits, SymInt[]? recv_splits, " + _TAIL,
 }
 # The backend reads b's layout (weight.t() is the fast case): keep the strides the caller gave.
 _TAGS = tuple(t for t in (getattr(torch.Tag, "needs_exact_strides", None),) if t is not None)
 
 
 def _real_kernel(op: str):
-    def run(a, b, group_name, send_splits=None, recv_splits=None, *, plan=None, backend=None):
+    def run(a, b, group_name, group_size, send_splits=None, recv_splits=None, *, plan=None,
+            backend=None):
+        _check_group_size(group_name, group_size)
         return api.overlap(a, b, op, resolve_group(group_name),
                            plan=_plan_from_text(plan) if plan is not None else None,
                            send_splits=send_splits, recv_splits=recv_splits, backend=backend)
@@ -168,9 +175,17 @@ def _real_kernel(op: str):
     return run
 
 
+def _check_group_size(group_name: str, group_size: int) -> None:
+    actual = world_size(group_name)
+    if group_size != actual:
+        raise ValueError(f"the op was traced for a group of {group_size} rank(s), but group "
+                         f"{group_name!r} has {actual}: the graph belongs to another world size")
+
+
 def _fake_kernel(op: str):
-    def fake(a, b, group_name, send_splits=None, recv_splits=None, *, plan=None, backend=None):
-        rows = result_rows(op, a, b, world_size(group_name), send_splits, recv_splits)
+    def fake(a, b, group_name, group_size, send_splits=None, recv_splits=None, *, plan=None,
+             backend=None):
+        rows = result_rows(op, a, b, group_size, send_splits, recv_splits)
         return a.new_empty((rows, b.shape[1]))
     return fake
 
@@ -236,7 +251,7 @@ def _setup_context(ctx, inputs, output, keyword_only_inputs=None):
     a, b, name = inputs[:3]
     ctx.save_for_backward(a, b)
     ctx.group_name = name
-    ctx.splits = inputs[3:5]
+    ctx.splits = inputs[4:6]
     ctx.backend = (keyword_only_inputs or {}).get("backend")
 
 
@@ -270,7 +285,7 @@ def _grads(ctx, grad_c):
 def _backward_allreduce(ctx, grad):
     # Every rank's partial product contributed to the sum with weight 1, and the result's
     # gradient is the same on every rank: no communication.
-    return *_grads(ctx, grad), None
+    return *_grads(ctx, grad), None, None
 
 
 def _backward_reduce_scatter(ctx, grad):
@@ -284,7 +299,7 @@ def _backward_reduce_scatter(ctx, grad):
                       backend=_backward_backend(ctx, "allgather", grad, b.t()))
               if ctx.needs_input_grad[0] else None)
     grad_b = a.t() @ gathered if gathered is not None else None
-    return grad_a, grad_b, None
+    return grad_a, grad_b, None, None
 
 
 def _backward_allgather(ctx, grad):
@@ -298,7 +313,7 @@ def _backward_allgather(ctx, grad):
                       backend=_backward_backend(ctx, "reduce_scatter", grad, b.t()))
               if ctx.needs_input_grad[0] else None)
     grad_b = gathered.t() @ grad if gathered is not None else None
-    return grad_a, grad_b, None
+    return grad_a, grad_b, None, None
 
 
 def _backward_all_to_all(ctx, grad):
@@ -306,7 +321,7 @@ def _backward_all_to_all(ctx, grad):
     # local GEMMs. No overlapped op fits: the collective comes before the GEMMs that use it.
     send, recv = ctx.splits
     grad_c = _all_to_all(grad.contiguous(), ctx.group_name, out_splits=send, in_splits=recv)
-    return *_grads(ctx, grad_c), None, None, None
+    return *_grads(ctx, grad_c), None, None, None, None
 
 
 # torch's functional collectives: traceable, and in eager they return a tensor that waits on

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -171,6 +172,17 @@ class CudaBackend(Backend):
     def device_count(self) -> int:
         return torch.cuda.device_count() if torch.version.cuda else 0
 
+    def rank_environment(self, rank: int, world_size: int, shared_devices: bool) -> dict[str, str]:
+        """Ranks sharing a GPU: NCCL refuses two ranks of one communicator on one GPU only when
+        their host hashes match ("Duplicate GPU detected"); NCCL_HOSTID sets that hash, so each
+        rank gets its own, and NCCL then joins them over its socket transport on loopback
+        (docs/design.md, "Ranks that share devices"). NVLink SHARP (multicast) is off: a
+        topology of one GPU has none. Correctness only: the ranks time-slice the GPU."""
+        if not shared_devices:
+            return {}
+        return {"NCCL_HOSTID": f"{socket.gethostname()}-flashoverlap-rank{rank}-of-{world_size}",
+                "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+
     def versions(self) -> dict[str, str]:
         out = {"cuda (torch)": str(torch.version.cuda)}
         if torch.version.cuda and hasattr(torch.cuda, "nccl"):
@@ -187,6 +199,11 @@ class CudaBackend(Backend):
         if spec.dtype not in kernels.DTYPES:
             reasons.append(f"the signaling GEMM takes {sorted(kernels.DTYPES)}, not {spec.dtype} "
                            "(use backend='decomposition' or 'reference')")
+        if spec.op == "all_to_all" and spec.world_size > 1 and spec.send_splits is None:
+            # what the ranks agree on cannot depend on one rank's splits (api._agree)
+            reasons.append("all_to_all at world size > 1 takes each rank's own rows and splits, "
+                           "which may be unequal on any rank, and the signaling GEMM needs equal "
+                           "destination blocks (name backend='cuda' to run equal splits on it)")
         if spec.op == "all_to_all" and spec.send_splits and len(set(spec.send_splits)) > 1:
             reasons.append("all_to_all with unequal send_splits needs a grouped GEMM, which this "
                            "backend does not have yet (use backend='decomposition')")

@@ -24,6 +24,10 @@ grouping for an explicit tile (fo.plan without group_sizes); no plan at all (ove
 LAYOUTS = ("row", "col", "strided")
 """b contiguous [K, N]; w.t() of a contiguous [N, K]; every other column of a [K, 2N]."""
 SPLITS = ("send+recv", "send", "none")  # all_to_all: splits given; "none" only at world size 1
+MIXED_SPLITS = "mixed"  # send+recv, equal splits on rank 0 and unequal (with a zero) elsewhere
+CHOICES = ("named", "default")
+"""the backend under test named in every call (backend=); or no backend= and no
+FLASHOVERLAP_BACKEND: the automatic choice users get, which every rank must make alike."""
 CUSTOM_KINDS = ("noop", "negate")
 
 
@@ -65,6 +69,7 @@ class Case:
     splits: str = "send+recv"  # all_to_all only
     custom: str = "noop"  # custom op only
     calls: int = 1  # back-to-back calls with the same plan (fresh inputs each), e.g. 2
+    choice: str = "named"  # one of CHOICES
     requested_tile: tuple[int, int] | None = None  # the shape's tile, when the backend has no
     # kernel for it and ``tile`` is the one the backend declares instead (see runner.for_backend)
 
@@ -76,7 +81,8 @@ class Case:
         return (f"W{self.world_size}-{op}-{self.dtype}-{self.m}x{self.n}x{self.k}-b{self.layout}-"
                 f"{self.grouping}-{self._tile}-"
                 f"{'out' if self.poison_out else 'alloc'}"
-                f"{f'-x{self.calls}' if self.calls > 1 else ''}")
+                f"{f'-x{self.calls}' if self.calls > 1 else ''}"
+                f"{'-default-backend' if self.choice == 'default' else ''}")
 
     @property
     def _tile(self) -> str:
@@ -112,6 +118,22 @@ def rank_matrix(world_sizes) -> list[Case]:
             cases.append(Case("custom", w, DTYPES[(w + j) % 3], shape.m, shape.n, shape.k,
                               shape.tile, LAYOUTS[j], GROUPINGS[(w + j) % 5],
                               poison_out=(w + j) % 3 != 2, custom=CUSTOM_KINDS[(w + j) % 2]))
+    return cases
+
+
+def default_choice_matrix(world_sizes) -> list[Case]:
+    """Cases without backend=: every op at every world size on two shapes, bf16 and fp16 (the
+    dtypes accelerator backends take), all_to_all with splits equal on one rank and unequal on
+    the others (ranks whose own facts would pick different backends)."""
+    cases = []
+    for w in world_sizes:
+        for o, op in enumerate(COLLECTIVES):
+            for j, shape in enumerate((SHAPES[6], SHAPES[8])):
+                m = -(-shape.m // w) * w if op == "reduce_scatter" else shape.m
+                cases.append(Case(op, w, DTYPES[1 + (j + o) % 2], m, shape.n, shape.k, shape.tile,
+                                  LAYOUTS[(j + o) % 2], "auto", poison_out=j == 0,
+                                  splits=MIXED_SPLITS if w > 1 else "send+recv",
+                                  calls=2, choice="default"))
     return cases
 
 
@@ -153,6 +175,9 @@ def rank_rows(case: Case, seed: int, rank: int) -> tuple[int, tuple[int, ...] | 
         return case.m, None
     rng = random.Random(seed_of(seed, case.id, "rows", rank))
     w = case.world_size
+    if case.splits == MIXED_SPLITS and rank == 0:
+        share = max(1, case.m // w)
+        return share * w, (share,) * w
     m = rng.randint(max(1, case.m // 2), case.m)
     cuts = sorted(rng.choices(range(m + 1), k=w - 1))
     splits = [b - a for a, b in zip([0] + cuts, cuts + [m])]

@@ -31,6 +31,11 @@ def pytest_addoption(parser):
     group.addoption("--fo-seed", type=int, default=None, metavar="INT",
                     help="base seed of every random input (default: fresh each run, printed in "
                          "the header)")
+    group.addoption("--fo-shared-devices", action="store_true", default=None,
+                    help="ranks share devices (rank r on device r mod count, so world sizes may "
+                         "exceed the device count; each rank gets the environment its backend "
+                         "says such ranks need): a correctness-only test topology (default: "
+                         "$FLASHOVERLAP_SHARED_DEVICES)")
     group.addoption("--fo-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                     help="seconds a spawned rank may take for one call before it counts as a hang "
                          f"(default {DEFAULT_TIMEOUT:.0f})")
@@ -98,7 +103,7 @@ def skip_unavailable(reason: str):
 class Target:
     """Where the ranks' tensors live for the backend under test."""
 
-    backend_name: str
+    backend_name: str | None  # None: the automatic choice (no backend=)
     device_type: str  # torch device type of the tensors ("cpu" for a device-generic backend)
 
     def device(self, rank: int):
@@ -117,10 +122,20 @@ class Settings:
         self.seed = seed if seed is not None else secrets.randbits(31)
         self.timeout = config.getoption("fo_timeout")
         self._world_sizes = config.getoption("fo_world_sizes")
+        shared = config.getoption("fo_shared_devices")
+        if shared is None:
+            from flashoverlap_core.tools.ranks import shared_devices_default
+
+            try:
+                shared = shared_devices_default()
+            except ValueError as e:
+                raise pytest.UsageError(str(e)) from None
+        self.shared_devices = shared
         self.in_use = False  # whether this run collected tests of the suite
 
     def banner(self) -> str:
-        return (f"flashoverlap conformance: backend {self.backend_name}, seed {self.seed} "
+        shared = ", ranks sharing devices" if self.shared_devices else ""
+        return (f"flashoverlap conformance: backend {self.backend_name}{shared}, seed {self.seed} "
                 f"(reproduce with --fo-seed {self.seed})")
 
     @cached_property
@@ -164,7 +179,8 @@ class Settings:
         backend, _ = self._resolved
         if backend is None or backend.device_type in (None, "cpu"):
             return HOST_WORLD_SIZES
-        return tuple(range(1, max(1, min(MAX_DEVICE_WORLD_SIZE, backend.device_count())) + 1))
+        most = MAX_DEVICE_WORLD_SIZE if self.shared_devices else backend.device_count()
+        return tuple(range(1, max(1, min(MAX_DEVICE_WORLD_SIZE, most)) + 1))
 
     def check_world_size(self, world_size: int) -> None:
         """Skip (a hardware skip) when the backend has fewer devices than ranks."""
@@ -172,9 +188,10 @@ class Settings:
         if backend.device_type in (None, "cpu"):
             return
         count = backend.device_count()
-        if world_size > count:
+        if count < 1 or (world_size > count and not self.shared_devices):
             skip_unavailable(f"world size {world_size} needs {world_size} {backend.device_type} "
-                             f"devices; backend {backend.name!r} sees {count}")
+                             f"devices; backend {backend.name!r} sees {count} (ranks may share "
+                             "devices with --fo-shared-devices: a correctness-only topology)")
 
 
 class RankPools:
@@ -186,17 +203,23 @@ class RankPools:
         self.settings = s
         self._ranks: dict = {}
 
-    def run(self, world_size: int, fn, *args, **kwargs) -> list:
-        """``fn(target, *args, **kwargs)`` on every rank of the pool of ``world_size``."""
+    def run(self, world_size: int, fn, *args, default_choice: bool = False, **kwargs) -> list:
+        """``fn(target, *args, **kwargs)`` on every rank of the pool of ``world_size``. With
+        ``default_choice`` the ranks have no FLASHOVERLAP_BACKEND (the automatic choice that
+        users get) and ``target.backend_name`` is None."""
         from flashoverlap_core.tools.ranks import Ranks
 
         s = self.settings
         target = s.target
         s.check_world_size(world_size)
-        if world_size not in self._ranks:
-            self._ranks[world_size] = Ranks(world_size, target.device_type, timeout=s.timeout,
-                                            env={"FLASHOVERLAP_BACKEND": s.backend_name})
-        return self._ranks[world_size].run(fn, target, *args, **kwargs)
+        if default_choice:
+            target = Target(None, target.device_type)
+        key = (world_size, default_choice)
+        if key not in self._ranks:
+            env = {"FLASHOVERLAP_BACKEND": None if default_choice else s.backend_name}
+            self._ranks[key] = Ranks(world_size, target.device_type, timeout=s.timeout, env=env,
+                                     shared_devices=s.shared_devices)
+        return self._ranks[key].run(fn, target, *args, **kwargs)
 
     def close(self) -> None:
         for ranks in self._ranks.values():

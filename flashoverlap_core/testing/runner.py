@@ -19,7 +19,7 @@ from flashoverlap_core.grouping import wave_group_sizes
 from flashoverlap_core.plan import GATHER_OP, block_rows_for, group_unit
 from flashoverlap_core.tiles import TileGrid
 
-from .cases import Case, rank_input, recv_splits, rank_rows, seed_of
+from .cases import MIXED_SPLITS, Case, rank_input, recv_splits, rank_rows, seed_of
 from .checks import Expected, expected, mismatch
 
 
@@ -174,7 +174,8 @@ def call_once(target, case: Case, seed: int, rank: int, plan: fo.Plan, call: int
     device = target.device(rank)
     inp = rank_input(case, seed, rank, device, call)
     send = inp.send_splits if case.op == "all_to_all" and case.splits != "none" else None
-    recv = recv_splits(case, seed, rank) if case.op == "all_to_all" and case.splits == "send+recv" else None
+    recv = (recv_splits(case, seed, rank)
+            if case.op == "all_to_all" and case.splits in ("send+recv", MIXED_SPLITS) else None)
     op = RecordingOp(case.custom == "negate") if case.op == "custom" else case.op
     want = expected(case, seed, rank, call)
     out = guarded = None
@@ -206,13 +207,20 @@ def call_once(target, case: Case, seed: int, rank: int, plan: fo.Plan, call: int
 
 
 def run_case(target, case: Case, seed: int) -> dict:
-    """Run ``case`` on this rank and check it (see the module docstring)."""
+    """Run ``case`` on this rank and check it (see the module docstring). Returns the plan's
+    groups, tiles and tile, and the backend that ran the call (from ``fo.prepared_calls``)."""
     rank, world = rank_and_world()
     assert world == case.world_size, f"running a W={case.world_size} case on {world} rank(s)"
-    plan = case_plan(case, seed, rank, target.backend_name, target.device_type)
+    # The automatic choice makes its own plan (fo.plan would ask the device's default backend)
+    plan = (None if case.choice == "default"
+            else case_plan(case, seed, rank, target.backend_name, target.device_type))
+    fo.api.forget_prepared()  # every rank, before its first call: what ran is this case's alone
     problems = [p for call in range(case.calls) for p in call_once(target, case, seed, rank, plan, call)]
     assert not problems, f"case {case.id}, seed {seed}, rank {rank} ({plan!r}):\n  " + "\n  ".join(problems)
-    return {"groups": plan.num_groups, "tiles": plan.num_tiles, "tile": plan.tile}
+    ran = fo.prepared_calls()
+    return {"groups": ran[-1]["groups"], "tiles": plan.num_tiles if plan else None,
+            "tile": plan.tile if plan else None, "backends": sorted({c["backend"] for c in ran}),
+            "strategies": sorted({c["strategy"] for c in ran})}
 
 
 def unsupported(backend, case: Case, seed: int, device_type: str) -> str | None:

@@ -3,7 +3,7 @@ import pytest
 
 from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
-from .cases import rank_matrix
+from .cases import default_choice_matrix, rank_matrix
 from .plugin import settings
 from .runner import parametrize, run_case, unsupported
 
@@ -11,6 +11,9 @@ from .runner import parametrize, run_case, unsupported
 def pytest_generate_tests(metafunc):
     if "rank_case" in metafunc.fixturenames:
         parametrize(metafunc, "rank_case", rank_matrix(settings(metafunc.config).world_sizes))
+    if "default_case" in metafunc.fixturenames:
+        cases = default_choice_matrix(settings(metafunc.config).world_sizes)
+        metafunc.parametrize("default_case", cases, ids=[c.id for c in cases])
 
 
 def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_settings):
@@ -24,3 +27,17 @@ def test_overlap_on_ranks(rank_case, fo_pools, fo_backend, fo_target, fo_setting
     ran = {tuple(r["tile"]) for r in results}
     assert rank_case.grouping == "auto" or ran == {rank_case.tile}, (
         f"the ranks ran tiles {ran}, the case is {rank_case.id}")
+
+
+def test_default_choice_on_ranks(default_case, fo_pools, fo_target, fo_settings):
+    """No backend= and no FLASHOVERLAP_BACKEND, on the tensors of the backend under test: the
+    automatic choice users get. Every rank must choose alike (one rank's own rows or splits
+    picking another backend made every call fail), and the result must be right."""
+    try:
+        results = fo_pools.run(default_case.world_size, run_case, default_case, fo_settings.seed,
+                               default_choice=True)
+    except (RankError, RankTimeout) as e:
+        pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
+    chosen = [(r["backends"], r["strategies"]) for r in results]
+    assert all(c == chosen[0] for c in chosen), (
+        f"the ranks of {default_case.id} chose differently (backends, strategies per rank): {chosen}")

@@ -2,7 +2,13 @@
 
 ``RankPool(world_size, device_type)`` starts one process per rank (rank r on device r for an
 accelerator), initialises torch.distributed with torch's default collective library for that
-device type, and runs module-level functions on every rank at once. Nothing can hang the
+device type, and runs module-level functions on every rank at once.
+
+``shared_devices=True`` (default: ``$FLASHOVERLAP_SHARED_DEVICES=1``) is the test topology of
+ranks that share devices: rank r runs on device r mod the device count, so the world size may
+exceed it, and each rank gets the environment its backend says such ranks need
+(:meth:`Backend.rank_environment`; e.g. a host id of its own for the collective library). It
+exercises every multi-rank code path with the real collective library; it measures no speed. Nothing can hang the
 caller: every call has a timeout, after which the pool is killed and ``RankTimeout`` raised;
 an exception on a rank comes back as ``RankError`` with that rank's traceback.
 
@@ -20,6 +26,54 @@ import traceback
 from datetime import timedelta
 
 DEFAULT_TIMEOUT = 300.0
+ENV_SHARED_DEVICES = "FLASHOVERLAP_SHARED_DEVICES"
+
+
+def shared_devices_default() -> bool:
+    """Whether spawned ranks share devices unless told otherwise (``$FLASHOVERLAP_SHARED_DEVICES``)."""
+    value = os.environ.get(ENV_SHARED_DEVICES, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{ENV_SHARED_DEVICES} must be 1 or 0, got {value!r}")
+
+
+def device_count(device_type: str) -> int:
+    """Devices of ``device_type`` (0 for the host), without creating a device context."""
+    if device_type == "cpu":
+        return 0
+    import torch
+
+    return torch.get_device_module(device_type).device_count()
+
+
+def topology(world_size: int, device_type: str, shared_devices: bool) -> dict:
+    """Where each rank runs and the environment each gets: ``devices`` (per rank: device index,
+    None on the host), ``shared_devices``, ``device_count`` and ``env`` (per rank). A world
+    size above the device count without ``shared_devices`` is a ValueError."""
+    from flashoverlap_core import registry
+
+    count = device_count(device_type)
+    if device_type == "cpu":
+        devices = [None] * world_size
+    elif count < 1:
+        raise ValueError(f"no {device_type} device is visible: cannot place {world_size} rank(s)")
+    elif world_size > count and not shared_devices:
+        raise ValueError(f"{world_size} ranks need {world_size} {device_type} devices, "
+                         f"{count} visible; let ranks share devices (shared_devices=True, "
+                         f"{ENV_SHARED_DEVICES}=1: a correctness-only test topology)")
+    else:
+        devices = [r % count for r in range(world_size)]
+    envs = []
+    for r in range(world_size):
+        env: dict = {}
+        for backend in registry.candidates(device_type):
+            if backend.device_type == device_type:  # the device's own collective library
+                env.update(backend.rank_environment(r, world_size, shared_devices))
+        envs.append(env)
+    return {"world_size": world_size, "device_type": device_type, "device_count": count,
+            "shared_devices": bool(shared_devices), "devices": devices, "env": envs}
 
 
 class RankError(RuntimeError):
@@ -30,8 +84,13 @@ class RankTimeout(TimeoutError):
     """Ranks did not answer in time (a hang, or a rank that died); the pool was killed."""
 
 
-def _worker(rank, world_size, device_type, init_file, env, pg_timeout, inbox, outbox):
-    os.environ.update(env)
+def _worker(rank, world_size, device_type, device_index, init_file, env, pg_timeout, inbox,
+            outbox):
+    for name, value in env.items():  # None: unset what the parent's environment has
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         import torch
         import torch.distributed as dist
@@ -40,8 +99,8 @@ def _worker(rank, world_size, device_type, init_file, env, pg_timeout, inbox, ou
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             device_id = None
         else:
-            torch.get_device_module(device_type).set_device(rank)
-            device_id = torch.device(device_type, rank)
+            torch.get_device_module(device_type).set_device(device_index)
+            device_id = torch.device(device_type, device_index)
         collective = dist.Backend.default_device_backend_map[device_type]
         dist.init_process_group(collective, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=pg_timeout),
@@ -69,8 +128,12 @@ class RankPool:
     """``world_size`` ranks in one process group; see the module docstring."""
 
     def __init__(self, world_size: int, device_type: str = "cpu", *, env: dict | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 60.0):
+                 timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 60.0,
+                 shared_devices: bool | None = None):
+        """``env``: variables set on every rank (a value of None unsets the variable there)."""
         self.world_size, self.device_type, self.timeout = world_size, device_type, timeout
+        shared = shared_devices_default() if shared_devices is None else shared_devices
+        self.topology = topology(world_size, device_type, shared)
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="flashoverlap-pool-")
         init_file = os.path.join(self._dir.name, "init")
@@ -78,7 +141,8 @@ class RankPool:
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
-                        args=(r, world_size, device_type, init_file, dict(env or {}), pg_timeout,
+                        args=(r, world_size, device_type, self.topology["devices"][r], init_file,
+                              {**self.topology["env"][r], **(env or {})}, pg_timeout,
                               self._inboxes[r], self._outbox))
             for r in range(world_size)]
         for p in self._procs:
@@ -161,9 +225,10 @@ class Ranks:
 
     def __init__(self, world_size: int, device_type: str = "cpu", *, env: dict | None = None,
                  timeout: float = DEFAULT_TIMEOUT, pg_timeout: float = 60.0,
-                 in_process: bool = False):
+                 in_process: bool = False, shared_devices: bool | None = None):
         self.world_size, self.device_type, self.timeout = world_size, device_type, timeout
         self.env, self.pg_timeout = env, pg_timeout
+        self.shared_devices = shared_devices_default() if shared_devices is None else shared_devices
         self.in_process = in_process and world_size == 1
         self.pool: RankPool | None = None
         self._settled = True  # False while a call is out: a call cut short leaves it False
@@ -175,7 +240,8 @@ class Ranks:
             self.close()
         if self.pool is None:
             self.pool = RankPool(self.world_size, self.device_type, env=self.env,
-                                 timeout=max(self.timeout, 120.0), pg_timeout=self.pg_timeout)
+                                 timeout=max(self.timeout, 120.0), pg_timeout=self.pg_timeout,
+                                 shared_devices=self.shared_devices)
         self._settled = False
         try:
             results = self.pool.run(fn, *args, timeout=timeout or self.timeout, **kwargs)
@@ -184,6 +250,10 @@ class Ranks:
             raise
         self._settled = True
         return results
+
+    def topology(self) -> dict:
+        """Where the ranks run (see :func:`topology`), known without starting them."""
+        return topology(self.world_size, self.device_type, self.shared_devices)
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks: cleanly when they are idle (unless ``kill``), else kill them."""
