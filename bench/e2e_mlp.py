@@ -52,7 +52,7 @@ from flashoverlap_core.tools.args import at_least, shapes_arg
 from flashoverlap_core.tools.bench import max_abs, plain
 from flashoverlap_core.tools.ranks import Ranks
 from common import median_ms, table, write_result
-from multigpu import MULTICAST_OFF, prepared_calls
+from multigpu import MULTICAST_OFF, prepared_calls, topology_record
 
 # (tokens, hidden, intermediate): Llama-3 8B's and 70B's MLP at 8192 tokens.
 SHAPES = "8192x4096x14336,8192x8192x28672"
@@ -277,16 +277,23 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     p.add_argument("--backend", default=None, help="fo's backend (default: chosen per call)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for all ranks' work")
+    p.add_argument("--shared-devices", action="store_true",
+                   help="ranks share GPUs (rank r on GPU r mod count): checks the block against "
+                        "float64 at any world size; its times measure nothing")
     args = p.parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+    if (args.device == "cuda" and torch.cuda.device_count() < args.world_size
+            and not args.shared_devices):
         p.error(f"--world-size {args.world_size} needs that many GPUs, found "
-                f"{torch.cuda.device_count()}")
+                f"{torch.cuda.device_count()} (--shared-devices lets ranks share them, for "
+                "correctness only)")
     for t, h, i in args.shapes:
         if t % args.world_size or i % args.world_size:
             p.error(f"shape {t}x{h}x{i}: T and I must be divisible by the world size")
-    with Ranks(args.world_size, args.device, env=MULTICAST_OFF, timeout=args.timeout) as ranks:
+    with Ranks(args.world_size, args.device, env=MULTICAST_OFF, timeout=args.timeout,
+               shared_devices=args.shared_devices) as ranks:
         per_rank = ranks.run(run_rank, args.shapes, args.dtype, args.device, args.iters,
                              not args.no_compile, args.backend)
+        topology = topology_record(ranks)
     rows = combine(per_rank)
     columns = ["T", "H", "I", "W"] + [f"{m}_{v}" for m in ("fwd", "fwdbwd") for v in VARIANTS
                                       if f"{m}_{v}" in rows[0]]
@@ -295,7 +302,9 @@ def main(argv=None) -> int:
     for row in rows:
         print("\n".join(explain(row)))
     write_result(f"e2e-mlp-w{args.world_size}", rows,
-                 {"dtype": args.dtype, "iters": args.iters, "times": "ms, median, slowest rank"},
+                 {"dtype": args.dtype, "iters": args.iters, "topology": topology,
+                  "times": ("not valid: ranks shared devices" if topology["shared_devices"]
+                            else "ms, median, slowest rank")},
                  device_type=args.device)
     wrong = [f"{r['T']}x{r['H']}x{r['I']}" for r in rows if not r["fo_within_bound"]]
     if wrong:

@@ -559,7 +559,7 @@ def rank_failure(hw, job, pg_timeout: float, fail_at: int = 3) -> dict:
     failing = hw.world_size - 1
     began = time.monotonic()
     ranks = Ranks(hw.world_size, hw.device_type, env=MULTICAST_OFF, timeout=pg_timeout + 120,
-                  pg_timeout=pg_timeout)
+                  pg_timeout=pg_timeout, shared_devices=hw.shared_devices)
     outcome = "no error"
     try:
         ranks.run(fail_on_rank, job, failing, fail_at, stamps, 100000)
@@ -597,6 +597,17 @@ def rank_failure(hw, job, pg_timeout: float, fail_at: int = 3) -> dict:
             "others": {str(r): o for r, o in others.items()},
             "max_wait_s": max((w for w in waits if w is not None), default=None),
             "total_s": round(elapsed, 3)}
+
+
+def topology_record(ranks: Ranks) -> dict:
+    """Where the ranks ran, and whether their times mean anything."""
+    topo = ranks.topology()
+    topo["times_valid"] = not topo["shared_devices"]
+    if topo["shared_devices"]:
+        topo["note"] = ("ranks shared devices: a correctness check of every multi-rank path; "
+                        "the times measure nothing (the ranks time-slice one device and the "
+                        "collective library joins them over its socket transport)")
+    return topo
 
 
 def geomean(values):
@@ -655,12 +666,16 @@ def main(argv=None) -> int:
                    help="process-group timeout (s) of the rank-failure check (RankPool kills ranks "
                    "that have not failed 10 s after the first error: keep it below that)")
     p.add_argument("--skip-bench", action="store_true", help="only the robustness checks")
+    p.add_argument("--shared-devices", action="store_true",
+                   help="ranks share devices (rank r on device r mod count; see "
+                   "flashoverlap_core/tools/ranks.py): checks that the harness and every "
+                   "multi-rank path run; its times measure nothing (ranks time-slice a device)")
     p.add_argument("--json", metavar="PATH", help="result file (default: bench/results/"
                    "multigpu-w<W>-<date>.json, or $FO_RESULTS_DIR)")
     args = p.parse_args(argv)
 
     try:
-        hw = pick_hardware(args.backend, args.world_size, args.device)
+        hw = pick_hardware(args.backend, args.world_size, args.device, args.shared_devices)
     except (UsageError, registry.BackendError) as e:
         p.error(str(e))
     on_cpu = hw.device_type == "cpu"
@@ -677,7 +692,7 @@ def main(argv=None) -> int:
 
     rows, robustness = [], {}
     ranks = Ranks(hw.world_size, hw.device_type, env=MULTICAST_OFF, timeout=args.timeout,
-                  pg_timeout=300.0)
+                  pg_timeout=300.0, shared_devices=hw.shared_devices)
     try:
         cases = [] if args.skip_bench else all_cases
         job_of = lambda shape, op: job_for(shape, op, dtype, hw.target, iters,  # noqa: E731
@@ -732,7 +747,8 @@ def main(argv=None) -> int:
         summary["rank_failure_ok"] = robustness["rank_failure"]["status"] in ("ok", "skipped")
     print(json.dumps(summary, indent=1))
     extra = {"format": "flashoverlap.multigpu/1", "world_size": world,
-             "hardware": dataclasses.asdict(hw), "columns": list(COLUMNS),
+             "hardware": dataclasses.asdict(hw), "topology": topology_record(ranks),
+             "columns": list(COLUMNS),
              "settings": {"shapes": ["x".join(map(str, s)) for s in shapes], "ops": ops,
                           "dtype": dtype, "iters": iters, "warmup": args.warmup,
                           "candidates": args.candidates, "quick": args.quick,

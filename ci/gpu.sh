@@ -4,7 +4,8 @@
 # result JSON go to $OUT (the device tool brings them back). Every step runs under `timeout`.
 #
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
-#                                conformance mainjob report cache; also: tuning, e2e, compile)
+#                                conformance mainjob report cache; also: tuning, e2e, compile,
+#                                multirank)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -21,7 +22,8 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     # Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
     build) stage build 240 flashoverlap build --backend cuda --jobs 16 ;;
     report) stage report 60 flashoverlap report ;;
-    tests) stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu ;;
+    tests) stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu \
+             --ignore tests/gpu/test_multirank.py ;;
     callpath) stage callpath 180 $PY bench/callpath.py ;;
     e2e) stage e2e 420 $PY bench/e2e_mlp.py ;;
     compile) stage compile 420 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_compile.py ;;
@@ -40,6 +42,22 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     mainjob) stage mainjob-cuda 90 flashoverlap bench --backend cuda --json "$OUT/bench-cuda.json"
              stage mainjob-decomposition 90 flashoverlap bench --backend decomposition \
                --device cuda --json "$OUT/bench-decomposition.json" ;;
+    # Ranks sharing the one GPU (each its own NCCL host id, NCCL's socket transport on
+    # loopback): every multi-rank path of the cuda backend, correctness only (no speed figure
+    # comes from it). Fits one 10-minute device command; writes multirank-h200-<date>.json.
+    multirank)
+      stage multirank-conformance 170 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
+        flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices \
+        --fo-world-sizes 2,3,4 --junitxml "$OUT/multirank-conformance.xml"
+      stage multirank-tests 300 env FO_MULTIRANK_WORLD_SIZES=2,4 $PY -m pytest -q -p no:cacheprovider \
+        -rs tests/gpu/test_multirank.py --junitxml "$OUT/multirank-tests.xml"
+      stage multirank-bench 80 $PY bench/multigpu.py --world-size 2 --shared-devices \
+        --backend cuda --quick --json "$OUT/multigpu-w2-shared.json"
+      stage multirank-summary 30 $PY ci/junit_summary.py multirank \
+        "$OUT/multirank-h200-$(date -u +%Y%m%d-%H%M%S).json" --world-sizes 2,3,4 \
+        "$OUT/multirank-conformance.xml" "$OUT/multirank-tests.xml" \
+        --extra "$OUT/multigpu-w2-shared.json" \
+        --note "ranks sharing one GPU through NCCL's socket transport: correctness only" ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac
 }

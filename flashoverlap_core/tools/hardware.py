@@ -17,6 +17,7 @@ class Hardware:
     world_size: int
     reason: str
     target: str  # how the ranks ask for it: its name, or the module:attr it was given as
+    shared_devices: bool = False  # ranks share devices: correctness only, no speed figure
 
 
 def _auto_backend() -> tuple[Backend, str]:
@@ -40,10 +41,12 @@ def _devices(backend: Backend, device_type: str) -> int | None:
 
 
 def pick_hardware(backend: str | None, world_size: int | None,
-                  device_type: str | None = None) -> Hardware:
+                  device_type: str | None = None, shared_devices: bool = False) -> Hardware:
     """The explicit backend (``--backend``, else FLASHOVERLAP_BACKEND), else the most preferred
     available accelerator backend that has devices, else the reference backend on the CPU.
     A backend that runs on any device (reference, decomposition) runs on ``device_type``.
+    With ``shared_devices`` the ranks may outnumber the devices (rank r on device r mod count;
+    see tools/ranks.py): a topology for correctness checks, whose times say nothing.
     Raises :class:`UsageError` (or registry.BackendError) for what cannot run here."""
     choice = registry.explicit_choice(backend)
     if choice is not None:
@@ -64,11 +67,13 @@ def pick_hardware(backend: str | None, world_size: int | None,
         world_size = devices if devices is not None else 2
     if world_size < 1:
         raise UsageError(f"--world-size must be >= 1, got {world_size}")
-    if devices is not None and world_size > devices:
+    if devices is not None and world_size > devices and not shared_devices:
         raise UsageError(f"--world-size {world_size} needs {world_size} {device_type} devices; "
-                         f"backend {chosen.name!r} sees {devices}")
+                         f"backend {chosen.name!r} sees {devices} (--shared-devices lets ranks "
+                         "share them, for correctness checks only)")
     return Hardware(chosen.name, device_type, world_size, reason,
-                    target if choice is not None else chosen.name)
+                    target if choice is not None else chosen.name,
+                    shared_devices=bool(shared_devices and devices is not None))
 
 
 def require_trace(name: str) -> None:

@@ -1,0 +1,331 @@
+"""What each rank runs in tests/gpu/test_multirank.py (spawned ranks import this module).
+
+Every rank draws its own inputs from (seed, rank, call) and recomputes every other rank's, so
+each checks its result against a float64 reference by itself. Outputs are NaN-poisoned row
+slices of a larger buffer, so an unwritten element or a write outside ``out`` is seen.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+import flashoverlap_core as fo
+from flashoverlap_core import api
+
+DTYPE = torch.bfloat16
+OPS = ("allreduce", "reduce_scatter", "allgather", "all_to_all")
+
+
+def rank_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def operands(seed: int, rank: int, m: int, n: int, k: int, layout: str, call: int = 0):
+    """Rank ``rank``'s (a, b) on its own device: b is ``w.t()`` ("col") or contiguous ("row")."""
+    g = torch.Generator().manual_seed(hash((seed, rank, call, m, n, k)) & 0x7FFFFFFF)
+    a = torch.randn(m, k, generator=g).to(DTYPE)
+    w = torch.randn(n, k, generator=g).to(DTYPE)
+    device = torch.device("cuda", torch.cuda.current_device())
+    b = w.to(device).t() if layout == "col" else w.t().contiguous().to(device)
+    return a.to(device), b
+
+
+def reference(op: str, seed: int, m: int, n: int, k: int, layout: str, call: int, splits=None):
+    """This rank's float64 result of ``op`` (splits: every rank's send_splits, all_to_all)."""
+    rank, world = rank_world()
+    rows = splits is not None
+    prods = []
+    for r in range(world):
+        mr = sum(splits[r]) if rows else m
+        a, b = operands(seed, r, mr, n, k, layout, call)
+        prods.append(a.double() @ b.double())
+    if op == "allreduce":
+        return sum(prods)
+    if op == "reduce_scatter":
+        part = m // world
+        return sum(prods)[rank * part:(rank + 1) * part]
+    if op == "allgather":  # rank r's a rows, in rank order, times this rank's b
+        a_all = torch.cat([operands(seed, r, m, n, k, layout, call)[0] for r in range(world)])
+        return a_all.double() @ operands(seed, rank, m, n, k, layout, call)[1].double()
+    offsets = [[sum(s[:d]) for d in range(world + 1)] for s in splits]
+    return torch.cat([prods[src][offsets[src][rank]:offsets[src][rank + 1]]
+                      for src in range(world)])
+
+
+def poisoned(rows: int, n: int):
+    guard = torch.full((rows + 2, n), float("nan"), dtype=DTYPE, device="cuda")
+    return guard, guard[1:rows + 1]
+
+
+def check(got, want, what: str, guard=None) -> list[str]:
+    problems = []
+    if guard is not None and not guard[[0, -1]].isnan().all():
+        problems.append(f"{what}: rows outside out were written")
+    if got.shape != want.shape:
+        return problems + [f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
+    if got.isnan().any():
+        problems.append(f"{what}: {int(got.isnan().sum())} elements not written (NaN)")
+        return problems
+    err = float((got.double() - want).abs().max()) if want.numel() else 0.0
+    scale = float(want.abs().max()) if want.numel() else 1.0
+    if err > 2e-2 * max(scale, 1.0):
+        problems.append(f"{what}: max error {err:.3g} against float64 (scale {scale:.3g})")
+    return problems
+
+
+def call_shape(op: str, world: int, m: int):
+    return (m // world * world) if op == "reduce_scatter" else m
+
+
+def splits_for(seed: int, world: int, call: int, equal: bool, m: int):
+    """Every rank's send_splits for one all_to_all call: equal, or skewed with zeros."""
+    if equal:
+        share = max(1, m // world)
+        return [[share] * world for _ in range(world)]
+    rng = random.Random(hash((seed, call, "splits")))
+    out = []
+    for r in range(world):
+        rows = rng.randint(0, m)
+        cuts = sorted(rng.choices(range(rows + 1), k=world - 1))
+        out.append([b - a for a, b in zip([0] + cuts, cuts + [rows])])
+    return out
+
+
+def one_call(op, seed, call, m, n, k, layout, backend, poison=True, equal_splits=True):
+    """One overlapped call of ``op`` on this rank, checked; (problems, backend that ran it)."""
+    rank, world = rank_world()
+    m = call_shape(op, world, m)
+    splits = splits_for(seed, world, call, equal_splits, m) if op == "all_to_all" else None
+    a, b = operands(seed, rank, sum(splits[rank]) if splits else m, n, k, layout, call)
+    want = reference(op, seed, m, n, k, layout, call, splits)
+    kwargs = {}
+    if splits is not None:
+        kwargs = {"send_splits": splits[rank], "recv_splits": [s[rank] for s in splits]}
+    guard, out = poisoned(*want.shape) if poison else (None, None)
+    got = fo.overlap(a, b, op, out=out, backend=backend, **kwargs)
+    problems = check(got, want.to(got.device), f"{op} call {call} ({m}x{n}x{k}, b {layout})", guard)
+    return problems, fo.prepared_calls()[-1]["backend"]
+
+
+def every_op(seed: int, backend) -> dict:
+    """Each op on ragged shapes, both layouts of b, with this rank's own inputs; which backend
+    ran each (all_to_all: equal splits with cuda named, skewed ones with the automatic choice)."""
+    api.forget_prepared()
+    problems, ran = [], {}
+    for i, (m, n, k) in enumerate(((1000, 776, 520), (257, 384, 4096), (8, 1032, 72))):
+        for op in OPS:
+            layout = "col" if (i + OPS.index(op)) % 2 == 0 else "row"
+            p, b = one_call(op, seed, i, m, n, k, layout, backend, poison=i != 1)
+            problems += p
+            ran.setdefault(op, set()).add(b)
+        p, b = one_call("all_to_all", seed, 10 + i, m, n, k, "col", None, equal_splits=False)
+        problems += p
+        ran.setdefault("all_to_all-skewed-default", set()).add(b)
+    return {"problems": problems, "ran": {k: sorted(v) for k, v in ran.items()}}
+
+
+def back_to_back(seed: int, calls: int, backend) -> dict:
+    """``calls`` mixed calls in a row (op, shape and layout change every call; fresh inputs),
+    each checked against float64."""
+    api.forget_prepared()
+    shapes = ((384, 256, 128), (130, 520, 256), (1024, 128, 64))
+    problems = []
+    for call in range(calls):
+        op = OPS[call % 4]
+        m, n, k = shapes[(call // 4) % 3]
+        p, _ = one_call(op, seed, call, m, n, k, ("col", "row")[(call // 12) % 2], backend,
+                        poison=call % 3 != 0)
+        problems += p
+    return {"problems": problems[:20], "failed_calls": len(problems)}
+
+
+def two_streams(seed: int, rounds: int, backend) -> dict:
+    """Two streams issue allreduce and reduce_scatter calls in turn; each result is checked
+    after both streams are done."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    problems = []
+    m, n, k = 512, 384, 256
+    for r in range(rounds):
+        results = []
+        for s, stream in enumerate(streams):
+            op = ("allreduce", "reduce_scatter")[s]
+            a, b = operands(seed, rank, m, n, k, "col", 2 * r + s)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                results.append((op, 2 * r + s, fo.overlap(a, b, op, backend=backend)))
+                a.record_stream(stream)
+                b.record_stream(stream)
+        torch.cuda.synchronize()
+        for op, call, got in results:
+            problems += check(got, reference(op, seed, m, n, k, "col", call).to(got.device),
+                              f"stream call {op} {call}")
+    return {"problems": problems[:20]}
+
+
+def graph_capture(seed: int, replays: int, backend) -> dict:
+    """A key's first call inside graph capture is refused with a clear error; after one call
+    outside capture, the calls are captured in one graph and replayed on new inputs."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    m, n, k = 256, 512, 128
+    problems, first_call_error = [], None
+    a0, b0 = operands(seed, rank, m, n, k, "col", 0)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fo.overlap(a0, b0, "allreduce", backend=backend)
+    except ValueError as e:
+        first_call_error = str(e)
+    except Exception as e:  # noqa: BLE001 - reported below
+        first_call_error = f"unexpected {type(e).__name__}: {e}"
+    torch.cuda.synchronize()
+    a, b = a0.clone(), b0.clone()
+    for op in ("allreduce", "reduce_scatter", "allgather"):  # warm-up calls outside capture
+        fo.overlap(a, b, op, backend=backend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {op: fo.overlap(a, b, op, backend=backend)
+                for op in ("allreduce", "reduce_scatter", "allgather")}
+    for replay in range(replays):
+        na, nb = operands(seed, rank, m, n, k, "col", replay + 1)
+        a.copy_(na)
+        b.copy_(nb)
+        graph.replay()
+        torch.cuda.synchronize()
+        for op, got in outs.items():
+            problems += check(got, reference(op, seed, m, n, k, "col", replay + 1).to(got.device),
+                              f"replay {replay} {op}")
+    return {"problems": problems[:20], "first_call_error": first_call_error,
+            "backends": sorted({c["backend"] for c in fo.prepared_calls()})}
+
+
+def compiled_block(seed: int, calls: int, backend) -> dict:
+    """torch.compile(mode="reduce-overhead") of a block of overlapped calls (reduce_scatter,
+    the allgather of its rows into the next GEMM, then an allreduce), run on new inputs each
+    call, against eager and float64. The ranks of every world size share one compile cache
+    (TORCHINDUCTOR_CACHE_DIR, set by the test): a graph traced at another world size must not
+    be reused."""
+    api.forget_prepared()
+    torch._dynamo.reset()
+    rank, world = rank_world()
+    m, n, k = 512, 256, 256
+
+    def block(a, b, c):
+        x = fo.overlap(a, b, "reduce_scatter", backend=backend)
+        y = fo.overlap(x, c, "allgather", backend=backend)
+        return fo.overlap(y, c.t(), "allreduce", backend=backend)
+
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    problems = []
+    for call in range(calls):
+        a, b = operands(seed, rank, m, n, k, "col", call)
+        c = operands(seed, 99, n, n, n, "row", call)[1]  # the same on every rank
+        got = compiled(a, b, c).clone()  # a cudagraph output is overwritten by the next replay
+        want = block(a, b, c)
+        torch.cuda.synchronize()
+        problems += check(got, want.double(), f"compiled call {call} against eager")
+        # float64: the gathered rows are the whole sum S; every rank's y = S @ c is the same,
+        # so the allreduce of y @ c^T is W times it
+        s64 = reference("allreduce", seed, m, n, k, "col", call).to(c.device)
+        problems += check(want, world * (s64 @ c.double() @ c.double().t()), f"eager call {call}")
+    return {"problems": problems[:20], "world_size": world}
+
+
+def nn_layers(seed: int, backend) -> dict:
+    """fo.nn's row- and column-parallel layers (from one nn.Linear on every rank) forward and
+    backward against the unsharded layers in float64."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    torch.manual_seed(seed)
+    t, h, i = 64 * world, 256, 128 * world
+    up = torch.nn.Linear(h, i, bias=True).to("cuda", DTYPE)
+    down = torch.nn.Linear(i, h, bias=True).to("cuda", DTYPE)
+    x_full = torch.randn(t, h, device="cuda", dtype=DTYPE)
+    col = fo.nn.ColumnParallelLinear.from_linear(up, gather_input=True, backend=backend)
+    row = fo.nn.RowParallelLinear.from_linear(down, reduce="reduce_scatter", backend=backend)
+    rows = t // world
+    x = x_full[rank * rows:(rank + 1) * rows].clone().requires_grad_(True)
+    y = row(torch.relu(col(x)))
+    grad_out = torch.randn(t, h, device="cuda", dtype=DTYPE, generator=torch.Generator(
+        device="cuda").manual_seed(seed + 1))
+    y.backward(grad_out[rank * rows:(rank + 1) * rows])
+    # float64, unsharded
+    up64 = torch.nn.Linear(h, i).to("cuda", torch.float64)
+    down64 = torch.nn.Linear(i, h).to("cuda", torch.float64)
+    with torch.no_grad():
+        for dst, src in ((up64, up), (down64, down)):
+            dst.weight.copy_(src.weight.double())
+            dst.bias.copy_(src.bias.double())
+    x64 = x_full.double().requires_grad_(True)
+    y64 = down64(torch.relu(up64(x64)))
+    y64.backward(grad_out.double())
+    problems = check(y.detach(), y64.detach()[rank * rows:(rank + 1) * rows], "forward")
+    problems += check(x.grad, x64.grad[rank * rows:(rank + 1) * rows], "input gradient")
+    shard = i // world
+    problems += check(col.weight.grad, up64.weight.grad[rank * shard:(rank + 1) * shard],
+                      "column-parallel weight gradient")
+    problems += check(row.weight.grad, down64.weight.grad[:, rank * shard:(rank + 1) * shard],
+                      "row-parallel weight gradient")
+    return {"problems": problems,
+            "backends": sorted({c["backend"] for c in fo.prepared_calls()})}
+
+
+def raise_mid_run(seed: int, failing: int, fail_at: int, calls: int, backend) -> None:
+    """Every rank calls fo.overlap in a loop; rank ``failing`` raises before call ``fail_at``."""
+    api.forget_prepared()
+    rank, _ = rank_world()
+    for call in range(calls):
+        if rank == failing and call == fail_at:
+            raise RuntimeError(f"injected failure on rank {rank} before call {call}")
+        a, b = operands(seed, rank, 256, 256, 128, "col", call)
+        fo.overlap(a, b, "allreduce", backend=backend)
+        torch.cuda.synchronize()
+
+
+def first_call_error_on_one_rank(seed: int, backend) -> str:
+    """Rank 1 passes a plan that another tile makes: every rank must raise, naming why."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    m, n, k = 512, 512, 256
+    tile = (128, 256) if rank != 1 else (128, 128)
+    plan = fo.plan(m, n, k, "allreduce", world_size=world, dtype=DTYPE, backend="cuda", tile=tile)
+    a, b = operands(seed, rank, m, n, k, "col")
+    try:
+        fo.overlap(a, b, "allreduce", plan=plan, backend=backend)
+        torch.cuda.synchronize()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def tuned_on_rank0(cache_dir: str) -> str:
+    """Rank 0's tuning cache has a plan for the shape, rank 1's is off: a clear error on both."""
+    from flashoverlap_core import registry
+    from flashoverlap_core.tuning import cache as tc
+
+    rank, world = rank_world()
+    os.environ["FLASHOVERLAP_TUNING_CACHE"] = f"{cache_dir}/tuning.json" if rank == 0 else "off"
+    m, n, k = 1024, 768, 256
+    if rank == 0:
+        backend = registry.get("cuda")
+        heuristic = fo.plan(m, n, k, dtype=DTYPE, backend="cuda", world_size=world)
+        tuned = fo.plan(m, n, k, dtype=DTYPE, backend="cuda", world_size=world,
+                        group_sizes=[1, heuristic.num_tiles - 1])
+        assert tuned.to_json() != heuristic.to_json()
+        ctx = tc.context_for(backend, "cuda", dist.group.WORLD)
+        key = tc.plan_key(ctx, dtype="bfloat16", m=m, n=n, k=k, op="allreduce", world_size=world)
+        tc.TuningCache().put("plans", key, {"plan": tuned.to_dict()})
+    api.forget_prepared()
+    a, b = operands(0, rank, m, n, k, "col")
+    try:
+        fo.overlap(a, b, "allreduce")
+        torch.cuda.synchronize()
+    except ValueError as e:
+        return str(e)
+    return "no error"

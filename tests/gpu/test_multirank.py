@@ -1,0 +1,151 @@
+"""The cuda backend at world size > 1 on the GPUs there are, ranks sharing them (the test
+topology of flashoverlap_core/tools/ranks.py: each rank its own NCCL host id, NCCL's socket
+transport on loopback). It checks correctness only; nothing here is timed.
+
+World sizes: ``FO_MULTIRANK_WORLD_SIZES`` (default 2,4). Every rank call runs under the pool's
+timeout and every test under pytest-timeout: a hang is a failure. The ranks of every world
+size share one torch.compile cache directory, so a graph compiled at one world size and reused
+at another fails the compile test. Skips without the cuda backend (fails under
+FLASHOVERLAP_REQUIRE_HW=1).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import multirank_work as work
+from flashoverlap_core.tools.ranks import RankError, RankTimeout, Ranks
+from test_cuda import needs_cuda
+
+pytestmark = [pytest.mark.timeout(900), needs_cuda]
+WORLD_SIZES = [int(w) for w in os.environ.get("FO_MULTIRANK_WORLD_SIZES", "2,4").split(",")]
+CALL_TIMEOUT = 300.0
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compile_cache():
+    with tempfile.TemporaryDirectory(prefix="fo-multirank-inductor-") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def pools(compile_cache):
+    made: dict = {}
+
+    def get(world: int) -> Ranks:
+        if world not in made:
+            env = {**MULTICAST_OFF, "TORCHINDUCTOR_CACHE_DIR": compile_cache,
+                   "FLASHOVERLAP_BACKEND": None, "FLASHOVERLAP_TUNING_CACHE": "off",
+                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent)] + sys.path)}
+            made[world] = Ranks(world, "cuda", env=env, timeout=CALL_TIMEOUT, pg_timeout=120.0,
+                                shared_devices=True)
+        return made[world]
+
+    yield get
+    for ranks in made.values():
+        ranks.close(kill=True)
+
+
+def run(pools, world: int, fn, *args, timeout: float = CALL_TIMEOUT):
+    try:
+        return pools(world).run(fn, *args, timeout=timeout)
+    except (RankError, RankTimeout) as e:
+        pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
+
+
+def no_problems(results, what: str):
+    bad = {r: res["problems"] for r, res in enumerate(results) if res["problems"]}
+    assert not bad, f"{what}: " + "; ".join(f"rank {r}: {p}" for r, p in bad.items())
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_every_op_with_per_rank_inputs(pools, world):
+    results = run(pools, world, work.every_op, 11 + world, "cuda")
+    no_problems(results, "every op")
+    ran = [r["ran"] for r in results]
+    assert all(r == ran[0] for r in ran), f"the ranks ran different backends: {ran}"
+    for op in work.OPS:
+        assert ran[0][op] == ["cuda"], ran[0]
+    # skewed splits, automatic choice: one backend on every rank (decomposition today)
+    assert len(ran[0]["all_to_all-skewed-default"]) == 1, ran[0]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_200_back_to_back_mixed_calls(pools, world):
+    results = run(pools, world, work.back_to_back, 5, 200, "cuda")
+    no_problems(results, "back-to-back")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_two_streams(pools, world):
+    no_problems(run(pools, world, work.two_streams, 3, 20, "cuda"), "two streams")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_first_call_in_capture_then_graph_replays(pools, world):
+    results = run(pools, world, work.graph_capture, 17, 5, "cuda")
+    no_problems(results, "graph replays")
+    for r in results:
+        assert r["first_call_error"] and "captured" in r["first_call_error"], r
+        assert r["backends"] == ["cuda"], r
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_compile_reduce_overhead_sharing_one_cache(pools, world):
+    no_problems(run(pools, world, work.compiled_block, 23, 4, "cuda", timeout=600.0),
+                "torch.compile reduce-overhead")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_nn_layers_forward_backward(pools, world):
+    results = run(pools, world, work.nn_layers, 29, "cuda")
+    no_problems(results, "fo.nn layers")
+    assert all(r["backends"] == ["cuda"] for r in results), results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_e2e_mlp_block_against_float64(world, tmp_path):
+    env = {**os.environ, **MULTICAST_OFF, "FO_RESULTS_DIR": str(tmp_path),
+           "FLASHOVERLAP_TUNING_CACHE": "off"}
+    cmd = [sys.executable, str(ROOT / "bench" / "e2e_mlp.py"), "--world-size", str(world),
+           "--shared-devices", "--shapes", f"{256 * world}x512x{512 * world}", "--iters", "2",
+           "--timeout", "400"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert list(tmp_path.glob("e2e-mlp-*.json")), done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ranks_with_different_tuning_caches_get_a_clear_error(pools, world, tmp_path):
+    messages = run(pools, world, work.tuned_on_rank0, str(tmp_path))
+    for m in messages:
+        assert "do not run the same plan" in m, messages
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_an_error_in_one_ranks_first_call_is_raised_on_every_rank(pools, world):
+    messages = run(pools, world, work.first_call_error_on_one_rank, 31, "cuda")
+    for m in messages:
+        assert "do not run the same plan" in m, messages
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_rank_raising_mid_run_fails_the_others_within_the_timeout(pools, world):
+    """Rank W-1 raises between calls while the others go on calling: the others are stuck in a
+    collective that rank W-1 never joins. The pool reports rank W-1's error and ends the
+    others within its grace period (10 s), not at the call timeout."""
+    began = time.monotonic()
+    with pytest.raises(RankError) as info:
+        pools(world).run(work.raise_mid_run, 37, world - 1, 3, 50, "cuda", timeout=CALL_TIMEOUT)
+    elapsed = time.monotonic() - began
+    assert "injected failure on rank" in str(info.value), str(info.value)[-2000:]
+    assert elapsed < 60, f"the failure took {elapsed:.0f} s to surface"
