@@ -51,8 +51,9 @@ run_stage() {  # the stages, most important first (a call may run out of time at
         --fo-world-sizes 2,3,4 --junitxml "$OUT/multirank-conformance.xml"
       stage multirank-tests 300 env FO_MULTIRANK_WORLD_SIZES=2,4 $PY -m pytest -q -p no:cacheprovider \
         -rs tests/gpu/test_multirank.py --junitxml "$OUT/multirank-tests.xml"
-      stage multirank-bench 80 $PY bench/multigpu.py --world-size 2 --shared-devices \
-        --backend cuda --quick --json "$OUT/multigpu-w2-shared.json"
+      stage multirank-bench 100 $PY bench/multigpu.py --world-size 2 --shared-devices \
+        --backend cuda --quick --shapes 1024x1024x512,2048x768x1024 --candidates 4 \
+        --json "$OUT/multigpu-w2-shared.json"
       stage multirank-summary 30 $PY ci/junit_summary.py multirank \
         "$OUT/multirank-h200-$(date -u +%Y%m%d-%H%M%S).json" --world-sizes 2,3,4 \
         "$OUT/multirank-conformance.xml" "$OUT/multirank-tests.xml" \

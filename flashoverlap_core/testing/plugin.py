@@ -107,9 +107,14 @@ class Target:
     device_type: str  # torch device type of the tensors ("cpu" for a device-generic backend)
 
     def device(self, rank: int):
+        """This rank's device: the one its pool placed it on (rank r on device r, or r mod
+        the device count when ranks share devices), which is the current device there."""
         import torch
 
-        return torch.device("cpu") if self.device_type == "cpu" else torch.device(self.device_type, rank)
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type,
+                            torch.get_device_module(self.device_type).current_device())
 
 
 class Settings:
