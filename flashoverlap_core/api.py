@@ -29,10 +29,12 @@ import torch
 
 from . import registry
 from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
+from .all_to_all import AllToAllCall
 from .collectives import SequentialCall, current_default_group, exchange_objects, resolve_group
 from .grouping import wave_group_sizes
-from .plan import (CUSTOM_OP, DTYPES, GATHER_OP, OPS, PLAN_OPS, Plan, _check_int, block_rows_for,
-                   check_splits, dtype_name, group_unit, transfer_bytes_per_tile)
+from .plan import (CUSTOM_OP, DTYPES, GATHER_OP, OPS, PLAN_OPS, Plan, _check_int,
+                   all_to_all_groups, block_rows_for, check_splits, destination_group_sizes,
+                   dtype_name, group_unit, transfer_bytes_per_tile)
 from .tiles import Schedule, TileGrid
 
 PlanLookup = Callable[[OverlapSpec, Backend, object, str], "Plan | None"]
@@ -181,6 +183,14 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
     """
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         kind = op if op.__class__ is str else type(op)
+        if kind == "all_to_all":  # rows and splits are each call's own: not in the key
+            key = ((None, a.shape[1]), b.shape, a.stride()[1:], b.stride(), a.dtype,
+                   b.dtype, a.device, kind, group if group is not None else current_default_group(),
+                   id(plan), backend, None, None)
+            entry = _prepared.get(key)
+            if entry is not None:
+                return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
+            return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
         key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, kind,
                group if group is not None else current_default_group(), id(plan), backend,
                _splits_key(send_splits), _splits_key(recv_splits))
@@ -223,10 +233,17 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
     shapes every rank shares, dtype, device type, the plan and backend asked for). Its first
     call is collective at world size > 1 (:func:`_agree`); a new local key under a settled
     group key (this rank's own strides, say) prepares without communicating, so ranks whose
-    local keys differ never disagree on whether a call is a first call. all_to_all's rows and
-    splits are this rank's own: its group key is still the local key."""
-    c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
-    gkey = key if c["op"] == "all_to_all" else _group_key(c, a, op, plan, backend)
+    local keys differ never disagree on whether a call is a first call. all_to_all's key leaves
+    out the rows and splits (each call's own): it is its group key, and each call cuts the
+    settled plan to its rows (:class:`AllToAllCall`)."""
+    try:
+        c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
+    except (TypeError, ValueError) as e:
+        if op.__class__ is str and op == "all_to_all":
+            _tell_agreeing_peers(group, e)
+        raise
+    a2a = c["op"] == "all_to_all"
+    gkey = key if a2a else _group_key(c, a, op, plan, backend)  # all_to_all's key is shared
     with _prepare_lock:
         entry = _prepared.get(key)
         if entry is None:
@@ -251,18 +268,34 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
                                      f"call, cannot run it with this rank's arguments: "
                                      + "; ".join(reasons))
                 call = _call_of(c, a, b, op, agreed, out)
-            if call.plan.strategy == "sequential":
+            if a2a:
+                prepared = AllToAllCall(chosen, call)
+            elif call.plan.strategy == "sequential":
                 prepared = SequentialCall(call)
             else:
                 prepared = chosen.prepare(call)
-            shape = call.out.shape if call.out is not None else None
+            shape = call.out.shape if call.out is not None and not a2a else None
             entry = _Prepared(prepared, call.plan, shape, a.dtype, a.device)
             _prepared[key] = entry
             while len(_prepared) > MAX_PREPARED:
                 _prepared.pop(next(iter(_prepared)))
-        else:  # prepared meanwhile by another thread: this call's out still needs its checks
+        elif not a2a:  # prepared meanwhile by another thread: this call's out still needs its checks
             call = _call_of(c, a, b, op, entry.plan, out)
+    if a2a:
+        return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
     return entry.prepared.run(a, b, call.out, op)
+
+
+def _tell_agreeing_peers(group, error) -> None:
+    """An all_to_all key holds only what every rank shares, so when this rank's first call of
+    it is invalid, the other ranks are in the first call's exchange (:func:`_agree`): take part
+    with the error, and every rank raises, naming this one."""
+    try:
+        group, _, world = resolve_group(group)
+    except (TypeError, ValueError):
+        return
+    if group is not None and world > 1:
+        exchange_objects(([], None, _error_text(error), 0, None), group)
 
 
 def _group_key(c: dict, a, op, plan, backend) -> tuple:
@@ -297,9 +330,10 @@ def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_
     dtype = dtype_name(a.dtype)
     if a.device != b.device:
         raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
-    if min(m, n, k) < 1:
-        raise ValueError(f"M, N and K must all be >= 1, got M={m}, N={n}, K={k}")
     op_name = _op_name(op)
+    if min(n, k) < 1 or m < (0 if op_name == "all_to_all" else 1):
+        raise ValueError(f"M, N and K must all be >= 1 (M >= 0 for all_to_all: a rank may have "
+                         f"no rows to send), got M={m}, N={n}, K={k}")
     group, rank, world = resolve_group(group)
     if op_name == "reduce_scatter" and m % world:
         raise ValueError(f"reduce_scatter needs M divisible by the world size: M={m}, W={world}")
@@ -330,8 +364,9 @@ def _plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:
     if plan is None:
         transfer = type(op).__name__ if c["op"] == CUSTOM_OP else ""
         return _default_plan(spec, chosen, c["group"], transfer)
-    wrong = plan.mismatches(m=spec.m, n=spec.n, k=spec.k, op=c["op"], world_size=c["world_size"],
-                            dtype=c["dtype"], send_splits=c["send"])
+    rows = (plan.m, plan.send_splits) if c["op"] == "all_to_all" else (spec.m, c["send"])
+    wrong = plan.mismatches(m=rows[0], n=spec.n, k=spec.k, op=c["op"], world_size=c["world_size"],
+                            dtype=c["dtype"], send_splits=rows[1])  # all_to_all: checked per call
     wrong += chosen.plan_reasons(plan)
     if wrong:
         raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
@@ -349,10 +384,14 @@ def _agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapC
     world, group = c["world_size"], c["group"]
     plan_backend = plan.backend if plan is not None else None
     selection = spec
-    if (c["op"] == "all_to_all" and world > 1
-            and registry.explicit_choice(backend, plan_backend) is None):
-        # the automatic choice must not follow this rank's own rows and splits
-        selection = dataclasses.replace(spec, send_splits=None)
+    if c["op"] == "all_to_all":
+        # rows and splits are each call's own: the plan this settles (tile, order, number of
+        # groups) comes from what every rank shares; each call then cuts it to its rows
+        spec = selection = dataclasses.replace(
+            spec, m=world, send_splits=(1,) * world if world > 1 else None)
+        if world > 1 and registry.explicit_choice(backend, plan_backend) is None:
+            # nor may the automatic choice follow this rank's own splits
+            selection = dataclasses.replace(spec, send_splits=None)
 
     def attempt(names):
         """(fit names, plan, digest, error text) for this rank, choosing among ``names``."""
@@ -412,9 +451,11 @@ def _raise_errors(views, error) -> None:
 
 def _plan_digest(plan: Plan) -> str:
     fields = plan.to_dict()
-    if plan.op == "all_to_all":  # each rank's rows, splits and groups are its own
+    if plan.op == "all_to_all":  # each rank's rows, splits and groups are its own ...
         for own in ("M", "send_splits", "group_sizes"):
             fields.pop(own)
+        if plan.grouping == "destinations":  # ... but not the number of groups
+            fields["groups"] = plan.num_groups
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -451,6 +492,17 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
     tile = (_check_int("tile BM", tile[0], 1), _check_int("tile BN", tile[1], 1))
     wave = _check_int("wave_size", wave_size if wave_size is not None else backend.wave_size(spec, tile), 1)
     sched = schedule if schedule is not None else backend.schedule(spec)
+    if group_sizes is None and spec.op == "all_to_all":  # the rule every rank computes alike
+        grid = TileGrid(block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits),
+                        spec.n, tile[0], tile[1], sched)
+        plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
+                    destination_group_sizes(grid, all_to_all_groups(spec.world_size, grid.num_tiles)),
+                    sched, spec.send_splits,
+                    backend.name, grouping="destinations")
+        reasons = backend.plan_reasons(plan)
+        if reasons:
+            raise ValueError(f"backend {backend.name!r} cannot run this plan: " + "; ".join(reasons))
+        return plan
     if group_sizes is None:
         rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
         total = TileGrid(rows, spec.n, tile[0], tile[1], sched).num_tiles
@@ -532,7 +584,8 @@ def prepared_calls() -> list[dict]:
         found.append({
             "op": p.op, "a": list(a_shape), "b": list(b_shape),
             "b_layout": b_layout(b_view), "dtype": dtype_name(entry.dtype),
-            "device": str(entry.device), "M": p.m, "N": p.n, "K": p.k,
+            "device": str(entry.device), "M": None if p.op == "all_to_all" else p.m,
+            "N": p.n, "K": p.k,
             "world_size": p.world_size,
             "backend": ran_by.name if isinstance(ran_by, Backend) else p.backend,
             "strategy": p.strategy, "groups": p.num_groups, "runner": type(runner).__name__})

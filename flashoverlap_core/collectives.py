@@ -9,10 +9,13 @@ current before ``start`` gets them ordered after its device-side wait.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.distributed as dist
 
 from .backend import OverlapCall
+from .plan import destination_chunks
 from .reorder import block_tiles, stream_offsets, unpack_tiles
 from .tiles import RASTERS
 
@@ -103,8 +106,30 @@ class SequentialCall:
         return theirs.tolist()
 
 
-MAX_COUNTS = 256
-_COUNTS: dict = {}  # (plan, group, rank, recv_splits) -> what the sources send, per group
+INVALID = -1  # what a rank whose all_to_all arguments were invalid sends in the count exchange
+
+
+def rows_from_ranks(send, group, device) -> list[int]:
+    """Rows each rank sends this one (one all_to_all of W counts); a ValueError on every rank
+    when one of them had invalid arguments (it sent the invalid mark)."""
+    mine = torch.tensor(send, dtype=torch.int64, device=device)
+    theirs = torch.empty_like(mine)
+    dist.all_to_all_single(theirs, mine, group=group)
+    rows = theirs.tolist()
+    bad = [r for r, v in enumerate(rows) if v == INVALID]
+    if bad:
+        raise ValueError(f"all_to_all: the arguments of rank(s) {bad} were invalid (they raised "
+                         "the error); this call of the group is abandoned on every rank")
+    return rows
+
+
+@lru_cache(maxsize=4096)
+def chunk_numels(rows: int, n: int, tile: tuple[int, int], schedule, groups: int) -> tuple[int, ...]:
+    """Elements of each group's chunk of a destination block of ``rows`` rows
+    (plan.destination_chunks over the block's tiles in schedule order)."""
+    tiles = block_tiles(rows, n, tile, schedule)
+    return tuple(sum(t.numel for t in tiles[lo:hi])
+                 for lo, hi in destination_chunks(len(tiles), groups))
 
 
 class RegionExchange:
@@ -121,7 +146,10 @@ class RegionExchange:
             self.staging = packed.new_empty(plan.m // call.world_size * plan.n)
             self.recv_offsets = self._offsets([r.dest_numels[call.rank] for r in plan.regions])
         elif self.kind == "all_to_all" and call.group is not None:
-            self._exchange_counts()
+            if plan.grouping == "destinations":
+                self._counts_by_rule()
+            else:
+                self._exchange_counts()
         else:
             self.staging = packed
 
@@ -134,21 +162,31 @@ class RegionExchange:
         return out
 
     # ---- all_to_all bookkeeping: what each rank sends me in each group -------------------
-    def _exchange_counts(self):
-        """What each source sends this rank per group: exchanged through the group (a host
-        sync), once per (plan, group, rank, recv_splits) when recv_splits are given (every rank
-        prepares the same calls in the same order, as for any collective); on every call when
-        they are not (the sources' splits may change from call to call)."""
+    def _counts_by_rule(self):
+        """A "destinations" plan: what each source sends this rank in each group follows from
+        the rows it sends (plan.destination_chunks), the same rule on every rank. With
+        recv_splits given nothing is exchanged (no host sync); without them, the rows are one
+        all_to_all of W counts (a host sync), as all_to_all_single users exchange them."""
         call, plan = self.call, self.plan
-        key = (plan, call.group, call.rank, call.recv_splits)
-        known = _COUNTS.get(key) if call.recv_splits is not None else None
-        if known is None:
-            known = self._counts_from_ranks()
-            if call.recv_splits is not None:
-                _COUNTS[key] = known
-                while len(_COUNTS) > MAX_COUNTS:
-                    _COUNTS.pop(next(iter(_COUNTS)))
-        self.recv_counts, self.num_collectives, self.recv_rows = known
+        rows = call.recv_splits
+        if rows is None:
+            rows = self._rows_from_ranks()
+        groups = plan.num_groups
+        per_source = [chunk_numels(r, plan.n, plan.tile, plan.schedule, groups) for r in rows]
+        self._received([list(c) for c in zip(*per_source)], groups, list(rows))
+
+    def _rows_from_ranks(self) -> list[int]:
+        return rows_from_ranks(self.plan.block_rows, self.call.group, self.packed.device)
+
+    def _exchange_counts(self):
+        """A "waves" plan (explicit group sizes, each rank's own): what each source sends this
+        rank per group is exchanged through the group on every call (a host sync): the
+        sources' splits and groups may change from call to call."""
+        self._received(*self._counts_from_ranks())
+
+    def _received(self, recv_counts, num_collectives, recv_rows):
+        call, plan = self.call, self.plan
+        self.recv_counts, self.num_collectives, self.recv_rows = recv_counts, num_collectives, recv_rows
         rows = sum(self.recv_rows)
         if call.out is None:  # recv_splits were omitted: the output size is known only now
             call.out = self.packed.new_empty((rows, plan.n))

@@ -25,7 +25,7 @@ output is written in place, row-major: there is no post-communication reorder.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -41,8 +41,29 @@ STRATEGIES = ("overlap", "sequential")
 "sequential" (the plain GEMM and one collective on all of it, one after the other, the
 collective first for allgather: the tuner's fallback where overlapping would be slower; the
 groups are then unused)."""
+GROUPINGS = ("waves", "destinations")
+"""How a plan cuts its tiles into groups. "waves": ``group_sizes`` tiles at a time, in execution
+order. "destinations" (all_to_all): group g takes from each destination block the tiles
+[floor(g T / G), floor((g + 1) T / G)) of the block's T tiles in schedule order, so a rank that
+knows only how many rows a source sends it knows what each of that source's groups brings
+(:func:`destination_chunks`): the rule every rank computes alike, with no exchange, whatever
+the ranks' rows and splits. Groups may then be empty, and G is the same on every rank."""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FORMAT = "flashoverlap.plan/1"
+ALL_TO_ALL_GROUPS = 4  # G of an all_to_all plan without group_sizes (the same on every rank)
+
+
+def all_to_all_groups(world_size: int, tiles: int, groups: int = ALL_TO_ALL_GROUPS) -> int:
+    """G of a "destinations" plan: ``groups`` on every rank at world size > 1 (whatever its
+    tiles: a rank with fewer has empty groups); at world size 1, where no rank must agree,
+    no more groups than tiles."""
+    return groups if world_size > 1 else max(1, min(groups, tiles))
+
+
+def destination_chunks(tiles: int, groups: int) -> list[tuple[int, int]]:
+    """The tiles [lo, hi) of a destination block of ``tiles`` tiles that each of ``groups``
+    groups takes ("destinations" grouping)."""
+    return [(g * tiles // groups, (g + 1) * tiles // groups) for g in range(groups)]
 
 
 def dtype_name(dtype) -> str:
@@ -111,6 +132,15 @@ def transfer_bytes_per_tile(op: str, n: int, k: int, tile: tuple[int, int], item
     return tile[0] * tile[1] * itemsize
 
 
+def destination_group_sizes(grid: TileGrid, groups: int) -> tuple[int, ...]:
+    """Tiles of each group of a "destinations" plan over ``grid``."""
+    sizes = [0] * groups
+    for d in range(len(grid.block_rows)):
+        for g, (lo, hi) in enumerate(destination_chunks(grid.tiles_per_block(d), groups)):
+            sizes[g] += hi - lo
+    return tuple(sizes)
+
+
 @dataclass(frozen=True)
 class Region:
     """Group ``index``'s contiguous slice of the packed buffer."""
@@ -139,9 +169,12 @@ class Plan:
     send_splits: tuple[int, ...] | None = None
     backend: str | None = None
     strategy: str = "overlap"  # one of STRATEGIES
+    grouping: str = "waves"  # one of GROUPINGS
 
     def __post_init__(self):
-        for name in ("m", "n", "k"):
+        # all_to_all: a rank may have no rows to send (expert parallelism)
+        _check_int("M", self.m, 0 if self.op == "all_to_all" else 1)
+        for name in ("n", "k"):
             _check_int(name.upper(), getattr(self, name), 1)
         _check_int("world_size", self.world_size, 1)
         _check_int("wave_size", self.wave_size, 1)
@@ -156,6 +189,10 @@ class Plan:
             raise TypeError(f"schedule must be a Schedule, got {type(self.schedule).__name__}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"plan strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"plan grouping must be one of {GROUPINGS}, got {self.grouping!r}")
+        if self.grouping == "destinations" and self.op != "all_to_all":
+            raise ValueError(f"the 'destinations' grouping is all_to_all's, not {self.op!r}'s")
         if self.op == "reduce_scatter" and self.m % self.world_size:
             raise ValueError(
                 f"reduce_scatter needs M divisible by the world size: M={self.m}, W={self.world_size}")
@@ -176,7 +213,14 @@ class Plan:
         if not isinstance(sizes, tuple) or not sizes:
             raise TypeError(f"group_sizes must be a non-empty sequence of ints, got {sizes!r}")
         for i, s in enumerate(sizes):
-            _check_int(f"group_sizes[{i}]", s, 1)
+            _check_int(f"group_sizes[{i}]", s, 0 if self.grouping == "destinations" else 1)
+        if self.grouping == "destinations":
+            want = destination_group_sizes(self.grid, len(sizes))
+            if sizes != want:
+                raise ValueError(f"a 'destinations' plan of {len(sizes)} groups over "
+                                 f"{self.describe_grid()} has group_sizes {list(want)}, "
+                                 f"got {list(sizes)}")
+            return
         total = self.grid.num_tiles
         if sum(sizes) != total:
             raise ValueError(
@@ -227,6 +271,14 @@ class Plan:
         """Tiles of each group, in execution order (allgather: the tiles of the chunk's bands
         in every shard, in the grid's execution order)."""
         order, out, start = self.grid.execution_order, [], 0
+        if self.grouping == "destinations":  # chunk g of every block, round-robin over blocks
+            per_block = [self.grid.block_tiles(d) for d in range(len(self.block_rows))]
+            chunks = [destination_chunks(len(t), self.num_groups) for t in per_block]
+            for g in range(self.num_groups):
+                parts = [t[lo:hi] for t, c in zip(per_block, chunks) for lo, hi in [c[g]]]
+                longest = max((len(p) for p in parts), default=0)
+                out.append(tuple(p[i] for i in range(longest) for p in parts if i < len(p)))
+            return tuple(out)
         if self.op == GATHER_OP:  # a tile belongs to the chunk that brings its band
             out = [[] for _ in self.group_sizes]
             for t in order:
@@ -319,6 +371,32 @@ class Plan:
     def packed_numel(self) -> int:
         return self.packed_shape[0] * self.packed_shape[1]
 
+    @property
+    def execution_order(self) -> tuple[TileRect, ...]:
+        """Every tile in the order the kernel takes them: the grid's, or for a "destinations"
+        plan group by group."""
+        if self.grouping == "destinations":
+            return tuple(t for tiles in self.groups for t in tiles)
+        return self.grid.execution_order
+
+    def for_rows(self, m: int, send_splits) -> "Plan":
+        """This plan's tile, order and groups for a call of ``m`` rows split ``send_splits``
+        (all_to_all: rows and splits are each call's own); a "waves" plan must fit as it is."""
+        one = self.world_size == 1  # at world size 1, splits [M] and none are the same call
+        send = tuple(send_splits) if send_splits is not None and not one else None
+        if self.op != "all_to_all" or (m == self.m and send == (None if one else self.send_splits)):
+            return self
+        if self.grouping != "destinations":
+            raise ValueError(f"the plan does not fit this call: it is for M={self.m}, "
+                             f"send_splits {self.send_splits}, the call has M={m}, {send}; "
+                             "an all_to_all plan for calls of any rows has grouping "
+                             "'destinations' (fo.plan's default for all_to_all)")
+        grid = TileGrid(block_rows_for(self.op, m, self.world_size, send), self.n, self.tile[0],
+                        self.tile[1], self.schedule)
+        groups = self.num_groups if not one else all_to_all_groups(1, grid.num_tiles)
+        return replace(self, m=m, send_splits=send,
+                       group_sizes=destination_group_sizes(grid, groups))
+
     def wave_of_group(self, g: int) -> tuple[int, int]:
         """First and last wave (inclusive) that group g's tiles come from."""
         start = sum(self.group_sizes[:g])
@@ -331,7 +409,7 @@ class Plan:
         offsets = {tile: (g, off) for tile, g, off in self.packed_tiles}
         starts, (bm, bn) = self.grid.block_starts, self.tile
         rows, groups = [], []
-        for t in self.grid.execution_order:
+        for t in self.execution_order:
             g, off = offsets[t]
             rows.append((t.block, (t.row0 - starts[t.block]) // bm, t.col0 // bn, off))
             groups.append(g)
@@ -375,7 +453,7 @@ class Plan:
             "wave_size": self.wave_size, "schedule": self.schedule.to_dict(),
             "group_sizes": list(self.group_sizes),
             "send_splits": list(self.send_splits) if self.send_splits is not None else None,
-            "backend": self.backend, "strategy": self.strategy,
+            "backend": self.backend, "strategy": self.strategy, "grouping": self.grouping,
         }
 
     @classmethod
@@ -388,7 +466,8 @@ class Plan:
                 dtype=d["dtype"], tile=tuple(d["tile"]), wave_size=d["wave_size"],
                 schedule=Schedule(**d["schedule"]), group_sizes=tuple(d["group_sizes"]),
                 send_splits=tuple(d["send_splits"]) if d.get("send_splits") is not None else None,
-                backend=d.get("backend"), strategy=d.get("strategy", "overlap"))
+                backend=d.get("backend"), strategy=d.get("strategy", "overlap"),
+                grouping=d.get("grouping", "waves"))
         except KeyError as e:
             raise ValueError(f"plan JSON lacks field {e}") from None
 

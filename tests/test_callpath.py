@@ -184,40 +184,6 @@ def test_two_ranks_back_to_back_without_warnings():
         assert all(r.values()), results
 
 
-def _a2a_count_exchanges(seed):
-    import torch.distributed as dist
-
-    from flashoverlap_core.collectives import RegionExchange
-
-    api.forget_prepared()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    exchanges = []
-    real = RegionExchange._counts_from_ranks
-    RegionExchange._counts_from_ranks = lambda self: exchanges.append(1) or real(self)
-    try:
-        send = [2 + rank, 6 - rank]  # 8 rows: rank 0 sends [2, 6], rank 1 sends [3, 5]
-        recv = [2 + r if rank == 0 else 6 - r for r in range(world)]
-        b = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed))
-        counts = {}
-        for given in (True, False):
-            before = len(exchanges)
-            for _ in range(3):
-                a = torch.randn(8, 4)
-                out = fo.overlap(a, b, "all_to_all", send_splits=send,
-                                 recv_splits=recv if given else None, backend="reference")
-                assert out.shape == (sum(recv), 5)
-            counts[given] = len(exchanges) - before
-        return counts
-    finally:
-        RegionExchange._counts_from_ranks = real
-
-
-def test_all_to_all_with_recv_splits_exchanges_counts_once():
-    with RankPool(2, timeout=240) as pool:
-        for counts in pool.run(_a2a_count_exchanges, 5):
-            assert counts == {True: 1, False: 3}, counts
-
-
 def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
     """fo.prepared_calls(): one entry per prepared key, in order, with the backend, strategy,
     groups and runner that each key's calls run (a sequential plan: the SequentialCall, whatever

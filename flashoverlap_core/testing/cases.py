@@ -25,6 +25,10 @@ LAYOUTS = ("row", "col", "strided")
 """b contiguous [K, N]; w.t() of a contiguous [N, K]; every other column of a [K, 2N]."""
 SPLITS = ("send+recv", "send", "none")  # all_to_all: splits given; "none" only at world size 1
 MIXED_SPLITS = "mixed"  # send+recv, equal splits on rank 0 and unequal (with a zero) elsewhere
+MOE_SPLITS = "moe"
+"""An MoE sequence: every call, each rank's rows and splits are new (rank r's rows change every
+r + 1 calls, its splits every call), skewed towards one destination, with zeros; a rank has no
+rows at all now and then; recv_splits are given on even calls and omitted on odd ones."""
 CHOICES = ("named", "default")
 """the backend under test named in every call (backend=); or no backend= and no
 FLASHOVERLAP_BACKEND: the automatic choice users get, which every rank must make alike."""
@@ -168,11 +172,14 @@ class RankInput:
     send_splits: tuple[int, ...] | None  # all_to_all only
 
 
-def rank_rows(case: Case, seed: int, rank: int) -> tuple[int, tuple[int, ...] | None]:
-    """(rows of a, send_splits) of one rank. all_to_all ranks have ragged row counts, and their
-    splits are random with at least one zero when there are several ranks."""
+def rank_rows(case: Case, seed: int, rank: int, call: int = 0) -> tuple[int, tuple[int, ...] | None]:
+    """(rows of a, send_splits) of one rank at call ``call``. all_to_all ranks have ragged row
+    counts, and their splits are random with at least one zero when there are several ranks;
+    in an MoE sequence both change from call to call (MOE_SPLITS)."""
     if case.op != "all_to_all":
         return case.m, None
+    if case.splits == MOE_SPLITS:
+        return moe_rows(case, seed, rank, call)
     rng = random.Random(seed_of(seed, case.id, "rows", rank))
     w = case.world_size
     if case.splits == MIXED_SPLITS and rank == 0:
@@ -188,10 +195,47 @@ def rank_rows(case: Case, seed: int, rank: int) -> tuple[int, tuple[int, ...] | 
     return m, tuple(splits)
 
 
+def moe_rows(case: Case, seed: int, rank: int, call: int) -> tuple[int, tuple[int, ...]]:
+    w = case.world_size
+    epoch = call // (rank + 1)
+    rows = random.Random(seed_of(seed, case.id, "moe-rows", rank, epoch)).randint(1, case.m)
+    if (call + rank) % 5 == 4:
+        rows = 0  # no token routed here this step
+    rng = random.Random(seed_of(seed, case.id, "moe-splits", rank, call))
+    hot = rng.randrange(w)  # top-k routing with imbalance: one destination takes most rows
+    weights = [5.0 if d == hot else rng.choice((0.0, 0.3, 1.0)) for d in range(w)]
+    cuts = [0.0]
+    for x in weights:
+        cuts.append(cuts[-1] + x)
+    ends = [round(rows * c / cuts[-1]) for c in cuts]
+    return rows, tuple(b - a for a, b in zip(ends, ends[1:]))
+
+
+def moe_recv_given(call: int) -> bool:
+    """Whether call ``call`` of an MoE sequence passes recv_splits (the same on every rank)."""
+    return call % 2 == 0
+
+
+def moe_matrix(world_sizes) -> list[Case]:
+    """MoE sequences (MOE_SPLITS): 8 calls each, three per world size with the backend named
+    (every dtype and layout of b) and one with the automatic choice."""
+    cases = []
+    for w in world_sizes:
+        for j, shape in enumerate((SHAPES[8], SHAPES[6], SHAPES[3])):
+            cases.append(Case("all_to_all", w, DTYPES[(w + j) % 3], 4 * shape.m // 3, shape.n,
+                              shape.k, shape.tile, LAYOUTS[(w + j) % 3], "auto",
+                              poison_out=j != 1, splits=MOE_SPLITS, calls=8))
+        shape = SHAPES[6]
+        cases.append(Case("all_to_all", w, DTYPES[1 + w % 2], shape.m * 3, shape.n, shape.k,
+                          shape.tile, "col", "auto", splits=MOE_SPLITS, calls=8, choice="default"))
+    return cases
+
+
 def rank_input(case: Case, seed: int, rank: int, device="cpu", call: int = 0) -> RankInput:
     """Rank ``rank``'s inputs for call ``call`` of the case, on ``device`` (b's view is taken
-    there, so its layout is kept). Row counts and splits are the same for every call."""
-    m, splits = rank_rows(case, seed, rank)
+    there, so its layout is kept). Row counts and splits are the same for every call, but in
+    an MoE sequence."""
+    m, splits = rank_rows(case, seed, rank, call)
     g = torch.Generator().manual_seed(seed_of(seed, case.id, "tensors", rank, call))
     a = torch.randn(m, case.k, generator=g).to(case.torch_dtype)
     if case.layout == "col":
@@ -203,6 +247,6 @@ def rank_input(case: Case, seed: int, rank: int, device="cpu", call: int = 0) ->
     return RankInput(a.to(device), b, splits)
 
 
-def recv_splits(case: Case, seed: int, rank: int) -> tuple[int, ...]:
+def recv_splits(case: Case, seed: int, rank: int, call: int = 0) -> tuple[int, ...]:
     """Rows each rank sends to ``rank`` in an all_to_all (what its recv_splits must be)."""
-    return tuple(rank_rows(case, seed, src)[1][rank] for src in range(case.world_size))
+    return tuple(rank_rows(case, seed, src, call)[1][rank] for src in range(case.world_size))

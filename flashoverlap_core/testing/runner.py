@@ -19,7 +19,8 @@ from flashoverlap_core.grouping import wave_group_sizes
 from flashoverlap_core.plan import GATHER_OP, block_rows_for, group_unit
 from flashoverlap_core.tiles import TileGrid
 
-from .cases import MIXED_SPLITS, Case, rank_input, recv_splits, rank_rows, seed_of
+from .cases import (MIXED_SPLITS, MOE_SPLITS, Case, moe_recv_given, rank_input, recv_splits,
+                    rank_rows, seed_of)
 from .checks import Expected, expected, mismatch
 
 
@@ -33,9 +34,9 @@ def op_name(case: Case) -> str:
     return "custom" if case.op == "custom" else case.op
 
 
-def spec_of(case: Case, seed: int, rank: int, device_type: str) -> OverlapSpec:
+def spec_of(case: Case, seed: int, rank: int, device_type: str, call: int = 0) -> OverlapSpec:
     """What ``rank``'s call asks of the backend (to ask it whether it supports the call)."""
-    m, splits = rank_rows(case, seed, rank)
+    m, splits = rank_rows(case, seed, rank, call)
     if case.op == GATHER_OP:
         m *= case.world_size  # the plan's M is the rows of the result
     return OverlapSpec(m, case.n, case.k, op_name(case), case.world_size, case.dtype, device_type,
@@ -174,8 +175,9 @@ def call_once(target, case: Case, seed: int, rank: int, plan: fo.Plan, call: int
     device = target.device(rank)
     inp = rank_input(case, seed, rank, device, call)
     send = inp.send_splits if case.op == "all_to_all" and case.splits != "none" else None
-    recv = (recv_splits(case, seed, rank)
-            if case.op == "all_to_all" and case.splits in ("send+recv", MIXED_SPLITS) else None)
+    given = case.splits in ("send+recv", MIXED_SPLITS) or (case.splits == MOE_SPLITS
+                                                           and moe_recv_given(call))
+    recv = recv_splits(case, seed, rank, call) if case.op == "all_to_all" and given else None
     op = RecordingOp(case.custom == "negate") if case.op == "custom" else case.op
     want = expected(case, seed, rank, call)
     out = guarded = None
@@ -212,7 +214,8 @@ def run_case(target, case: Case, seed: int) -> dict:
     rank, world = rank_and_world()
     assert world == case.world_size, f"running a W={case.world_size} case on {world} rank(s)"
     # The automatic choice makes its own plan (fo.plan would ask the device's default backend)
-    plan = (None if case.choice == "default"
+    # (an MoE sequence passes no plan either: its rows are each call's own)
+    plan = (None if case.choice == "default" or case.splits == MOE_SPLITS
             else case_plan(case, seed, rank, target.backend_name, target.device_type))
     fo.api.forget_prepared()  # every rank, before its first call: what ran is this case's alone
     problems = [p for call in range(case.calls) for p in call_once(target, case, seed, rank, plan, call)]
@@ -225,8 +228,11 @@ def run_case(target, case: Case, seed: int) -> dict:
 
 def unsupported(backend, case: Case, seed: int, device_type: str) -> str | None:
     """Why ``backend`` declines the case (its ``unsupported_reasons``), or None."""
-    for rank in range(case.world_size):
-        reasons = backend.unsupported_reasons(spec_of(case, seed, rank, device_type))
-        if reasons:
-            return f"backend {backend.name!r} does not support {case.id} (rank {rank}): " + "; ".join(reasons)
+    calls = case.calls if case.splits == MOE_SPLITS else 1  # an MoE sequence's rows change
+    for call in range(calls):
+        for rank in range(case.world_size):
+            reasons = backend.unsupported_reasons(spec_of(case, seed, rank, device_type, call))
+            if reasons:
+                return (f"backend {backend.name!r} does not support {case.id} (rank {rank}"
+                        f"{f', call {call}' if calls > 1 else ''}): " + "; ".join(reasons))
     return None

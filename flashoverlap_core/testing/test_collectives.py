@@ -3,7 +3,7 @@ import pytest
 
 from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
-from .cases import default_choice_matrix, rank_matrix
+from .cases import default_choice_matrix, moe_matrix, rank_matrix
 from .plugin import settings
 from .runner import parametrize, run_case, unsupported
 
@@ -11,6 +11,8 @@ from .runner import parametrize, run_case, unsupported
 def pytest_generate_tests(metafunc):
     if "rank_case" in metafunc.fixturenames:
         parametrize(metafunc, "rank_case", rank_matrix(settings(metafunc.config).world_sizes))
+    if "moe_case" in metafunc.fixturenames:
+        parametrize(metafunc, "moe_case", moe_matrix(settings(metafunc.config).world_sizes))
     if "default_case" in metafunc.fixturenames:
         cases = default_choice_matrix(settings(metafunc.config).world_sizes)
         metafunc.parametrize("default_case", cases, ids=[c.id for c in cases])
@@ -41,3 +43,21 @@ def test_default_choice_on_ranks(default_case, fo_pools, fo_target, fo_settings)
     chosen = [(r["backends"], r["strategies"]) for r in results]
     assert all(c == chosen[0] for c in chosen), (
         f"the ranks of {default_case.id} chose differently (backends, strategies per rank): {chosen}")
+
+
+def test_moe_sequence_on_ranks(moe_case, fo_pools, fo_backend, fo_target, fo_settings):
+    """Expert parallelism: each call's rows and splits are new on every rank, at different
+    rates, skewed, with zeros and ranks without rows; recv_splits given on some calls only.
+    Every call against float64; no call may hang or disagree across ranks."""
+    default = moe_case.choice == "default"
+    why = None if default else unsupported(fo_backend, moe_case, fo_settings.seed,
+                                           fo_target.device_type)
+    if why:
+        pytest.skip(why)
+    try:
+        results = fo_pools.run(moe_case.world_size, run_case, moe_case, fo_settings.seed,
+                               default_choice=default)
+    except (RankError, RankTimeout) as e:
+        pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
+    chosen = [r["backends"] for r in results]
+    assert all(c == chosen[0] for c in chosen), f"the ranks chose differently: {chosen}"
