@@ -5,7 +5,7 @@
 #
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
 #                                conformance mainjob report cache; also: tuning, e2e, compile,
-#                                multirank)
+#                                multirank, moe)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -26,6 +26,7 @@ run_stage() {  # the stages, most important first (a call may run out of time at
              --ignore tests/gpu/test_multirank.py ;;
     callpath) stage callpath 180 $PY bench/callpath.py ;;
     e2e) stage e2e 420 $PY bench/e2e_mlp.py ;;
+    moe) stage moe 300 $PY bench/moe.py ;;  # all_to_all of MoE steps at world size 1
     compile) stage compile 420 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_compile.py ;;
     cache) tar -czf "$OUT/kernel-cache.tar.gz" -C "$PWD" .fo_build/cache \
              && echo "cache: $(du -h "$OUT/kernel-cache.tar.gz" | cut -f1)" | tee -a "$SUMMARY" ;;

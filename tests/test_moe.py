@@ -2,7 +2,12 @@
 (zeros, skew, ranks without rows), and nothing of them may make ranks disagree or hang."""
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +166,17 @@ def test_negative_splits_are_refused_before_any_work():
 def test_no_rows_at_world_size_one():
     out = fo.overlap(torch.randn(0, 4), torch.randn(4, 5), "all_to_all")
     assert out.shape == (0, 5)
+
+
+def test_the_moe_benchmark_runs_on_host_ranks(tmp_path):
+    """bench/moe.py end to end on 2 gloo ranks (a dry run: host times say nothing)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "FO_RESULTS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "moe.py", "--device", "cpu", "--world-size", "2",
+                           "--hidden", "32", "--tokens", "12,30", "--iters", "1"],
+                          cwd=root / "bench", env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads(next(tmp_path.glob("moe-cpu-*.json")).read_text())
+    assert [r["tokens"] for r in doc["rows"]] == [12, 30]
+    assert all(r["fo_rel_err"] < 1e-4 and r["fo_backend"] for r in doc["rows"]), doc["rows"]
+    assert doc["summary"]["backends"] and doc["world_size"] == 2
