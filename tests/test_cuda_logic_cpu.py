@@ -211,3 +211,28 @@ def test_tracing_an_allgather_call_is_a_clear_error():
     call = OverlapCall(a, b, plan, "allgather", None, 0, 1, torch.empty(256, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="cannot trace an allgather"):
         CudaBackend().trace(call)
+
+
+def test_the_call_kinds_sit_over_one_module_of_device_state_without_a_circle():
+    """backends/cuda: device_state imports no call kind; the call kinds (signal_call, gather)
+    import device_state, never backend (but for type hints); backend imports them."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "backends" / "cuda"
+
+    def imported(name):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in guarded:
+                found.add(node.module or "")
+                found.update(a.name for a in node.names if not node.module)
+        return found
+
+    assert not imported("device_state") & {"backend", "signal_call", "gather"}
+    for kind in ("signal_call", "gather"):
+        assert "device_state" in imported(kind) and "backend" not in imported(kind), kind
+    assert {"signal_call", "gather", "device_state"} <= imported("backend")

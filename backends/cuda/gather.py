@@ -45,8 +45,8 @@ import torch
 from flashoverlap_core.backend import OverlapCall, PreparedCall
 
 from . import kernels, nccl
-from .backend import (ALIGN_BYTES, NCCL_DTYPES, PlanTables, _current_device,
-                      _current_stream_getter, aligned_rows, outside_graph_pools, reserved_sms)
+from .device_state import (ALIGN_BYTES, NCCL_DTYPES, PlanTables, _current_device,
+                           _current_stream_getter, aligned_rows, outside_graph_pools, reserved_sms)
 from .runtime import ABI_VERSION, GatherDescription
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"

@@ -1,0 +1,135 @@
+"""What every call kind of the ``cuda`` backend shares: the settings read from the environment,
+the per-plan device tables, the per-stream state of a prepared call (counters, packed and
+staging buffers, communication stream), and the small helpers of the hot path. The call kinds
+(:mod:`.signal_call`, :mod:`.gather`) and the backend (:mod:`.backend`) build on it; it imports
+none of them.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kernels
+
+ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
+ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
+ENV_ARCH = "FLASHOVERLAP_CUDA_ARCH"
+ENV_GRAPH = "FLASHOVERLAP_CUDA_GRAPH"
+DEFAULT_RESERVED_SMS = 4  # 128 CTAs: measured faster than 132 for the cluster-2 kernels (csrc/cuda/NOTES.md)
+DEFAULT_WAIT = "stream_wait_value"
+ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned
+
+
+def reserved_sms() -> int:
+    value = os.environ.get(ENV_RESERVED_SMS, str(DEFAULT_RESERVED_SMS))
+    if not value.isdigit():
+        raise ValueError(f"{ENV_RESERVED_SMS} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def replay_graphs() -> bool:
+    """Whether prepared calls replay a captured graph of the whole call (the default; 0 turns
+    it off: every call then launches each kernel, wait and collective itself)."""
+    value = os.environ.get(ENV_GRAPH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_GRAPH} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def outside_graph_pools(fn, stream: torch.cuda.Stream):
+    """``fn()`` run in a short-lived thread whose current stream is ``stream``.
+
+    What a prepared call keeps between calls (tables, counters, buffers, communication streams)
+    must come from the ordinary caching allocator. torch.compile's CUDA graphs (cudagraph trees)
+    send every allocation *of the calling thread* to their private pool while they warm up and
+    record a graph, and then refuse a pool holding tensors that are not the graph's outputs.
+    Another thread's allocations stay in the ordinary pool.
+    """
+    result: dict = {}
+
+    def target():
+        try:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = e
+
+    worker = threading.Thread(target=target, name="flashoverlap-prepare")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def wait_mode() -> str:
+    mode = os.environ.get(ENV_WAIT, DEFAULT_WAIT)
+    if mode not in kernels.WAIT_MODES:
+        raise ValueError(f"{ENV_WAIT} must be one of {sorted(kernels.WAIT_MODES)}, got {mode!r}")
+    return mode
+
+
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (row-major rows) with a 16-byte aligned row stride and base; copies if needed."""
+    step = ALIGN_BYTES // t.element_size()
+    if t.stride(1) == 1 and t.stride(0) % step == 0 and t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    rows, cols = t.shape
+    buf = torch.empty((rows, -(-cols // step) * step), dtype=t.dtype, device=t.device)
+    buf[:, :cols].copy_(t)
+    return buf[:, :cols]
+
+
+@dataclass
+class PlanTables:
+    """Device-resident, read-only tables of one plan on one device, shared by every stream."""
+
+    items_host: torch.Tensor
+    items: torch.Tensor
+    item_group: torch.Tensor
+    counters: torch.Tensor  # for launch_gemm outside a call (benchmarks), not for calls
+    cluster_fits: dict = field(default_factory=dict)  # cluster shape -> bool
+
+
+class StreamState:
+    """What the calls of one key on one compute stream use, and no other call: the group
+    counters, the packed and staging buffers and the communication stream."""
+
+    def __init__(self, plan, device: torch.device, dtype: torch.dtype, staging_numel: int | None):
+        low, high = torch.cuda.Stream.priority_range()
+        self.comm = torch.cuda.Stream(device=device, priority=high)
+        self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+        self.packed = torch.empty(plan.packed_numel, dtype=dtype, device=device)
+        self.staging = (self.packed if staging_numel is None
+                        else torch.empty(staging_numel, dtype=dtype, device=device))
+        for t in (self.counters, self.packed, self.staging):
+            t.record_stream(self.comm)  # freed only once the communication stream is done
+        self.handle = None  # the native call (fo_call), when the key takes the native path
+        self.runtime = None
+
+    def __del__(self):
+        if self.handle is not None and self.runtime is not None:
+            self.runtime.call_destroy(self.handle)
+
+
+NCCL_DTYPES = {"bfloat16": 9, "float16": 6, "float32": 7}
+COLLECTIVES = {"allreduce": 1, "reduce_scatter": 2, "all_to_all": 3}
+
+
+def _current_stream_getter():
+    """The fastest way to read the current stream's raw handle (a per-call read)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def b_col_major(b: torch.Tensor) -> bool:
+    """True when b is the transpose of a row-major [N, K] (``weight.t()``)."""
+    return b.stride(0) == 1 and b.stride(1) != 1

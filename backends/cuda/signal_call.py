@@ -1,0 +1,247 @@
+"""The output-side signaling call of the ``cuda`` backend (allreduce, reduce_scatter,
+all_to_all and callable ops): the signaling GEMM writes the packed layout and bumps each group's
+counter; the communication stream waits on each counter and runs the group's collective; the
+post-reorder restores the layout (see :mod:`.backend` for the whole picture).
+"""
+from __future__ import annotations
+
+from ctypes import c_int32, c_int64, c_void_p
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashoverlap_core.backend import OverlapCall, PreparedCall
+from flashoverlap_core.collectives import RegionExchange, collective_steps, unpack_layouts
+
+from . import kernels, nccl
+from .device_state import (ALIGN_BYTES, COLLECTIVES, NCCL_DTYPES, StreamState, _current_device,
+                           _current_stream_getter, outside_graph_pools, replay_graphs, wait_mode)
+from .runtime import WAIT_MODES, CallDescription
+
+if TYPE_CHECKING:
+    from .backend import CudaBackend
+
+class CudaCall(PreparedCall):
+    """The prepared calls of one key on the cuda backend (see the module docstring).
+
+    ``run`` costs a few microseconds of Python: find this stream's state, check the operands'
+    alignment, one native call that issues the GEMM, every wait and collective, and the
+    post-reorder."""
+
+    def __init__(self, backend: CudaBackend, call: OverlapCall, python_path: bool = False,
+                 stream: int | None = None):
+        super().__init__(backend, call)
+        plan, a, device = call.plan, call.a, call.a.device
+        self.device, self.index = device, device.index
+        self.kind = call.op if isinstance(call.op, str) else "custom"
+        self.tables = backend.plan_tables(plan, device)
+        self.gemm, self.col, self.arch = backend.gemm_for(plan, self.tables, call.b)
+        self.k = a.shape[1] if self.arch != 80 else -(-a.shape[1] // 8) * 8
+        self.direct = self._takes_directly(a, call.b)
+        self.workspace = backend._workspace(self.gemm, plan, self.k, device)
+        self.wait = wait_mode()
+        self.use_graph = replay_graphs()
+        self.runtime = kernels.runtime_library()
+        self.call_run = self.runtime.call_run
+        self.warmed = False  # this key's first call ran (with host syncs where needed)
+        # The key fixes the strides: what the kernel takes as lda and ldb.
+        self.lda, self.ldb = a.stride(0), (call.b.stride(1) if self.col else call.b.stride(0))
+        self.current_stream = _current_stream_getter()
+        group = call.group
+        self.python_path = python_path or self.kind == "custom" or (
+            group is not None and not nccl.uses_nccl(group)) or (
+            self.kind == "all_to_all" and call.world_size > 1 and call.recv_splits is None)
+        self.comm = nccl.communicator(group, device) if group is not None and not self.python_path else None
+        self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
+                         plan.dtype)
+        self._states: dict[int, StreamState] = {}
+        first = StreamState(plan, device, plan.torch_dtype, None)
+        self._states[self.current_stream(self.index) if stream is None else stream] = first
+        with torch.cuda.device(device):
+            # The layouts of the regions and of the post-reorder, from the first call: with a
+            # communicator, all_to_all's counts are exchanged here, once.
+            exchange = RegionExchange(call, first.packed)
+            self.staging_numel = exchange.staging.numel() if exchange.staging is not first.packed else None
+            if self.staging_numel is not None:
+                first.staging = exchange.staging
+                first.staging.record_stream(first.comm)
+            self.blocks = self._unpack_tables(exchange)
+            self.steps, self.num_steps, self.per_step = collective_steps(exchange)
+        if not self.python_path:
+            self._make_native(first)
+
+    # ---- operands ------------------------------------------------------------------------
+    def _takes_directly(self, a, b) -> bool:
+        """Whether the key's strides let the kernel read a and b in place (per call only
+        their base addresses are checked for 16-byte alignment)."""
+        b_rows = b.t() if self.col else b
+        ok = lambda t: t.stride(1) == 1 and t.stride(0) % (ALIGN_BYTES // t.element_size()) == 0  # noqa: E731
+        return ok(a) and ok(b_rows) and self.k == a.shape[1]
+
+    def operands(self, a, b):
+        """(a, lda, b, ldb, copies) for the kernel; copies only when a and b cannot be read in
+        place. The caller keeps ``copies`` alive until the launch is queued, and no longer:
+        kept on the call, they would sit in a CUDA-graph pool as tensors no graph output owns
+        (torch.compile's cudagraph trees refuse that)."""
+        if self.direct and (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0:
+            return a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if self.col else b.stride(0), None
+        a_op, b_op, _ = self.backend._operands(self.arch, a, b, self.col)
+        return a_op.data_ptr(), a_op.stride(0), b_op.data_ptr(), b_op.stride(0), (a_op, b_op)
+
+    # ---- tables built once -----------------------------------------------------------------
+    def _unpack_tables(self, exchange) -> list:
+        """Per received block: (byte offset in out, tiles table, source offsets) on the device."""
+        size = exchange.call.out.element_size()
+        return [(start * size, torch.tensor(rects, dtype=torch.int32).to(self.device),
+                 torch.tensor(offsets, dtype=torch.int64).to(self.device))
+                for start, rects, offsets in unpack_layouts(exchange)]
+
+    def _make_native(self, state: StreamState) -> None:
+        plan = self.template.plan
+        desc = CallDescription()
+        desc.abi_version = 1
+        desc.gemm_run = self.gemm.run_address
+        desc.L, desc.block_rows = len(plan.block_rows), plan.block_rows[0]
+        desc.N, desc.K = plan.n, self.k
+        desc.items, desc.item_group = self.tables.items.data_ptr(), self.tables.item_group.data_ptr()
+        desc.num_items, desc.num_ctas = plan.num_tiles, plan.wave_size
+        desc.workspace = self.workspace.data_ptr() if self.workspace is not None else None
+        desc.packed, desc.staging = state.packed.data_ptr(), state.staging.data_ptr()
+        desc.counters, desc.num_groups = state.counters.data_ptr(), plan.num_groups
+        desc.group_sizes = (c_int32 * plan.num_groups)(*plan.group_sizes)
+        desc.wait_mode = WAIT_MODES[self.wait]
+        desc.collective = COLLECTIVES[self.kind] if self.comm is not None else 0
+        desc.nccl_comm = self.comm
+        desc.nccl_dtype = NCCL_DTYPES[plan.dtype]
+        desc.num_steps, desc.per_step = self.num_steps, self.per_step
+        desc.steps = (c_int64 * max(1, len(self.steps)))(*self.steps)
+        desc.num_blocks = len(self.blocks)
+        desc.block_out_offset = (c_int64 * max(1, len(self.blocks)))(*[b[0] for b in self.blocks])
+        desc.block_tiles = (c_void_p * max(1, len(self.blocks)))(*[b[1].data_ptr() for b in self.blocks])
+        desc.block_offsets = (c_void_p * max(1, len(self.blocks)))(*[b[2].data_ptr() for b in self.blocks])
+        desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
+        desc.ldo, desc.elem_size = plan.n, state.packed.element_size()
+        desc.comm_stream = state.comm.cuda_stream
+        desc.gemm_set_node = self.gemm.set_node_address
+        desc.use_graph = int(self.use_graph)
+        state.runtime = self.runtime
+        state.handle = self.runtime.call_create(desc)
+
+    # ---- per stream --------------------------------------------------------------------------
+    def state(self, stream: int | None = None) -> StreamState:
+        """This compute stream's state, made on its first call (outside graph pools)."""
+        if stream is None:
+            stream = self.current_stream(self.index)
+        state = self._states.get(stream)
+        if state is None:
+            plan = self.template.plan
+            current = torch.cuda.current_stream(self.device)
+            state = outside_graph_pools(
+                lambda: StreamState(plan, self.device, plan.torch_dtype, self.staging_numel),
+                current)
+            if not self.python_path:
+                self._make_native(state)
+            self._states[stream] = state
+        return state
+
+    def graph_state(self, stream: int | None = None) -> int:
+        """How this key's calls on ``stream`` run: 1 replaying a captured graph, 0 launch by
+        launch (first call, python path, replay off), -1 the graph could not be made."""
+        state = self.state(stream)
+        return 0 if state.handle is None else self.runtime.call_graph_state(state.handle)
+
+    # ---- the call ----------------------------------------------------------------------------
+    def run(self, a, b, out, op):
+        # The steady state: this stream's native call, operands read in place, kernels loaded.
+        stream = self.current_stream(self.index)
+        state = self._states.get(stream)
+        if state is not None and self.warmed and self.direct and state.handle is not None:
+            a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
+            if (a_ptr | b_ptr) & (ALIGN_BYTES - 1) == 0 and _current_device() == self.index:
+                err = self.call_run(state.handle, a_ptr, self.lda, b_ptr, self.ldb,
+                                    out.data_ptr(), stream, 0)
+                if err:
+                    self._raise(err)
+                return out
+        return self._run(a, b, out, op)
+
+    def _run(self, a, b, out, op):
+        """Every other case: another device current, a first call, copied operands, the
+        python path."""
+        if _current_device() != self.index:
+            with torch.cuda.device(self.device):
+                return self._run(a, b, out, op)
+        stream = self.current_stream(self.index)
+        state = self._states.get(stream) or self.state(stream)
+        if self.python_path:
+            t = self.template
+            call = OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits)
+            self.run_python(call, state)
+            return call.out
+        warm = self.backend.warm_up(self.warm_key)
+        a_ptr, lda, b_ptr, ldb, copies = self.operands(a, b)
+        err = self.call_run(state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream, int(warm))
+        del copies  # queued: the caching allocator orders their reuse after these kernels
+        if err:
+            self._raise(err)
+        self.warmed = True
+        return out
+
+    def _raise(self, err: int) -> None:
+        gemm_detail = self.gemm.lib.fo_last_error()
+        self.runtime.check(err, "fo_call_run" + (
+            f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
+
+    def run_python(self, call: OverlapCall, state: StreamState, monitor=None,
+                   stamps: dict | None = None) -> None:
+        """The call from Python: custom ops, all_to_all without recv_splits, groups without
+        NCCL, and traces. ``stamps`` (a dict, trace mode): CUDA events at the GEMM's launch and
+        end, around each group's transfer (each transfer then ends on the communication stream
+        before the next starts) and at the end of the call."""
+        plan, device = call.plan, call.a.device
+
+        def stamp(name, stream):
+            if stamps is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
+                stamps.setdefault(name, []).append(event)
+
+        with torch.cuda.device(device):
+            runtime = self.runtime
+            compute, comm = torch.cuda.current_stream(device), state.comm
+            exchange = RegionExchange(call, state.packed)  # all_to_all: count exchange (host sync)
+            comm.wait_stream(compute)
+            stamp("launch", compute)
+            self.backend.launch_gemm(plan, call.a, call.b, state.packed, monitor=monitor,
+                                     stream=compute, counters=state.counters)
+            stamp("gemm_end", compute)
+            first = self.backend.warm_up(self.warm_key)
+            if first:  # load every kernel of the call on an idle device (see module doc)
+                compute.synchronize()
+            with torch.cuda.stream(comm):
+                for g, size in enumerate(plan.group_sizes):
+                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, self.wait,
+                                         comm.cuda_stream)
+                    stamp("transfer_start", comm)
+                    exchange.start(g)
+                    if stamps is not None:
+                        for work in exchange.works[-1:] if call.group is not None else []:
+                            work.wait()  # the communication stream waits for this collective
+                        stamp("transfer_end", comm)
+                exchange.launch_remaining()
+            if first:
+                torch.cuda.synchronize(device)
+            exchange.wait()  # the compute stream waits for every collective
+            with torch.cuda.stream(comm):
+                runtime.reset_counters(state.counters.data_ptr(), plan.num_groups, comm.cuda_stream)
+            compute.wait_stream(comm)
+            tables = self.blocks if self.kind != "all_to_all" or call.recv_splits is not None \
+                else self._unpack_tables(exchange)
+            out = call.out
+            for start, rects, offs in tables:
+                runtime.unpack_tiles(exchange.staging.data_ptr(), out.data_ptr() + start,
+                                     out.stride(0), rects.data_ptr(), offs.data_ptr(),
+                                     rects.shape[0], out.element_size(), compute.cuda_stream)
+            stamp("end", compute)
+            if first:
+                torch.cuda.synchronize(device)
