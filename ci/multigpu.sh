@@ -36,6 +36,9 @@ done
 for w in "${SIZES[@]}"; do  # the Llama-style TP MLP block (issue 13), writes e2e-mlp-w<W>-*.json
   stage "e2e-w$w" 900 $PY bench/e2e_mlp.py --world-size "$w"
 done
+for w in "${SIZES[@]}"; do  # MoE all_to_all steps (issue 21), writes moe-<device>-*.json
+  stage "moe-w$w" 900 $PY bench/moe.py --world-size "$w"
+done
 if [ "${FO_MULTIGPU_FULL:-1}" = 1 ]; then
   for w in "${SIZES[@]}"; do
     # shellcheck disable=SC2086
