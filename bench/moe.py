@@ -35,7 +35,7 @@ from flashoverlap_core import api
 from flashoverlap_core.devices import current_device
 from flashoverlap_core.tools.args import at_least
 from flashoverlap_core.tools.ranks import Ranks
-from common import median_ms, table, write_result
+from common import table, write_result
 from multigpu import MULTICAST_OFF, topology_record
 
 FFN = {4096: 14336, 7168: 2048}

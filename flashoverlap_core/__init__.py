@@ -13,6 +13,7 @@ from .registry import BackendError, BackendStatus, register
 from .tiles import Schedule, TileRect
 from .tuning.cache import lookup_plan as _lookup_plan
 from .torch_ops import overlap  # api.overlap, also as torch custom ops (compile, autograd)
+from .torch_ops import overlap_add_rmsnorm  # the post-reorder fused into residual add + RMSNorm
 from . import nn  # noqa: E402  tensor-parallel layers (fo.nn)
 
 _api.set_plan_lookup(_lookup_plan)  # calls without plan= use tuned plans where the cache has them
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "BackendStatus", "OPS", "OverlapCall", "OverlapSpec", "Plan",
-    "PreparedCall", "Region", "Schedule", "TileRect", "backends", "make_plan", "overlap", "plan",
+    "PreparedCall", "Region", "Schedule", "TileRect", "backends", "make_plan", "overlap",
+    "overlap_add_rmsnorm", "plan",
     "prepared_calls", "register",
 ]

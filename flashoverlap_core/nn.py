@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import resolve_group
-from .torch_ops import group_name, overlap
+from .torch_ops import group_name, overlap, overlap_add_rmsnorm
 
 REDUCE_OPS = ("allreduce", "reduce_scatter")
 
@@ -153,6 +153,34 @@ class RowParallelLinear(_ParallelLinear):
         if self.reduce == "reduce_scatter":
             return y + _SumGradOverRanks.apply(self.bias, group_name(self.group))
         return y + self.bias
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.RMSNorm):
+        """``(norm(residual + self(x)), residual + self(x))`` with the reduction's
+        post-communication reorder fused into the residual add and the norm
+        (:func:`fo.overlap_add_rmsnorm <flashoverlap_core.torch_ops.overlap_add_rmsnorm>`).
+        ``residual`` has the shape of ``self(x)`` (with ``"reduce_scatter"``, this rank's rows);
+        ``norm`` is an ``nn.RMSNorm(out_features)``: its weight (none: ones) and eps (none:
+        the dtype's, as nn.RMSNorm's)."""
+        if not isinstance(norm, nn.RMSNorm):
+            raise TypeError(f"norm must be a torch.nn.RMSNorm, got {type(norm).__name__}")
+        if tuple(norm.normalized_shape) != (self.out_features,):
+            raise ValueError(f"norm must normalise over out_features={self.out_features}, got "
+                             f"normalized_shape {tuple(norm.normalized_shape)}")
+        rows = self._rows(x, self.in_shard, f"this rank's 1/{self.world_size} of in_features="
+                          f"{self.in_features}")
+        shape = residual.shape
+        flat = residual.reshape(-1, self.out_features)
+        if self.bias is not None:  # added once, after the reduction: fold it into the residual
+            bias = self.bias
+            if self.reduce == "reduce_scatter":
+                bias = _SumGradOverRanks.apply(bias, group_name(self.group))
+            flat = flat + bias
+        weight = norm.weight if norm.weight is not None else flat.new_ones(self.out_features)
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        normed, resid = overlap_add_rmsnorm(rows, self.weight.t(), flat, weight, eps=eps,
+                                            op=self.reduce, group=self.group,
+                                            backend=self.backend)
+        return normed.reshape(shape), resid.reshape(shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (shard {self.in_shard}), "

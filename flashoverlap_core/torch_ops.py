@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from . import add_rmsnorm as norm
 from . import api, registry
 from .backend import OverlapSpec
 from .plan import Plan, dtype_name
@@ -276,7 +277,7 @@ def _backward_backend(ctx, op: str, a, b) -> str | None:
 
 def _grads(ctx, grad_c):
     """(dL/da, dL/db) from dL/dc, a plain tensor on this rank."""
-    a, b = ctx.saved_tensors
+    a, b = ctx.saved_tensors[:2]
     grad_a = grad_c @ b.t() if ctx.needs_input_grad[0] else None
     grad_b = a.t() @ grad_c if ctx.needs_input_grad[1] else None
     return grad_a, grad_b
@@ -292,7 +293,7 @@ def _backward_reduce_scatter(ctx, grad):
     # dL/dc is the all-gather of the ranks' row blocks of the gradient: dL/da is one overlapped
     # allgather-GEMM; dL/db needs the gathered rows themselves (started first, so it runs while
     # the overlapped call does).
-    a, b = ctx.saved_tensors
+    a, b = ctx.saved_tensors[:2]
     grad = grad.contiguous()
     gathered = _all_gather(grad, ctx.group_name) if ctx.needs_input_grad[1] else None
     grad_a = (overlap(grad, b.t(), "allgather", resolve_group(ctx.group_name),
@@ -346,3 +347,82 @@ _BACKWARDS = {"allreduce": _backward_allreduce, "reduce_scatter": _backward_redu
               "allgather": _backward_allgather, "all_to_all": _backward_all_to_all}
 for _op, _custom in CUSTOM_OPS.items():
     _custom.register_autograd(_BACKWARDS[_op], setup_context=_setup_context)
+
+
+# ---- overlap + residual add + RMSNorm (flashoverlap_core/add_rmsnorm.py) ------------------------
+_NORM_SCHEMA = ("(Tensor a, Tensor b, Tensor residual, Tensor weight, str group_name, "
+                "int group_size, float eps, *, str? plan=None, str? backend=None) -> (Tensor, Tensor)")
+
+
+def overlap_add_rmsnorm(a, b, residual, weight, *, eps: float = 1e-6, op: str = "allreduce",
+                        group=None, plan: Plan | None = None, backend: str | None = None):
+    """``(normed, residual_out)``: ``residual_out = residual + op(a @ b)`` (op ``allreduce``
+    or ``reduce_scatter``; with reduce_scatter ``residual`` is this rank's rows) and ``normed =
+    residual_out * rsqrt(mean(residual_out ** 2, -1) + eps) * weight``, float32 math, in a's
+    dtype (see flashoverlap_core/add_rmsnorm.py). A torch custom op under torch.compile, on
+    fake tensors or with gradients: an allreduced output's gradient needs no communication, a
+    reduce-scattered one's is all-gathered, and ``weight``'s gradient is this rank's rows' share.
+    """
+    tensors = (a, b, residual, weight)
+    if not _is_compiling() and all(_direct(t) for t in tensors):
+        return norm.overlap_add_rmsnorm(a, b, residual, weight, eps, op, group, plan=plan,
+                                        backend=backend)
+    if not _is_compiling():
+        norm.check(a, b, residual, weight, eps, op, group)
+    if not isinstance(op, str) or op not in norm.NORM_OPS:
+        raise ValueError(f"overlap_add_rmsnorm takes op one of {norm.NORM_OPS}, got {op!r}")
+    name = group_name(group)
+    size = dist.get_world_size(group) if name else 1
+    return NORM_OPS[op](a, b, residual, weight, name, size, float(eps),
+                        plan=_plan_text(plan) if plan is not None else None, backend=backend)
+
+
+def _norm_real_kernel(op: str):
+    def run(a, b, residual, weight, group_name, group_size, eps, *, plan=None, backend=None):
+        _check_group_size(group_name, group_size)
+        return norm.overlap_add_rmsnorm(a, b, residual, weight, eps, op, resolve_group(group_name),
+                                        plan=_plan_from_text(plan) if plan is not None else None,
+                                        backend=backend)
+    run.__name__ = f"{op}_add_rmsnorm"
+    return run
+
+
+def _norm_fake_kernel(op: str):
+    def fake(a, b, residual, weight, group_name, group_size, eps, *, plan=None, backend=None):
+        rows = result_rows(op, a, b, group_size)
+        if tuple(residual.shape) != (rows, b.shape[1]):
+            raise ValueError(f"residual must be [{rows}, {b.shape[1]}], got {tuple(residual.shape)}")
+        return a.new_empty((rows, b.shape[1])), a.new_empty((rows, b.shape[1]))
+    return fake
+
+
+def _norm_setup_context(ctx, inputs, output, keyword_only_inputs=None):
+    a, b, residual, weight, name, _, eps = inputs
+    ctx.save_for_backward(a, b, weight, output[1])
+    ctx.group_name, ctx.eps = name, eps
+    ctx.backend = (keyword_only_inputs or {}).get("backend")
+
+
+def _norm_backward(op: str):
+    reduce_backward = {"allreduce": _backward_allreduce, "reduce_scatter": _backward_reduce_scatter}[op]
+
+    def backward(ctx, grad_normed, grad_resid):
+        a, b, weight, resid_out = ctx.saved_tensors
+        grad_x, grad_w = norm.add_rmsnorm_backward(resid_out, weight, ctx.eps, grad_normed,
+                                                   grad_resid)
+        grad_a, grad_b = reduce_backward(ctx, grad_x.to(a.dtype))[:2]
+        grad_residual = grad_x.to(resid_out.dtype) if ctx.needs_input_grad[2] else None
+        grad_weight = grad_w.to(weight.dtype) if ctx.needs_input_grad[3] and grad_w is not None else None
+        return grad_a, grad_b, grad_residual, grad_weight, None, None, None
+    return backward
+
+
+def _define_norm(op: str):
+    custom = torch.library.custom_op(f"{NAMESPACE}::{op}_add_rmsnorm", _norm_real_kernel(op),
+                                     mutates_args=(), schema=_NORM_SCHEMA, tags=_TAGS)
+    custom.register_fake(_norm_fake_kernel(op))
+    custom.register_autograd(_norm_backward(op), setup_context=_norm_setup_context)
+    return custom
+
+
+NORM_OPS = {op: _define_norm(op) for op in norm.NORM_OPS}

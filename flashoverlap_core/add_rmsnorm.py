@@ -1,0 +1,73 @@
+"""The post-communication reorder fused into the next op: residual add + RMSNorm.
+
+``overlap_add_rmsnorm(a, b, residual, weight, eps=1e-6, op="allreduce")`` returns
+``(normed, residual_out)`` with ``residual_out = residual + op(a @ b)`` and ``normed =
+residual_out * rsqrt(mean(residual_out ** 2, -1) + eps) * weight``, in float32 math, both in
+``a``'s dtype (the seed's ReorderRMSNorm; vLLM and flashinfer fuse allreduce + add + RMSNorm
+likewise). ``op`` is ``allreduce`` (``residual`` is ``[M, N]``) or ``reduce_scatter``
+(``residual`` is this rank's ``[M / W, N]`` rows). The overlapped call runs on the backend
+``overlap`` chooses; the add and the norm then run in torch on its result (every backend, for
+now: no backend fuses them into its post-reorder yet).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import api
+
+NORM_OPS = ("allreduce", "reduce_scatter")
+
+
+def check(a, b, residual, weight, eps, op, group) -> int:
+    """Every check that needs no device work (TypeError/ValueError); the result's rows."""
+    if not isinstance(op, str) or op not in NORM_OPS:
+        raise ValueError(f"overlap_add_rmsnorm takes op one of {NORM_OPS}, got {op!r}")
+    c = api.check_arguments(a, b, op, group)
+    rows, n = c["rows"], c["n"]
+    for name, t in (("residual", residual), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != a.device:
+            raise ValueError(f"{name} must be on {a.device} like a, got {t.device}")
+    if residual.dtype != a.dtype:
+        raise TypeError(f"residual must have a's dtype {a.dtype}, got {residual.dtype}")
+    if tuple(residual.shape) != (rows, n):
+        what = "this rank's rows of the result" if op == "reduce_scatter" else "the result"
+        raise ValueError(f"residual must be [{rows}, {n}] ({what}), got {tuple(residual.shape)}")
+    if not weight.is_floating_point() or tuple(weight.shape) != (n,):
+        raise ValueError(f"weight must be a floating-point [{n}] tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps must be a real number >= 0, got {eps!r}")
+    return rows
+
+
+def add_rmsnorm(reduced, residual, weight, eps: float):
+    """(normed, residual_out) from the reduced product, in float32 math."""
+    resid = residual.float() + reduced.float()
+    rstd = torch.rsqrt(resid.pow(2).mean(-1, keepdim=True) + eps)
+    return (resid * rstd * weight.float()).to(reduced.dtype), resid.to(reduced.dtype)
+
+
+def add_rmsnorm_backward(resid_out, weight, eps: float, grad_normed, grad_resid):
+    """(d residual_out, d weight) of ``normed = rmsnorm(residual_out) * weight`` given the two
+    outputs' gradients (either may be None), in float32."""
+    x = resid_out.float()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    grad_x = grad_resid.float() if grad_resid is not None else torch.zeros_like(x)
+    grad_w = None
+    if grad_normed is not None:
+        g = grad_normed.float() * weight.float()
+        grad_x = grad_x + rstd * g - x * rstd.pow(3) * (g * x).mean(-1, keepdim=True)
+        grad_w = (grad_normed.float() * x * rstd).sum(0)
+    return grad_x, grad_w
+
+
+def overlap_add_rmsnorm(a, b, residual, weight, eps: float = 1e-6, op: str = "allreduce",
+                        group=None, *, plan=None, backend=None):
+    """See the module docstring (the eager path: real tensors, nothing to differentiate)."""
+    check(a, b, residual, weight, eps, op, group)
+    reduced = api.overlap(a, b, op, group, plan=plan, backend=backend)
+    return add_rmsnorm(reduced, residual, weight, float(eps))
