@@ -49,8 +49,11 @@ class AllToAllCall:
 
     # ---- per call ------------------------------------------------------------------------
     def run(self, a, b, out, op, send_splits, recv_splits) -> torch.Tensor:
-        try:
+        try:  # everything that can refuse this rank's call, before any communication
             send, recv, rows = self._checked(a, send_splits, recv_splits)
+            if out is not None:
+                self._check_out(out, a, rows)
+            plan = self._plan_for(a.shape[0], send)  # the backend may refuse these rows
         except (TypeError, ValueError) as e:
             if not self.verified:
                 self._verify(None, None, a.device, e)  # the peers are in the check: tell them
@@ -59,11 +62,8 @@ class AllToAllCall:
             raise
         if not self.verified:
             self._verify(send, recv, a.device, None)
-        if out is not None:
-            self._check_out(out, a, rows)
-        elif rows is not None:
+        if out is None and rows is not None:
             out = torch.empty((rows, self.n), dtype=a.dtype, device=a.device)
-        plan = self._plan_for(a.shape[0], send)
         if plan.strategy == "sequential":
             return self._sequential(a, b, out, send, recv)
         call = OverlapCall(a, b, plan, op, self.group, self.rank, self.world, out, recv)

@@ -14,6 +14,7 @@ import torch
 
 import flashoverlap_core as fo
 from flashoverlap_core import api, collectives
+from flashoverlap_core.reference import ReferenceBackend
 from flashoverlap_core.tools.ranks import RankPool
 
 
@@ -180,3 +181,39 @@ def test_the_moe_benchmark_runs_on_host_ranks(tmp_path):
     assert [r["tokens"] for r in doc["rows"]] == [12, 30]
     assert all(r["fo_rel_err"] < 1e-4 and r["fo_backend"] for r in doc["rows"]), doc["rows"]
     assert doc["summary"]["backends"] and doc["world_size"] == 2
+
+
+class _EqualBlocksOnly(ReferenceBackend):
+    """Runs only equal destination blocks (as a signaling GEMM without row-granular blocks)."""
+
+    name = "fake-equal-blocks"
+
+    def plan_reasons(self, plan):
+        if len(set(plan.block_rows)) > 1:
+            return ["destination blocks of unequal rows (fake backend for tests)"]
+        return []
+
+
+def _unequal_rows_for_a_named_backend(_):
+    import torch.distributed as dist
+
+    from flashoverlap_core import registry
+
+    api.forget_prepared()
+    registry.register(_EqualBlocksOnly())
+    rank = dist.get_rank()
+    send = [2, 4] if rank == 1 else [3, 3]
+    recv = [3, 2] if rank == 0 else [3, 4]
+    try:
+        fo.overlap(torch.randn(6, 4), torch.randn(4, 5), "all_to_all", send_splits=send,
+                   recv_splits=recv, backend="fake-equal-blocks")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_rows_a_named_backend_refuses_on_one_rank_raise_on_every_rank():
+    with RankPool(2, timeout=120) as pool:
+        messages = pool.run(_unequal_rows_for_a_named_backend, 0)
+    assert "unequal rows" in messages[1], messages
+    assert "rank 1" in messages[0] and "unequal rows" in messages[0], messages
