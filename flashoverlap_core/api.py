@@ -327,6 +327,10 @@ def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_
         raise ValueError(f"a is [{m}, {k}] and b is [{kb}, {n}]: a.shape[1] must equal b.shape[0]")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if str(a.dtype).startswith("torch.float8"):
+        raise TypeError(f"{a.dtype} a and b need scale_a and scale_b (float32, 0-dim or [M, 1] "
+                        "and 0-dim or [1, N]) and give out_dtype (bfloat16 by default): "
+                        "fo.overlap(a, b, op, scale_a=..., scale_b=..., out_dtype=...)")
     dtype = dtype_name(a.dtype)
     if a.device != b.device:
         raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import add_rmsnorm as norm
-from . import api, registry
+from . import api, fp8, registry
 from .backend import OverlapSpec
 from .plan import Plan, dtype_name
 
@@ -33,7 +33,8 @@ _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enable
 
 
 def overlap(a, b, op="allreduce", group=None, *, plan: Plan | None = None, out=None,
-            send_splits=None, recv_splits=None, backend: str | None = None):
+            send_splits=None, recv_splits=None, backend: str | None = None, scale_a=None,
+            scale_b=None, out_dtype=None):
     """``op`` applied to ``a @ b`` across ``group`` with the communication overlapped with the
     GEMM (semantics in :func:`flashoverlap_core.api.overlap` and docs/design.md).
 
@@ -41,11 +42,42 @@ def overlap(a, b, op="allreduce", group=None, *, plan: Plan | None = None, out=N
     string ops run as torch custom ops; ``all_to_all`` then needs explicit ``recv_splits`` (the
     result's size must be known without communicating) when the world size is above 1. A
     callable ``op`` is eager-only: it raises ``TypeError`` there.
+
+    fp8: float8_e4m3fn ``a`` and ``b`` (b column-major) with float32 ``scale_a`` (0-dim or
+    [M, 1]) and ``scale_b`` (0-dim or [1, N]) give ``op((a * scale_a) @ (b * scale_b))`` in
+    ``out_dtype`` (bfloat16 default, or float16); inference only (flashoverlap_core/fp8.py).
     """
+    if scale_a is not None or scale_b is not None or out_dtype is not None:
+        return _overlap_fp8(a, b, op, group, plan, out, send_splits, recv_splits, backend,
+                            scale_a, scale_b, out_dtype)
     if not _is_compiling() and _direct(a) and _direct(b):
         return api.overlap(a, b, op, group, plan=plan, out=out, send_splits=send_splits,
                            recv_splits=recv_splits, backend=backend)
     return _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, backend)
+
+
+def _overlap_fp8(a, b, op, group, plan, out, send_splits, recv_splits, backend, scale_a,
+                 scale_b, out_dtype):
+    """The fp8 call: dequantized, run as a float32 overlapped call, rounded to out_dtype."""
+    out_dtype = fp8.check(a, b, scale_a, scale_b, out_dtype, plan)
+    if out is not None and (not isinstance(out, _Tensor) or out.dtype != out_dtype):
+        raise ValueError(f"out must be a {out_dtype} tensor, got {_describe(out)}")
+    a32, b32 = fp8.dequantized(a, b, scale_a, scale_b)
+    try:
+        result = overlap(a32, b32, op, group, send_splits=send_splits, recv_splits=recv_splits,
+                         backend=backend)
+    except registry.BackendError as e:
+        raise registry.BackendError(
+            f"{e}\n(an fp8 call runs dequantized, as a float32 call: no backend has an fp8 "
+            "signaling GEMM yet, so it needs one that takes float32, e.g. 'decomposition' or "
+            "'reference')") from None
+    result = result.to(out_dtype)
+    if out is None:
+        return result
+    if out.shape != result.shape:
+        raise ValueError(f"out must be a {out_dtype} tensor of shape {tuple(result.shape)}, "
+                         f"got {_describe(out)}")
+    return out.copy_(result)
 
 
 def _direct(t) -> bool:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS = (
     ("model", {"tiles", "plan", "grouping", "reorder"}),
     ("contract", {"backend", "tile_trace", "registry", "collectives", "gather", "devices"}),
-    ("api", {"api", "all_to_all", "add_rmsnorm", "transfers"}),
+    ("api", {"api", "all_to_all", "add_rmsnorm", "fp8", "transfers"}),
     ("backends", {"reference", "decomposition"}),
     ("torch integration", {"torch_ops", "nn"}),
     ("tuning", {"tuning"}),

@@ -1,0 +1,130 @@
+"""fp8 calls on spawned ranks: float8_e4m3fn a and b (b column-major) with tensor-wise and
+row-wise float32 scales, bf16 and fp16 out, every op, ragged shapes, against float64 of the
+dequantized inputs recomputed by each rank from every rank's seeds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flashoverlap_core.fp8 import FP8_DTYPES
+from flashoverlap_core.tools.ranks import RankError, RankTimeout
+
+from .cases import COLLECTIVES, SHAPES, seed_of
+from .plugin import settings
+
+OUT = ("bfloat16", "float16")
+RTOL = {"bfloat16": 2e-2, "float16": 4e-3}  # of the largest |reference|
+
+
+@dataclass(frozen=True)
+class Fp8Case:
+    op: str
+    world_size: int
+    m: int
+    n: int
+    k: int
+    rowwise: bool  # scale_a [M, 1] and scale_b [1, N]; else 0-dim scales
+    out_dtype: str
+
+    @property
+    def id(self) -> str:
+        return (f"W{self.world_size}-{self.op}-fp8-{'rowwise' if self.rowwise else 'tensorwise'}-"
+                f"{self.out_dtype}-{self.m}x{self.n}x{self.k}")
+
+
+def fp8_matrix(world_sizes) -> list[Fp8Case]:
+    cases = []
+    for w in world_sizes:
+        for o, op in enumerate(COLLECTIVES):
+            for j in range(2):
+                shape = SHAPES[(w + 2 * o + 5 * j) % len(SHAPES)]
+                m = -(-shape.m // w) * w if op == "reduce_scatter" else shape.m
+                cases.append(Fp8Case(op, w, m, shape.n, shape.k, bool((o + j) % 2), OUT[(w + j) % 2]))
+    return cases
+
+
+def pytest_generate_tests(metafunc):
+    if "fp8_case" in metafunc.fixturenames:
+        cases = fp8_matrix(settings(metafunc.config).world_sizes) if FP8_DTYPES else []
+        metafunc.parametrize("fp8_case", cases, ids=[c.id for c in cases])
+
+
+def inputs(case: Fp8Case, seed: int, rank: int):
+    """Rank ``rank``'s fp8 a, fp8 b (``w.t()``), scales and send_splits (all_to_all), host."""
+    g = torch.Generator().manual_seed(seed_of(seed, case.id, rank))
+    f8 = FP8_DTYPES[0]
+    a = (torch.randn(case.m, case.k, generator=g) * 2).to(f8)
+    b = (torch.randn(case.n, case.k, generator=g) * 2).to(f8).t()
+    if case.rowwise:
+        sa = torch.rand(case.m, 1, generator=g) + 0.25
+        sb = torch.rand(1, case.n, generator=g) + 0.25
+    else:
+        sa, sb = torch.rand((), generator=g) + 0.25, torch.rand((), generator=g) + 0.25
+    w = case.world_size
+    cuts = sorted(torch.randint(0, case.m + 1, (w - 1,), generator=g).tolist())
+    splits = [y - x for x, y in zip([0] + cuts, cuts + [case.m])]
+    return a, b, sa, sb, splits
+
+
+def reference(case: Fp8Case, seed: int, rank: int) -> torch.Tensor:
+    w = case.world_size
+    per = [inputs(case, seed, r) for r in range(w)]
+    deq = [(a.double() * sa.double(), b.double() * sb.double(), s) for a, b, sa, sb, s in per]
+    if case.op == "allgather":
+        return torch.cat([x for x, _, _ in deq]) @ deq[rank][1]
+    if case.op == "all_to_all":
+        parts = []
+        for x, y, s in deq:
+            start = sum(s[:rank])
+            parts.append(x[start:start + s[rank]] @ y)
+        return torch.cat(parts)
+    total = sum(x @ y for x, y, _ in deq)
+    if case.op == "reduce_scatter":
+        rows = case.m // w
+        return total[rank * rows:(rank + 1) * rows]
+    return total
+
+
+def run_fp8_case(target, case: Fp8Case, seed: int) -> list[str]:
+    import torch.distributed as dist
+
+    import flashoverlap_core as fo
+    from flashoverlap_core import api
+
+    api.forget_prepared()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = target.device(rank)
+    a, b, sa, sb, splits = inputs(case, seed, rank)
+    kwargs = {}
+    if case.op == "all_to_all" and case.world_size > 1:
+        kwargs = {"send_splits": splits,
+                  "recv_splits": [inputs(case, seed, src)[4][rank] for src in range(case.world_size)]}
+    out_dtype = getattr(torch, case.out_dtype)
+    got = fo.overlap(a.to(device), b.t().to(device).t(), case.op, scale_a=sa.to(device),
+                     scale_b=sb.to(device), out_dtype=out_dtype, backend=target.backend_name,
+                     **kwargs)
+    want = reference(case, seed, rank)
+    if got.dtype != out_dtype or tuple(got.shape) != tuple(want.shape):
+        return [f"result is {got.dtype} {tuple(got.shape)}, expected {out_dtype} {tuple(want.shape)}"]
+    if not want.numel():
+        return []
+    err = float((got.double().cpu() - want).abs().max())
+    scale = float(want.abs().max())
+    if not err <= RTOL[case.out_dtype] * scale:
+        return [f"max error {err:.3g}, more than {RTOL[case.out_dtype]} of the largest |value| {scale:.3g}"]
+    return []
+
+
+def test_fp8_on_ranks(fp8_case, fo_pools, fo_backend, fo_settings):
+    try:
+        results = fo_pools.run(fp8_case.world_size, run_fp8_case, fp8_case, fo_settings.seed)
+    except (RankError, RankTimeout) as e:
+        if "no backend has an fp8 signaling GEMM" in str(e) and fo_backend.device_type is not None:
+            pytest.skip(f"backend {fo_backend.name!r} has no fp8 GEMM and does not take the "
+                        "dequantized float32 call")
+        pytest.fail(f"{type(e).__name__}: {e}", pytrace=False)
+    bad = {r: p for r, p in enumerate(results) if p}
+    assert not bad, f"{fp8_case.id}, seed {fo_settings.seed}: " + "; ".join(
+        f"rank {r}: {p}" for r, p in bad.items())
