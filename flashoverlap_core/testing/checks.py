@@ -86,3 +86,26 @@ def mismatch(got: torch.Tensor, want: Expected, what: str) -> str | None:
             f"{f' ({unwritten} never written: still NaN)' if unwritten else ''}; first at "
             f"{list(first)}: got {got64[first].item():.6g}, expected {want.ref[first].item():.6g} "
             f"+- {want.tol[first].item():.3g}")
+
+
+def normwise_mismatch(got, want: torch.Tensor, rtol: float, what: str) -> str | None:
+    """None when ``got`` is within ``rtol`` of the largest |value| of ``want`` (float64)
+    everywhere, else what is wrong: for results that pass through a normalisation or a
+    quantisation, where the element-wise bound above does not apply."""
+    if got is None:
+        return f"{what}: missing"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if not want.numel():
+        return None
+    got64 = got.detach().to("cpu", torch.float64)
+    bound = rtol * float(want.abs().max())
+    bad = ~((got64 - want).abs() <= bound)
+    if not bad.any():
+        return None
+    unwritten = int(torch.isnan(got64).sum())
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    return (f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the error bound "
+            f"{bound:.3g} ({rtol} of the largest |value|)"
+            f"{f' ({unwritten} never written: still NaN)' if unwritten else ''}; first at "
+            f"{list(first)}: got {got64[first].item():.6g}, expected {want[first].item():.6g}")

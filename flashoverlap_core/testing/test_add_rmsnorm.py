@@ -11,6 +11,7 @@ import torch
 from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
 from .cases import SHAPES, seed_of
+from .checks import normwise_mismatch
 from .plugin import settings
 
 NORM_OPS = ("allreduce", "reduce_scatter")
@@ -134,19 +135,8 @@ def run_norm_case(target, case: NormCase, seed: int) -> list[str]:
 
 
 def _compare(what, got, want, dtype) -> list[str]:
-    if got is None:
-        return [f"{what}: missing"]
-    if tuple(got.shape) != tuple(want.shape):
-        return [f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
-    got64 = got.detach().to("cpu", torch.float64)
-    if got64.isnan().any():
-        return [f"{what}: NaN"]
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    err = float((got64 - want).abs().max()) if want.numel() else 0.0
-    if err > RTOL[dtype] * max(scale, 1e-30):
-        return [f"{what}: max error {err:.3g}, more than {RTOL[dtype]} of the largest |value| "
-                f"{scale:.3g}"]
-    return []
+    wrong = normwise_mismatch(got, want, RTOL[dtype], what)
+    return [wrong] if wrong else []
 
 
 def test_overlap_add_rmsnorm_on_ranks(norm_case, fo_pools, fo_backend, fo_target, fo_settings):

@@ -12,6 +12,7 @@ from flashoverlap_core.fp8 import FP8_DTYPES
 from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
 from .cases import COLLECTIVES, SHAPES, seed_of
+from .checks import normwise_mismatch
 from .plugin import settings
 
 OUT = ("bfloat16", "float16")
@@ -106,15 +107,10 @@ def run_fp8_case(target, case: Fp8Case, seed: int) -> list[str]:
                      scale_b=sb.to(device), out_dtype=out_dtype, backend=target.backend_name,
                      **kwargs)
     want = reference(case, seed, rank)
-    if got.dtype != out_dtype or tuple(got.shape) != tuple(want.shape):
-        return [f"result is {got.dtype} {tuple(got.shape)}, expected {out_dtype} {tuple(want.shape)}"]
-    if not want.numel():
-        return []
-    err = float((got.double().cpu() - want).abs().max())
-    scale = float(want.abs().max())
-    if not err <= RTOL[case.out_dtype] * scale:
-        return [f"max error {err:.3g}, more than {RTOL[case.out_dtype]} of the largest |value| {scale:.3g}"]
-    return []
+    if got.dtype != out_dtype:
+        return [f"result is {got.dtype}, expected {out_dtype}"]
+    wrong = normwise_mismatch(got, want, RTOL[case.out_dtype], "result")
+    return [wrong] if wrong else []
 
 
 def test_fp8_on_ranks(fp8_case, fo_pools, fo_backend, fo_settings):
