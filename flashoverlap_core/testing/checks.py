@@ -76,16 +76,21 @@ def mismatch(got: torch.Tensor, want: Expected, what: str) -> str | None:
     if tuple(got.shape) != tuple(want.ref.shape):
         return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.ref.shape)}"
     got64 = got.detach().to("cpu", torch.float64)
-    err = (got64 - want.ref).abs()
-    bad = ~(err <= want.tol)
+    bad = ~((got64 - want.ref).abs() <= want.tol)
+    return _outside(what, got64, want.ref, bad, "",
+                    lambda first: f" +- {want.tol[first].item():.3g}")
+
+
+def _outside(what, got64, ref, bad, bound: str, detail) -> str | None:
+    """What is wrong where ``bad`` (None when nothing is)."""
     if not bad.any():
         return None
     unwritten = int(torch.isnan(got64).sum())
     first = tuple(int(i) for i in bad.nonzero()[0])
-    return (f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the error bound"
+    return (f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the error bound{bound}"
             f"{f' ({unwritten} never written: still NaN)' if unwritten else ''}; first at "
-            f"{list(first)}: got {got64[first].item():.6g}, expected {want.ref[first].item():.6g} "
-            f"+- {want.tol[first].item():.3g}")
+            f"{list(first)}: got {got64[first].item():.6g}, expected {ref[first].item():.6g}"
+            f"{detail(first)}")
 
 
 def normwise_mismatch(got, want: torch.Tensor, rtol: float, what: str) -> str | None:
@@ -101,11 +106,5 @@ def normwise_mismatch(got, want: torch.Tensor, rtol: float, what: str) -> str | 
     got64 = got.detach().to("cpu", torch.float64)
     bound = rtol * float(want.abs().max())
     bad = ~((got64 - want).abs() <= bound)
-    if not bad.any():
-        return None
-    unwritten = int(torch.isnan(got64).sum())
-    first = tuple(int(i) for i in bad.nonzero()[0])
-    return (f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the error bound "
-            f"{bound:.3g} ({rtol} of the largest |value|)"
-            f"{f' ({unwritten} never written: still NaN)' if unwritten else ''}; first at "
-            f"{list(first)}: got {got64[first].item():.6g}, expected {want[first].item():.6g}")
+    return _outside(what, got64, want, bad, f" {bound:.3g} ({rtol} of the largest |value|)",
+                    lambda first: "")
