@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Backend, OverlapCall
-from .collectives import INVALID, exchange_objects, rows_from_ranks
+from .collectives import INVALID, exchange_objects, exchange_rows, rows_from_ranks
 from .plan import check_splits
 
 MAX_PLANS = 1024  # per prepared call: plans (and backend preparations) of recent row splits
@@ -102,18 +102,14 @@ class AllToAllCall:
 
     def _tell_peers(self, device) -> None:
         """Take part in the count exchange the other ranks are in, with the invalid mark."""
-        mark = torch.full((self.world,), INVALID, dtype=torch.int64, device=device)
-        dist.all_to_all_single(torch.empty_like(mark), mark, group=self.group)
+        exchange_rows([INVALID] * self.world, self.group, device)
 
     def _verify(self, send, recv, device, error) -> None:
         """The key's first call: the rows each rank sends every other (one all_to_all of W
         counts), this rank's recv_splits against them, and every rank's verdict (one exchange):
         any rank's error is raised on every rank."""
-        mine = torch.tensor(send if send is not None else [INVALID] * self.world,
-                            dtype=torch.int64, device=device)
-        theirs = torch.empty_like(mine)
-        dist.all_to_all_single(theirs, mine, group=self.group)
-        sent = theirs.tolist()
+        sent = exchange_rows(send if send is not None else [INVALID] * self.world, self.group,
+                             device)
         problem = None if error is None else f"{type(error).__name__}: {error}"
         if problem is None and INVALID not in sent and recv is not None and list(recv) != sent:
             problem = (f"ValueError: recv_splits of rank {self.rank} are {list(recv)}, but the "

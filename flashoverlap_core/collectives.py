@@ -70,8 +70,7 @@ class SequentialCall:
 
     def __init__(self, call: OverlapCall):
         self.kind = call.op if isinstance(call.op, str) else "custom"
-        self.group, self.world, self.recv = call.group, call.world_size, call.recv_splits
-        self.send = call.plan.send_splits
+        self.group, self.world = call.group, call.world_size
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         kind, group = self.kind, self.group
@@ -88,34 +87,26 @@ class SequentialCall:
             elif group is not None:
                 dist.all_reduce(out, group=group)
             return out
-        c = torch.matmul(a, b)
-        if kind == "reduce_scatter":
-            reduce_scatter_single(out, c, group=group)
-            return out
-        recv = self.recv if self.recv is not None else self._recv_splits(a.device)
-        if out is None:
-            out = c.new_empty((sum(recv), c.shape[1]))
-        dist.all_to_all_single(out, c, output_split_sizes=list(recv),
-                               input_split_sizes=list(self.send), group=group)
+        reduce_scatter_single(out, torch.matmul(a, b), group=group)  # (all_to_all: AllToAllCall)
         return out
-
-    def _recv_splits(self, device) -> list[int]:
-        mine = torch.tensor(self.send, dtype=torch.int64, device=device)
-        theirs = torch.empty_like(mine)
-        dist.all_to_all_single(theirs, mine, group=self.group)
-        return theirs.tolist()
 
 
 INVALID = -1  # what a rank whose all_to_all arguments were invalid sends in the count exchange
 
 
-def rows_from_ranks(send, group, device) -> list[int]:
-    """Rows each rank sends this one (one all_to_all of W counts); a ValueError on every rank
-    when one of them had invalid arguments (it sent the invalid mark)."""
+def exchange_rows(send, group, device) -> list[int]:
+    """What each rank sends this one (one all_to_all of the W counts ``send``), as they came:
+    the invalid mark included."""
     mine = torch.tensor(send, dtype=torch.int64, device=device)
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
-    rows = theirs.tolist()
+    return theirs.tolist()
+
+
+def rows_from_ranks(send, group, device) -> list[int]:
+    """Rows each rank sends this one (one all_to_all of W counts); a ValueError on every rank
+    when one of them had invalid arguments (it sent the invalid mark)."""
+    rows = exchange_rows(send, group, device)
     bad = [r for r, v in enumerate(rows) if v == INVALID]
     if bad:
         raise ValueError(f"all_to_all: the arguments of rank(s) {bad} were invalid (they raised "
