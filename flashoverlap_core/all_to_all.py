@@ -43,6 +43,10 @@ class AllToAllCall:
         self.group, self.rank, self.world = template.group, template.rank, template.world_size
         self.n = template.plan.n
         self.prepares = type(backend).prepare is not Backend.prepare
+        # a backend that lays each call out from its own splits needs no plan per split
+        self.native = (backend.prepare_all_to_all(template)
+                       if self.plan.grouping == "destinations" and self.plan.strategy == "overlap"
+                       else None)
         self._plans: OrderedDict = OrderedDict()
         self._prepared: OrderedDict = OrderedDict()
         self.verified = self.group is None or self.world == 1  # the first call checks splits
@@ -53,7 +57,8 @@ class AllToAllCall:
             send, recv, rows = self._checked(a, send_splits, recv_splits)
             if out is not None:
                 self._check_out(out, a, rows)
-            plan = self._plan_for(a.shape[0], send)  # the backend may refuse these rows
+            # the backend may refuse these rows
+            plan = self._plan_for(a.shape[0], send) if self.native is None else None
         except (TypeError, ValueError) as e:
             if not self.verified:
                 self._verify(None, None, a.device, e)  # the peers are in the check: tell them
@@ -62,6 +67,8 @@ class AllToAllCall:
             raise
         if not self.verified:
             self._verify(send, recv, a.device, None)
+        if self.native is not None:
+            return self._native(a, b, out, send, recv)
         if out is None and rows is not None:
             out = torch.empty((rows, self.n), dtype=a.dtype, device=a.device)
         if plan.strategy == "sequential":
@@ -149,18 +156,37 @@ class AllToAllCall:
                 self._prepared.popitem(last=False)
         return prepared
 
+    def _native(self, a, b, out, send, recv):
+        """The backend's own per-call layout: recv_splits omitted are one count exchange."""
+        if recv is None:
+            recv = tuple(self._received(send, a.device))
+            out = self._out_for(out, a, sum(recv))
+        elif out is None:
+            out = torch.empty((sum(recv), self.n), dtype=a.dtype, device=a.device)
+        return self.native.run(a, b, out, send, recv)
+
+    def _received(self, send, device) -> list[int]:
+        """Rows each rank sends this one: [M] at world size 1, else one count exchange."""
+        if self.group is None or self.world == 1:
+            return list(send)
+        return rows_from_ranks(send, self.group, device)
+
+    def _out_for(self, out, a, rows: int):
+        if out is None:
+            return a.new_empty((rows, self.n))
+        if out.shape[0] != rows:
+            raise ValueError(f"out has {out.shape[0]} rows, but the ranks send this rank "
+                             f"{rows} rows (their send_splits)")
+        return out
+
     def _sequential(self, a, b, out, send, recv):
         """The plan's "sequential" strategy: the device's GEMM, then one all_to_all_single."""
         c = torch.matmul(a, b)
         if self.group is None or self.world == 1:
             return c if out is None else out.copy_(c)
         if recv is None:
-            recv = rows_from_ranks(send, self.group, a.device)
-            if out is None:
-                out = c.new_empty((sum(recv), self.n))
-            elif out.shape[0] != sum(recv):
-                raise ValueError(f"out has {out.shape[0]} rows, but the ranks send this rank "
-                                 f"{sum(recv)} rows (their send_splits)")
+            recv = self._received(send, a.device)
+            out = self._out_for(out, c, sum(recv))
         dist.all_to_all_single(out, c, output_split_sizes=list(recv),
                                input_split_sizes=list(send), group=self.group)
         return out

@@ -132,6 +132,14 @@ class Backend(abc.ABC):
         capture. ``template`` is that first call (its tensors are only examples)."""
         return PreparedCall(self, template)
 
+    def prepare_all_to_all(self, template: OverlapCall):
+        """all_to_all calls whose rows and splits are each call's own (expert parallelism):
+        an object whose ``run(a, b, out, send_splits, recv_splits)`` runs one call of
+        ``template``'s key laid out from its own splits (checked, ``out`` made, recv_splits
+        known), or None, the default: each call's rows then get their own plan
+        (``Plan.for_rows``) and :meth:`prepare`, kept per split."""
+        return None
+
     @abc.abstractmethod
     def run(self, call: OverlapCall) -> torch.Tensor:
         """Run the overlapped call; the result goes to (and is) ``call.out``."""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import flashoverlap_core as fo
 from flashoverlap_backends.cuda import CudaBackend, build, kernels
 from flashoverlap_backends.cuda.backend import ENV_ARCH
-from flashoverlap_core.plan import block_rows_for
+from flashoverlap_core.plan import block_rows_for, destination_group_sizes
 from flashoverlap_core.tiles import RASTERS, Schedule, TileGrid
 
 ARCHS = sorted(kernels.CONFIGS)
@@ -148,17 +148,21 @@ def test_calls_the_kernels_can_run_are_supported(backend):
     for dtype in kernels.DTYPES:
         for op in ("allreduce", "reduce_scatter", "custom"):
             assert backend.unsupported_reasons(spec(dtype=dtype, op=op, world_size=2)) == []
-    assert backend.unsupported_reasons(spec(op="all_to_all", world_size=2,
-                                            send_splits=(128, 128))) == []
+    # all_to_all: any rows and splits, each call's own (the automatic choice sees none)
+    for send in ((128, 128), (100, 156), (0, 256), None):
+        assert backend.unsupported_reasons(spec(op="all_to_all", world_size=2,
+                                                send_splits=send)) == []
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(dtype="float32"), "takes ['bfloat16', 'float16'], not float32"),
-    (dict(op="all_to_all", world_size=2, send_splits=(100, 156)), "unequal send_splits"),
-])
-def test_calls_the_kernels_cannot_run_are_declined_with_a_way_out(backend, kw, why):
-    reasons = backend.unsupported_reasons(spec(**kw))
-    assert len(reasons) == 1 and why in reasons[0] and "backend='decomposition'" in reasons[0]
+def test_calls_the_kernels_cannot_run_are_declined_with_a_way_out(backend):
+    reasons = backend.unsupported_reasons(spec(dtype="float32"))
+    assert len(reasons) == 1 and "takes ['bfloat16', 'float16'], not float32" in reasons[0]
+    assert "backend='decomposition'" in reasons[0]
+
+
+def test_all_to_all_beyond_the_native_limits_is_declined(backend):
+    [reason] = backend.unsupported_reasons(spec(op="all_to_all", world_size=65))
+    assert "up to 64" in reason
 
 
 def one_group_plan(tile, op="allreduce", world=1, send=None, m=256):
@@ -187,11 +191,19 @@ def test_a_tile_without_a_kernel_names_the_tiles_there_are(backend, arch, tile):
         assert str(available) in reason
 
 
-def test_destination_blocks_of_unequal_rows_are_refused(backend, arch):
+def test_unequal_destination_blocks_need_the_destinations_grouping(backend, arch):
     tile = kernels.default_tile(arch)
-    reasons = backend.plan_reasons(one_group_plan(tile, "all_to_all", 2, (100, 156)))
-    assert reasons == ["destination blocks of unequal rows need a grouped GEMM"]
+    [reason] = backend.plan_reasons(one_group_plan(tile, "all_to_all", 2, (100, 156)))
+    assert "'destinations' grouping" in reason
     assert backend.plan_reasons(one_group_plan(tile, "all_to_all", 2, (128, 128))) == []
+    plan = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
+                   tile=tile, backend="reference")
+    assert plan.grouping == "destinations" and backend.plan_reasons(plan) == []
+    grid = TileGrid((100, 156), 512, *tile, Schedule("n", 8))
+    many = fo.Plan(256, 512, 64, "all_to_all", 2, "bfloat16", tile, 4,
+                   destination_group_sizes(grid, 17), Schedule("n", 8), (100, 156),
+                   grouping="destinations")
+    assert any("at most 16 groups" in r for r in backend.plan_reasons(many))
 
 
 def test_a_bad_forced_architecture_is_a_clear_error(monkeypatch):

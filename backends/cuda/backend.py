@@ -39,7 +39,8 @@ from flashoverlap_core.plan import GATHER_OP
 from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
-from . import kernels
+from . import all_to_all, kernels, nccl
+from .all_to_all import CudaAllToAllCall
 from .device_state import (ENV_ARCH, ENV_RESERVED_SMS, PlanTables, aligned_rows, b_col_major,
                            outside_graph_pools, reserved_sms)
 from .gather import CudaGatherCall
@@ -100,14 +101,8 @@ class CudaBackend(Backend):
         if spec.dtype not in kernels.DTYPES:
             reasons.append(f"the signaling GEMM takes {sorted(kernels.DTYPES)}, not {spec.dtype} "
                            "(use backend='decomposition' or 'reference')")
-        if spec.op == "all_to_all" and spec.world_size > 1 and spec.send_splits is None:
-            # what the ranks agree on cannot depend on one rank's splits (api._agree)
-            reasons.append("all_to_all at world size > 1 takes each rank's own rows and splits, "
-                           "which may be unequal on any rank, and the signaling GEMM needs equal "
-                           "destination blocks (name backend='cuda' to run equal splits on it)")
-        if spec.op == "all_to_all" and spec.send_splits and len(set(spec.send_splits)) > 1:
-            reasons.append("all_to_all with unequal send_splits needs a grouped GEMM, which this "
-                           "backend does not have yet (use backend='decomposition')")
+        if spec.op == "all_to_all":
+            reasons += all_to_all.unsupported(None, spec.world_size)
         if spec.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             if major < 8:
@@ -148,8 +143,12 @@ class CudaBackend(Backend):
         if tuple(plan.tile) not in tiles:
             reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{self._arch()}; "
                            f"available: {sorted(tiles)}")
-        if len(set(plan.block_rows)) > 1:
-            reasons.append("destination blocks of unequal rows need a grouped GEMM")
+        if plan.op == "all_to_all":
+            reasons += all_to_all.unsupported(plan, plan.world_size)
+            if plan.grouping != "destinations" and len(set(plan.block_rows)) > 1:
+                reasons.append("an all_to_all plan of grouping 'waves' runs equal destination "
+                               "blocks only; the 'destinations' grouping (fo.plan's default for "
+                               "all_to_all) takes any rows and splits")
         return reasons
 
     # ---- per-plan tables and kernels ----------------------------------------------------------
@@ -239,6 +238,17 @@ class CudaBackend(Backend):
                 lambda: CudaGatherCall(self, template, stream=stream.cuda_stream), stream)
         return outside_graph_pools(lambda: CudaCall(self, template, stream=stream.cuda_stream),
                                    stream)
+
+    def prepare_all_to_all(self, template: OverlapCall):
+        """all_to_all laid out per call from its own splits (:mod:`.all_to_all`), for plans of
+        the "destinations" grouping on NCCL groups (or none); None: a plan per split."""
+        group = template.group
+        if (template.plan.grouping != "destinations" or all_to_all.unsupported(
+                template.plan, template.world_size) or (
+                group is not None and template.world_size > 1 and not nccl.uses_nccl(group))):
+            return None
+        stream = torch.cuda.current_stream(template.a.device)
+        return outside_graph_pools(lambda: CudaAllToAllCall(self, template), stream)
 
     def run(self, call: OverlapCall) -> torch.Tensor:
         """One call without a kept preparation (``fo.overlap`` prepares once per key)."""

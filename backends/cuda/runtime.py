@@ -52,6 +52,29 @@ class GatherDescription(ctypes.Structure):
     ]
 
 
+class A2aDescription(ctypes.Structure):
+    """fo_a2a_desc: all_to_all with each call's own rows and splits (see flashoverlap_cuda.h)."""
+
+    _fields_ = [
+        ("abi_version", c_int), ("gemm_run_blocks", c_void_p), ("tile_m", c_int),
+        ("tile_n", c_int), ("N", c_int), ("raster_m", c_int), ("swizzle", c_int),
+        ("groups", c_int), ("world", c_int), ("rank", c_int), ("K", c_int), ("num_ctas", c_int),
+        ("wait_mode", c_int), ("nccl_comm", c_void_p), ("nccl_dtype", c_int),
+        ("elem_size", c_int), ("comm_stream", c_void_p),
+    ]
+
+
+class A2aBuffers(ctypes.Structure):
+    """fo_a2a_buffers: the device buffers of an all_to_all call and their capacities."""
+
+    _fields_ = [
+        ("items", c_void_p), ("item_group", c_void_p), ("block_starts", c_void_p),
+        ("unpack_tiles", c_void_p), ("unpack_offsets", c_void_p), ("tile_capacity", c_int),
+        ("unpack_capacity", c_int), ("packed", c_void_p), ("staging", c_void_p),
+        ("packed_numel", c_int64), ("staging_numel", c_int64), ("counters", c_void_p),
+    ]
+
+
 class KernelError(RuntimeError):
     """A CUDA call inside a kernel library failed."""
 
@@ -94,6 +117,7 @@ class GemmLibrary(_Library):
             c_void_p, c_void_p]
         lib.fo_gemm_run_ex.restype = c_int
         self.run_ex_address = ctypes.cast(lib.fo_gemm_run_ex, c_void_p).value  # fo_gather_desc
+        self.run_blocks_address = ctypes.cast(lib.fo_gemm_run_blocks, c_void_p).value  # fo_a2a_desc
         self.description = lib.fo_gemm_describe().contents
         self.run_address = ctypes.cast(lib.fo_gemm_run, c_void_p).value  # for fo_call_desc
         self.set_node_address = ctypes.cast(lib.fo_gemm_set_node, c_void_p).value
@@ -171,6 +195,16 @@ class RuntimeLibrary(_Library):
         lib.fo_call_graph_state.argtypes = [c_void_p]
         lib.fo_call_graph_state.restype = c_int
         self.call_run = lib.fo_call_run  # the per-call entry point, bound once
+        lib.fo_a2a_create.argtypes = [POINTER(A2aDescription), POINTER(c_void_p)]
+        lib.fo_a2a_create.restype = c_int
+        lib.fo_a2a_set_buffers.argtypes = [c_void_p, POINTER(A2aBuffers)]
+        lib.fo_a2a_set_buffers.restype = c_int
+        lib.fo_a2a_run.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                   c_int, c_void_p, c_void_p, c_void_p, c_int, c_void_p]
+        lib.fo_a2a_run.restype = c_int
+        lib.fo_a2a_destroy.argtypes = [c_void_p]
+        lib.fo_a2a_destroy.restype = None
+        self.a2a_run = lib.fo_a2a_run  # the per-call entry point of all_to_all, bound once
 
     # ---- NCCL, through the runtime object ----------------------------------------------------
     def nccl_load(self, path: str | None) -> None:
@@ -218,6 +252,18 @@ class RuntimeLibrary(_Library):
         could not be made (fo_call_graph_state)."""
         return self.lib.fo_call_graph_state(handle)
 
+    # ---- all_to_all with each call's rows and splits (all_to_all_call.cuh) --------------------
+    def a2a_create(self, desc: A2aDescription) -> int:
+        handle = c_void_p(0)
+        self.check(self.lib.fo_a2a_create(ctypes.byref(desc), ctypes.byref(handle)), "fo_a2a_create")
+        return handle.value
+
+    def a2a_set_buffers(self, handle: int, buffers: A2aBuffers) -> None:
+        self.check(self.lib.fo_a2a_set_buffers(handle, ctypes.byref(buffers)), "fo_a2a_set_buffers")
+
+    def a2a_destroy(self, handle: int) -> None:
+        self.lib.fo_a2a_destroy(handle)
+
     # ---- prepared allgather calls (gather_call.cuh) ------------------------------------------
     def gather_create(self, desc: GatherDescription) -> int:
         handle = c_void_p(0)
@@ -244,5 +290,5 @@ class RuntimeLibrary(_Library):
                                             stream), "fo_unpack_tiles")
 
 
-__all__ = ["CallDescription", "GatherDescription", "GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES",
+__all__ = ["A2aBuffers", "A2aDescription", "CallDescription", "GatherDescription", "GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES",
            "c_uint64"]

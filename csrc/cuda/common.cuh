@@ -110,10 +110,13 @@ struct ItemTable {
   int num_items;
   int block_rows;  // rows per destination block; L blocks
   int L;
-  int M, N;  // M = L * block_rows
+  int M, N;  // M = L * block_rows, or the last of block_starts
   int64_t packed_numel;
   int64_t ldo;  // 0: tiles packed (row stride = their width); else the row stride of a
                 // row-major [M, ldo] output that the tiles are written into in place
+  const int32_t* block_starts;  // null: L blocks of block_rows rows; else block l is rows
+                                // [block_starts[l], block_starts[l + 1]) (unequal blocks:
+                                // all_to_all with each call's own splits)
 };
 
 // Decodes item i. With Checked, traps on an item that lies outside the matrix or the packed
@@ -123,9 +126,14 @@ template <int BM, int BN, bool Checked = true>
 __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   const int64_t* it = t.items + 4 * i;
   int64_t l = it[0], m_blk = it[1], n_blk = it[2], offset = it[3];
+  if constexpr (Checked) {
+    if (l < 0 || l >= t.L) __trap();  // before block_starts is read at l
+  }
+  int64_t start = l * t.block_rows, end = start + t.block_rows;
+  if (t.block_starts != nullptr) start = t.block_starts[l], end = t.block_starts[l + 1];
   WorkTile w;
-  w.row0 = int(l * t.block_rows + m_blk * BM);
-  w.rows = min(BM, int(t.block_rows - m_blk * BM));
+  w.row0 = int(start + m_blk * BM);
+  w.rows = int(min(int64_t(BM), end - w.row0));
   w.col0 = int(n_blk * BN);
   w.cols = min(BN, int(t.N - n_blk * BN));
   w.n_blk = int(n_blk);
@@ -136,7 +144,7 @@ __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   if constexpr (Checked) {
     const int64_t end = t.ldo ? offset + int64_t(w.rows - 1) * t.ldo + w.cols
                               : offset + int64_t(w.rows) * w.cols;
-    bool ok = l >= 0 && l < t.L && m_blk >= 0 && m_blk * BM < t.block_rows && n_blk >= 0 &&
+    bool ok = start >= 0 && m_blk >= 0 && m_blk * BM < end - start && end <= t.M && n_blk >= 0 &&
               n_blk * BN < t.N && offset >= 0 && end <= t.packed_numel && w.group >= 0;
     if (!ok) __trap();
   }

@@ -253,6 +253,59 @@ FO_API cudaError_t fo_gather_load_kernels(void);
 FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
                                              int device, int max_ctas);
 
+// ---- all_to_all with each call's rows and splits (runtime object, all_to_all_call.cuh) -------
+// Expert parallelism: every call has its own rows M and splits, on every rank. Created once per
+// shared layout (tile, tile order, N, K, groups, world); fo_a2a_run then lays out and issues one
+// call: on `stream` a table kernel (work items, block starts, post-reorder tiles, from the
+// splits), the signaling GEMM over the unequal destination blocks (`gemm_run_blocks`, the
+// fo_gemm_run_blocks of the GEMM library; a 1x1-cluster build: the items of a round need not
+// share operands); on `comm_stream` per group a device-side wait for its tiles and one NCCL
+// group of sends and receives (the plan's "destinations" grouping: group g takes chunk g of
+// every destination block, so both sides count each part from the rows alone); back on
+// `stream` the post-reorder into `out`, which zeroes the counters. Without a communicator
+// (world size 1) there are no waits, no counters and no staging: the post-reorder reads packed.
+typedef struct {
+  int abi_version;  // FO_CUDA_ABI_VERSION
+  void* gemm_run_blocks;
+  int tile_m, tile_n, N;
+  int raster_m;     // tile order inside a block: 0 raster "n", 1 raster "m"
+  int swizzle;
+  int groups;       // <= 16
+  int world, rank;  // world <= 64
+  int K, num_ctas;
+  int wait_mode;    // as fo_wait_counter
+  void* nccl_comm;  // null only at world size 1
+  int nccl_dtype, elem_size;
+  cudaStream_t comm_stream;
+} fo_a2a_desc;
+
+// The caller's device buffers, and what they hold (set again when the caller grows them).
+typedef struct {
+  int64_t* items;          // tile_capacity x 4
+  int32_t* item_group;     // tile_capacity
+  int32_t* block_starts;   // world + 1
+  int32_t* unpack_tiles;   // unpack_capacity x 4
+  int64_t* unpack_offsets; // unpack_capacity
+  int tile_capacity, unpack_capacity;
+  void* packed;            // packed_numel elements
+  void* staging;           // staging_numel elements (with a communicator)
+  int64_t packed_numel, staging_numel;
+  int32_t* counters;       // groups (with a communicator); zero before the first call
+} fo_a2a_buffers;
+
+typedef struct fo_a2a fo_a2a;
+FO_API cudaError_t fo_a2a_create(const fo_a2a_desc* desc, fo_a2a** call);
+FO_API cudaError_t fo_a2a_set_buffers(fo_a2a* call, const fo_a2a_buffers* buffers);
+// One call: a is [M, K] (lda), this rank sends send_rows[r] rows of a @ b to rank r and receives
+// recv_rows[r] from it into out ([sum recv_rows, N] row-major). needs (4 int64) gets the call's
+// work items, received tiles, packed and staging elements; when the buffers hold less, nothing is
+// issued and the error is cudaErrorMemoryAllocation: grow them (fo_a2a_set_buffers) and call
+// again. `warm` != 0: a host sync after each phase (the first call loads every kernel).
+FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const void* b, int64_t ldb,
+                              void* out, int M, const int32_t* send_rows, const int32_t* recv_rows,
+                              cudaStream_t stream, int warm, int64_t* needs);
+FO_API void fo_a2a_destroy(fo_a2a* call);
+
 FO_API const char* fo_last_error(void);
 
 #ifdef __cplusplus

@@ -34,11 +34,18 @@ struct Args {
   const int32_t* item_wait;      // per item: the arrival flag its A rows need (-1: none)
   const uint32_t* arrive_flags;  // set (!= 0) by the transfer once the rows have landed
   int num_flags;
+  // fo_gemm_run_blocks only: block l is rows [block_starts[l], block_starts[l + 1]) of the
+  // `rows` rows of a, and the packed buffer holds `packed_numel` elements.
+  const int32_t* block_starts = nullptr;
+  int rows = 0;
+  int64_t packed_numel = 0;
+
+  int M() const { return block_starts ? rows : L * block_rows; }
 
   ItemTable table() const {
-    const int M = L * block_rows;
-    const int64_t numel = ldo ? int64_t(M) * ldo : int64_t(M) * N;
-    return ItemTable{items, item_group, num_items, block_rows, L, M, N, numel, ldo};
+    const int m = M();
+    const int64_t numel = packed_numel ? packed_numel : ldo ? int64_t(m) * ldo : int64_t(m) * N;
+    return ItemTable{items, item_group, num_items, block_rows, L, m, N, numel, ldo, block_starts};
   }
 };
 
@@ -109,6 +116,40 @@ FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L
   return fo_gemm_run_ex(a, b, packed, L, block_rows, N, K, lda, ldb, 0, items, item_group,
                         nullptr, nullptr, 0, num_items, counters, num_ctas, monitor, workspace,
                         stream);
+}
+
+// The signaling GEMM over destination blocks of unequal rows (all_to_all, whose rows and splits
+// are each call's own): block l is rows [block_starts[l], block_starts[l + 1]) of a's M rows
+// (block_starts: L + 1 int32 in device memory, non-decreasing from 0 to M; a block may be
+// empty); `packed` holds packed_numel >= M * N elements. The items are fo_gemm_run's, their
+// band counted from their block's first row. Nothing is launched when num_items is 0 (a rank
+// with no rows: a may then be empty).
+FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed,
+                                      int64_t packed_numel, int M, int N, int K, int64_t lda,
+                                      int64_t ldb, const int32_t* block_starts, int L,
+                                      const int64_t* items, const int32_t* item_group,
+                                      int num_items, int32_t* counters, int num_ctas,
+                                      cudaStream_t stream) {
+  if (num_items < 0 || M < 0 || L < 1 || !block_starts)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_gemm_run_blocks: need num_items >= 0, M >= 0, L >= 1 blocks and their "
+                    "block_starts (got num_items=%d, M=%d, L=%d, block_starts=%p)", num_items, M,
+                    L, block_starts);
+  if (num_items == 0) return cudaSuccess;
+  const fo_gemm_config& c = fo::gemm::config();
+  cudaError_t err = fo::check_gemm_args(a, b, packed, 1, M, N, K, lda, ldb, c.b_col_major, items,
+                                        item_group, num_items, num_ctas, c.cta_multiple);
+  if (err == cudaSuccess && packed_numel < int64_t(M) * N)
+    err = fo::fail(cudaErrorInvalidValue,
+                   "fo_gemm_run_blocks: packed_numel=%lld < M * N = %lld", (long long)packed_numel,
+                   (long long)M * N);
+  fo::gemm::Args args{a, b, packed, L, 0, N, K, lda, ldb, items, item_group, num_items, counters,
+                      num_ctas, nullptr, 0, nullptr, nullptr, 0};
+  args.block_starts = block_starts, args.rows = M, args.packed_numel = packed_numel;
+  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
+  if (err != cudaSuccess) return err;
+  err = fo::gemm::load_kernel();
+  return err == cudaSuccess ? fo::gemm::launch(args, stream) : err;
 }
 
 // A graph's captured launch of this GEMM (fo_gemm_run inside stream capture) re-pointed at new

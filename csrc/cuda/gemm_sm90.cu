@@ -705,7 +705,7 @@ cudaError_t resident_ctas(int, int* ctas) {
 
 static cudaError_t kernel_params(const Args& args, Params* params) {
   *params = Params{};
-  params->mainloop = mainloop_params(args.a, args.b, args.L * args.block_rows, args.N, args.K,
+  params->mainloop = mainloop_params(args.a, args.b, args.M(), args.N, args.K,
                                      args.lda, args.ldb);
   params->table = args.table();
   params->packed = static_cast<Element*>(args.packed);

@@ -186,6 +186,7 @@ cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaSt
 
 #include "overlap_call.cuh"
 #include "gather_call.cuh"  // allgather: the gather that feeds a waiting GEMM
+#include "all_to_all_call.cuh"  // all_to_all with each call's own rows and splits
 
 using namespace fo::runtime;
 
@@ -196,6 +197,7 @@ FO_API cudaError_t fo_load_kernels(void) {
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, spin_wait));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, reset_counters));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_tiles));
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, a2a_tables));
   StreamWaitValue32 fn;
   return stream_wait_value32(&fn);
 }

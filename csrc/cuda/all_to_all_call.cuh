@@ -1,0 +1,299 @@
+// all_to_all for expert parallelism (fo_a2a_* in flashoverlap_cuda.h): each call's rows and
+// splits are its own, so nothing of its layout is prepared. One native function per call
+//   host:    the two sides of the layout (a2a_layout.cuh: what this rank sends each peer in each
+//            group, what it receives from each), O(groups x world) closed forms;
+//   compute: a table kernel that writes the GEMM's work items, the blocks' row starts and the
+//            post-reorder's tiles (the same closed forms, one thread per tile); the signaling
+//            GEMM over the unequal destination blocks (fo_gemm_run_blocks);
+//   comm:    per group, a device-side wait for its tiles, then one NCCL group of a send to and
+//            a receive from every peer with rows in that group;
+//   compute: waits for the communication stream; the post-reorder of every received tile,
+//            which also zeroes the counters.
+// No host synchronisation and no per-call allocation: the buffers belong to the caller, who
+// grows them when a call reports that they are too small (fo_a2a_run's `needs`).
+// Included by runtime.cu after the runtime kernels.
+#pragma once
+#include "a2a_layout.cuh"
+#include "flashoverlap_cuda.h"
+#include "nccl_loader.cuh"
+
+namespace fo::runtime {
+
+struct A2aTablesArgs {
+  a2a::Geometry geo;
+  int world;
+  int send_rows[a2a::kMaxRanks];
+  int recv_rows[a2a::kMaxRanks];
+  int send_tiles, recv_tiles;
+  int64_t* items;         // [send_tiles][4]: block, band, column tile, packed offset
+  int32_t* item_group;    // [send_tiles]
+  int32_t* block_starts;  // [world + 1]
+  int32_t* unpack_tiles;  // [recv_tiles][4]: row0 (of out), rows, col0, cols
+  int64_t* unpack_offsets;  // [recv_tiles]: staging offset
+};
+
+constexpr int kTableThreads = 256;
+
+// One side of the layout in shared memory, made by the whole CTA: block starts and chunk
+// bounds (one thread), the parts' sizes (one thread per (group, block)), their scan (one).
+__device__ inline void build_side(const a2a::Geometry& g, const int* rows, int world, a2a::Side& s) {
+  if (threadIdx.x == 0) {
+    s.world = world;
+    for (int d = 0; d < world; ++d) s.rows[d] = rows[d];
+    a2a::side_starts(g, s);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < g.groups * world; i += blockDim.x) a2a::part_size(g, s, i / world, i % world);
+  __syncthreads();
+  if (threadIdx.x == 0) a2a::side_scan(g, s);
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kTableThreads) a2a_tables(const __grid_constant__ A2aTablesArgs p) {
+  __shared__ a2a::Side send, recv;
+  build_side(p.geo, p.send_rows, p.world, send);
+  build_side(p.geo, p.recv_rows, p.world, recv);
+  if (blockIdx.x == 0)
+    for (int d = threadIdx.x; d <= p.world; d += blockDim.x) p.block_starts[d] = send.row_start[d];
+  const int total = p.send_tiles + p.recv_tiles;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    if (i < p.send_tiles) {
+      const a2a::Placed t = a2a::place(p.geo, send, i);
+      const int item = a2a::item_index(p.geo, send, t);
+      int64_t* it = p.items + 4 * int64_t(item);
+      it[0] = t.block, it[1] = t.at.band, it[2] = t.at.col, it[3] = t.offset;
+      p.item_group[item] = t.group;
+    } else {
+      const int j = i - p.send_tiles;
+      const a2a::Placed t = a2a::place(p.geo, recv, j);
+      const int band_row = t.at.band * p.geo.bm, col0 = t.at.col * p.geo.bn;
+      int32_t* u = p.unpack_tiles + 4 * int64_t(j);
+      u[0] = recv.row_start[t.block] + band_row;
+      u[1] = a2a::min_int(p.geo.bm, recv.rows[t.block] - band_row);
+      u[2] = col0;
+      u[3] = a2a::min_int(p.geo.bn, p.geo.n - col0);
+      p.unpack_offsets[j] = t.offset;
+    }
+  }
+}
+
+using GemmRunBlocks = cudaError_t (*)(const void*, const void*, void*, int64_t, int, int, int,
+                                      int64_t, int64_t, const int32_t*, int, const int64_t*,
+                                      const int32_t*, int, int32_t*, int, cudaStream_t);
+
+}  // namespace fo::runtime
+
+struct fo_a2a {
+  fo_a2a_desc d;
+  fo::a2a::Geometry geo;
+  fo_a2a_buffers buf = {};
+  cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
+  cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
+  fo::a2a::Side send, recv;            // this call's layout (host scratch)
+};
+
+namespace fo::runtime {
+
+inline cudaError_t check_a2a_desc(const fo_a2a_desc& d) {
+  if (d.abi_version != FO_CUDA_ABI_VERSION)
+    return fail(cudaErrorInvalidValue, "fo_a2a_create: descriptor ABI %d, library ABI %d",
+                d.abi_version, FO_CUDA_ABI_VERSION);
+  if (!d.gemm_run_blocks || d.world < 1 || d.world > a2a::kMaxRanks || d.rank < 0 ||
+      d.rank >= d.world || d.tile_m < 1 || d.tile_n < 1 || d.N < 1 || d.swizzle < 1 ||
+      (d.raster_m != 0 && d.raster_m != 1) || d.groups < 1 || d.groups > a2a::kMaxGroups ||
+      d.K < 1 || d.num_ctas < 1)
+    return fail(cudaErrorInvalidValue,
+                "fo_a2a_create: need the GEMM, 1 <= world <= %d, a rank in it, a tile, N, K, "
+                "swizzle and CTAs >= 1, raster 0 or 1 and 1 <= groups <= %d (got world %d, "
+                "rank %d, tile %dx%d, N %d, K %d, swizzle %d, raster %d, groups %d, CTAs %d)",
+                a2a::kMaxRanks, a2a::kMaxGroups, d.world, d.rank, d.tile_m, d.tile_n, d.N, d.K,
+                d.swizzle, d.raster_m, d.groups, d.num_ctas);
+  if (d.nccl_comm && (!nccl::loaded() || !d.comm_stream))
+    return fail(cudaErrorInvalidValue,
+                "fo_a2a_create: a communicator needs NCCL loaded (fo_nccl_load) and a "
+                "communication stream");
+  if (!d.nccl_comm && d.world != 1)
+    return fail(cudaErrorInvalidValue, "fo_a2a_create: world size %d needs a communicator", d.world);
+  if (d.wait_mode != 0 && d.wait_mode != 1)
+    return fail(cudaErrorInvalidValue, "fo_a2a_create: wait_mode %d is not 0 or 1", d.wait_mode);
+  if (d.elem_size != 2 && d.elem_size != 4)
+    return fail(cudaErrorInvalidValue, "fo_a2a_create: elem_size %d is not 2 or 4", d.elem_size);
+  return cudaSuccess;
+}
+
+// Group g's sends and receives on the communication stream: one NCCL group, nothing when this
+// rank has no rows to move in it (each peer then has none to move with it either: both count
+// by the same rule from the same rows).
+inline cudaError_t a2a_step(const fo_a2a& c, int g) {
+  const fo_a2a_desc& d = c.d;
+  const a2a::Geometry& geo = c.geo;
+  const int64_t es = d.elem_size;
+  const nccl::Api& n = nccl::api();
+  auto comm = static_cast<nccl::Comm>(d.nccl_comm);
+  bool any = false;
+  for (int peer = 0; peer < d.world && !any; ++peer)
+    any = a2a::part_numel(geo, c.send, g, peer) > 0 || a2a::part_numel(geo, c.recv, g, peer) > 0;
+  if (!any) return cudaSuccess;
+  char* packed = static_cast<char*>(c.buf.packed);
+  char* staging = static_cast<char*>(c.buf.staging);
+  FO_NCCL_CHECK(n.GroupStart());
+  for (int peer = 0; peer < d.world; ++peer) {
+    const int64_t sent = a2a::part_numel(geo, c.send, g, peer);
+    const int64_t got = a2a::part_numel(geo, c.recv, g, peer);
+    if (sent > 0) {
+      nccl::Result r = n.Send(packed + c.send.part[g][peer] * es, size_t(sent), d.nccl_dtype, peer,
+                              comm, d.comm_stream);
+      if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
+    }
+    if (got > 0) {
+      nccl::Result r = n.Recv(staging + c.recv.part[g][peer] * es, size_t(got), d.nccl_dtype,
+                              peer, comm, d.comm_stream);
+      if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
+    }
+  }
+  FO_NCCL_CHECK(n.GroupEnd());
+  return cudaSuccess;
+}
+
+inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b, int64_t ldb,
+                           void* out, int M, const int32_t* send_rows, const int32_t* recv_rows,
+                           cudaStream_t stream, bool warm, int64_t* needs) {
+  const fo_a2a_desc& d = c.d;
+  const a2a::Geometry& geo = c.geo;
+  const bool communicate = d.nccl_comm != nullptr;
+  int64_t sent = 0;
+  for (int r = 0; r < d.world; ++r) {
+    if (send_rows[r] < 0 || recv_rows[r] < 0)
+      return fail(cudaErrorInvalidValue, "fo_a2a_run: negative rows for rank %d (send %d, receive %d)",
+                  r, send_rows[r], recv_rows[r]);
+    sent += send_rows[r];
+  }
+  if (M < 0 || sent != M || (!communicate && recv_rows[0] != M))
+    return fail(cudaErrorInvalidValue, "fo_a2a_run: send rows sum to %lld, a has M=%d rows%s",
+                (long long)sent, M, communicate ? "" : " (world size 1: and receives them all)");
+  a2a::make_side(geo, send_rows, d.world, c.send);
+  a2a::make_side(geo, recv_rows, d.world, c.recv);
+  const int send_tiles = c.send.tile_start[d.world], recv_tiles = c.recv.tile_start[d.world];
+  const int64_t packed_numel = int64_t(M) * geo.n;
+  const int64_t staging_numel = communicate ? int64_t(c.recv.row_start[d.world]) * geo.n : 0;
+  needs[0] = send_tiles, needs[1] = recv_tiles, needs[2] = packed_numel, needs[3] = staging_numel;
+  const fo_a2a_buffers& buf = c.buf;
+  if (send_tiles > buf.tile_capacity || recv_tiles > buf.unpack_capacity ||
+      packed_numel > buf.packed_numel || staging_numel > buf.staging_numel)
+    return fail(cudaErrorMemoryAllocation,
+                "fo_a2a_run: the call needs %d work items, %d received tiles, %lld packed and "
+                "%lld staging elements; the buffers hold %d, %d, %lld and %lld (fo_a2a_set_buffers)",
+                send_tiles, recv_tiles, (long long)packed_numel, (long long)staging_numel,
+                buf.tile_capacity, buf.unpack_capacity, (long long)buf.packed_numel,
+                (long long)buf.staging_numel);
+  if ((send_tiles > 0 && (!a || !b)) || (recv_tiles > 0 && !out))
+    return fail(cudaErrorInvalidValue, "fo_a2a_run: a, b (rows to send) and out (rows to receive) "
+                "must be non-null");
+  if (communicate) {
+    // The communication stream follows what the caller queued before this call (the inputs,
+    // and the previous call's post-reorder, which read the staging buffer).
+    FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
+    FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
+  }
+  if (send_tiles + recv_tiles > 0) {
+    A2aTablesArgs args;
+    args.geo = geo;
+    args.world = d.world;
+    for (int r = 0; r < d.world; ++r) args.send_rows[r] = send_rows[r], args.recv_rows[r] = recv_rows[r];
+    args.send_tiles = send_tiles, args.recv_tiles = recv_tiles;
+    args.items = buf.items, args.item_group = buf.item_group, args.block_starts = buf.block_starts;
+    args.unpack_tiles = buf.unpack_tiles, args.unpack_offsets = buf.unpack_offsets;
+    const int blocks = (send_tiles + recv_tiles + kTableThreads - 1) / kTableThreads;
+    a2a_tables<<<blocks < 512 ? blocks : 512, kTableThreads, 0, stream>>>(args);
+    FO_CUDA_CHECK(cudaGetLastError());
+  }
+  // The GEMM before any wait: a waiter queued before its producer could deadlock.
+  int32_t* counters = communicate ? buf.counters : nullptr;
+  cudaError_t err = reinterpret_cast<GemmRunBlocks>(d.gemm_run_blocks)(
+      a, b, buf.packed, buf.packed_numel, M, geo.n, d.K, lda, ldb, buf.block_starts, d.world,
+      buf.items, buf.item_group, send_tiles, counters, d.num_ctas, stream);
+  if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
+    return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
+  if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (communicate) {
+    for (int g = 0; g < geo.groups; ++g) {
+      const int tiles = a2a::group_tiles(c.send, g);
+      if (tiles > 0) {
+        err = wait_counter(counters + g, tiles, d.wait_mode, d.comm_stream);
+        if (err != cudaSuccess) return err;
+      }
+      err = a2a_step(c, g);
+      if (err != cudaSuccess) return err;
+    }
+    if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+    FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
+    FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
+  }
+  if (recv_tiles > 0) {
+    err = launch_unpack(communicate ? buf.staging : buf.packed, out, geo.n, buf.unpack_tiles,
+                        buf.unpack_offsets, recv_tiles, d.elem_size, counters,
+                        communicate ? geo.groups : 0, stream);
+    if (err != cudaSuccess) return err;
+  } else if (communicate) {  // nothing to unpack: zero the counters on their own
+    reset_counters<<<1, 256, 0, stream>>>(counters, geo.groups);
+    FO_CUDA_CHECK(cudaGetLastError());
+  }
+  if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return cudaSuccess;
+}
+
+}  // namespace fo::runtime
+
+extern "C" {
+
+FO_API cudaError_t fo_a2a_create(const fo_a2a_desc* desc, fo_a2a** out) {
+  if (!desc || !out) return fo::fail(cudaErrorInvalidValue, "fo_a2a_create: null argument");
+  cudaError_t err = fo::runtime::check_a2a_desc(*desc);
+  if (err != cudaSuccess) return err;
+  auto* c = new fo_a2a();
+  c->d = *desc;
+  c->geo = fo::a2a::Geometry{desc->tile_m, desc->tile_n, desc->N, desc->raster_m, desc->swizzle,
+                             desc->groups};
+  err = cudaEventCreateWithFlags(&c->inputs_ready, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->comm_done, cudaEventDisableTiming);
+  if (err != cudaSuccess) {
+    fo_a2a_destroy(c);
+    return fo::fail(err, "fo_a2a_create: cudaEventCreate: %s", cudaGetErrorString(err));
+  }
+  *out = c;
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_a2a_set_buffers(fo_a2a* call, const fo_a2a_buffers* buffers) {
+  if (!call || !buffers) return fo::fail(cudaErrorInvalidValue, "fo_a2a_set_buffers: null argument");
+  const fo_a2a_buffers& b = *buffers;
+  if (b.tile_capacity < 0 || b.unpack_capacity < 0 || b.packed_numel < 0 || b.staging_numel < 0 ||
+      !b.block_starts || (call->d.nccl_comm && !b.counters) ||
+      (b.tile_capacity > 0 && (!b.items || !b.item_group)) ||
+      (b.unpack_capacity > 0 && (!b.unpack_tiles || !b.unpack_offsets)) ||
+      (b.packed_numel > 0 && !b.packed) || (b.staging_numel > 0 && !b.staging))
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_a2a_set_buffers: every buffer with a capacity needs an address, and "
+                    "block_starts (world + 1) and, with a communicator, the counters (groups) are "
+                    "required");
+  call->buf = b;
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const void* b, int64_t ldb,
+                              void* out, int M, const int32_t* send_rows, const int32_t* recv_rows,
+                              cudaStream_t stream, int warm, int64_t* needs) {
+  if (!call || !send_rows || !recv_rows || !needs)
+    return fo::fail(cudaErrorInvalidValue, "fo_a2a_run: call, send_rows, recv_rows and needs must be non-null");
+  return fo::runtime::run_a2a(*call, a, lda, b, ldb, out, M, send_rows, recv_rows, stream, warm != 0,
+                              needs);
+}
+
+FO_API void fo_a2a_destroy(fo_a2a* call) {
+  if (!call) return;
+  if (call->inputs_ready) cudaEventDestroy(call->inputs_ready);
+  if (call->comm_done) cudaEventDestroy(call->comm_done);
+  delete call;
+}
+
+}  // extern "C"
