@@ -116,13 +116,13 @@ def host_us(fn, device_type: str, calls: int = 50) -> float:
 
 def rank_rows(shapes, dtype_name: str, device_type: str, iters: int) -> list[dict]:
     """Every shape on this rank; run on every rank at once."""
-    api.forget_prepared()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = current_device(device_type)
     dtype = getattr(torch, dtype_name)
     rows = []
     for tokens, hidden in shapes:
+        api.forget_prepared()  # every rank alike: the first call below is this shape's own key
         k = FFN.get(hidden, 4 * hidden)
         w = torch.randn(hidden, k, generator=torch.Generator().manual_seed(7)).to(device, dtype)
         b = w.t()  # an expert's down projection, as nn.Linear keeps it

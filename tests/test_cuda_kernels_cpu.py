@@ -94,6 +94,9 @@ def test_pingpong_tile_where_the_last_wave_is_ragged():
     assert kernels.default_tile(90, _spec(5120, 5120, 4096, "reduce_scatter", 8), 128) == (128, 128)
     assert kernels.default_tile(90, _spec(8192, 8192, 4096, "reduce_scatter", 8), 128) == (128, 256)
     assert kernels.default_tile(90) == kernels.DEFAULT_TILE[90]  # no call: the default
+    # all_to_all: the ranks settle the tile without any call's rows (they change every call)
+    for m in (1, 4096, 5120):
+        assert kernels.default_tile(90, _spec(m, 5120, 4096, "all_to_all", 1), 128) == (128, 256)
     assert kernels.default_tile(80, _spec(5120, 5120, 4096), 128) == kernels.DEFAULT_TILE[80]
     assert kernels.pingpong_cost(100) == kernels.PINGPONG_COST[0][1]
     assert kernels.pingpong_cost(3000) == dict(kernels.PINGPONG_COST)[2048]

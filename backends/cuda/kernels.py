@@ -95,13 +95,11 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     m, n, k, op, world_size, send_splits) and the plan's wave size, pingpong's 128x128 where
     the waves' raggedness makes up for its cost (PINGPONG_COST)."""
     tile = DEFAULT_TILE[arch]
-    if arch != 90 or spec is None or not wave_size:
-        return tile
+    if arch != 90 or spec is None or not wave_size or spec.op == "all_to_all":
+        return tile  # all_to_all: the rows are each call's own, the tile is settled without them
     blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
     if spec.op in ("reduce_scatter", "allgather") and spec.world_size > 1:
         blocks = [spec.m // spec.world_size] * spec.world_size
-    elif spec.op == "all_to_all" and spec.send_splits:
-        blocks = [r for r in spec.send_splits if r > 0] or [spec.m]
 
     def waves(t) -> int:
         tiles = sum(-(-rows // t[0]) for rows in blocks) * -(-spec.n // t[1])
