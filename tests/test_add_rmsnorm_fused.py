@@ -13,7 +13,7 @@ import torch
 
 import flashoverlap_core as fo
 from flashoverlap_core import add_rmsnorm as norm
-from flashoverlap_core import api
+from flashoverlap_core import api, registry
 from flashoverlap_core.backend import PreparedCall
 from flashoverlap_core.plan import Plan
 from flashoverlap_core.reference import ReferenceBackend
@@ -72,6 +72,10 @@ class FusingBackend(ReferenceBackend):
 
 @pytest.fixture
 def fusing(monkeypatch):
+    """The fake backend's name; it vanishes from the registry after the test (as in
+    tests/test_registry.py), so that no later test probes it."""
+    for name in ("_loaded", "_load_errors", "_probed"):
+        monkeypatch.setattr(registry, name, dict(getattr(registry, name)))
     monkeypatch.setattr(Fused, "calls", [])
     monkeypatch.setattr(FusingBackend, "prepared", 0)
     api.forget_prepared()
