@@ -1,6 +1,6 @@
 // C ABI of FlashOverlap's CUDA kernels. The fo_gemm_* functions and fo_load_kernels live in
-// one shared object per GEMM configuration; fo_wait_counter, fo_reset_counters,
-// fo_unpack_tiles, fo_add_rmsnorm_tiles (and their own fo_load_kernels) in one runtime object.
+// one shared object per GEMM configuration; fo_wait_counter, fo_reset_counters and
+// fo_unpack_tiles (and their own fo_load_kernels) in one runtime object.
 //
 // Each kernel library (one shared object per GEMM configuration, built by the JIT in
 // backends/cuda/build.py) exports these symbols with C linkage, so that Python loads it with
@@ -305,41 +305,6 @@ FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const vo
                               void* out, int M, const int32_t* send_rows, const int32_t* recv_rows,
                               cudaStream_t stream, int warm, int64_t* needs);
 FO_API void fo_a2a_destroy(fo_a2a* call);
-
-// ---- the post-reorder fused into residual add + RMSNorm (runtime object, add_rmsnorm.cuh) -----
-// fo.overlap_add_rmsnorm: residual_out = residual + result, normed = residual_out *
-// rsqrt(mean(residual_out^2) + eps) * weight (float32 math on the unrounded sum), written in one
-// pass that reads the received tiles and the residual once (one CTA per row).
-// The result's rows come from `src` through a table of bands: band_offsets[b * col_tiles + j]
-// (int64, device, col_tiles = ceil(N / tile_n)) is the element offset in src of the tile of rows
-// [b * tile_m, ...) and columns [j * tile_n, ...), stored row-major at its real size
-// (flashoverlap_core/reorder.py, band_offsets). With N and tile_n multiples of 8 every offset
-// must be a multiple of 8 too (true of tiles stored back to back).
-// dtype: 0 bf16, 1 fp16 (src, residual, normed, residual_out); weight_dtype: 0 the same,
-// 1 float32. Strides in elements. 16-byte accesses where N, tile_n and the strides are multiples
-// of 8 and the pointers 16-byte aligned; element accesses otherwise.
-FO_API cudaError_t fo_add_rmsnorm_tiles(const void* src, const int64_t* band_offsets, int rows,
-                                        int N, int tile_m, int tile_n, int dtype,
-                                        const void* residual, int64_t ld_residual,
-                                        const void* weight, int weight_dtype, float eps,
-                                        void* normed, void* residual_out, int64_t ld_out,
-                                        cudaStream_t stream);
-// A prepared call's fused form. fo_call_set_add_rmsnorm gives a call that writes one block of
-// rows (allreduce, reduce_scatter) the band table of that block in its staging buffer (the call
-// keeps the device pointer); fo_call_run_add_rmsnorm is fo_call_run with the fused kernel in
-// place of the post-reorder (it zeroes the counters likewise). With use_graph it replays a graph
-// of its own, captured on its first call outside stream capture (or its second, when the first
-// is `warm`), re-pointed when a, b, residual, weight, the outputs or eps change.
-FO_API cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_offsets, int rows,
-                                           int tile_m, int tile_n, int dtype);
-FO_API cudaError_t fo_call_run_add_rmsnorm(fo_call* call, const void* a, int64_t lda,
-                                           const void* b, int64_t ldb, const void* residual,
-                                           int64_t ld_residual, const void* weight,
-                                           int weight_dtype, float eps, void* normed,
-                                           void* residual_out, int64_t ld_out,
-                                           cudaStream_t stream, int warm);
-// As fo_call_graph_state, for the calls of fo_call_run_add_rmsnorm.
-FO_API int fo_call_add_rmsnorm_graph_state(const fo_call* call);
 
 FO_API const char* fo_last_error(void);
 
