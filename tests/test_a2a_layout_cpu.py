@@ -28,22 +28,23 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (the kernel
                                 "compile with it)")
 
 
-@pytest.fixture(scope="module")
-def layout_program(tmp_path_factory) -> Path:
-    exe = tmp_path_factory.mktemp("a2a") / "a2a_layout"
-    subprocess.run([COMPILER, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'cuda'}",
-                    str(ROOT / "tests" / "native" / "a2a_layout_main.cpp"), "-o", str(exe)],
+def _host_program(factory, compiler: str, source: str) -> Path:
+    """``tests/native/<source>`` built with the csrc/cuda headers."""
+    exe = factory.mktemp("native") / Path(source).stem
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'cuda'}",
+                    str(ROOT / "tests" / "native" / source), "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     return exe
+
+
+@pytest.fixture(scope="module")
+def layout_program(tmp_path_factory) -> Path:
+    return _host_program(tmp_path_factory, COMPILER, "a2a_layout_main.cpp")
 
 
 @pytest.fixture(scope="module")
 def decode_program(tmp_path_factory) -> Path:
-    exe = tmp_path_factory.mktemp("decode") / "decode_items"
-    subprocess.run([NVCC, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'cuda'}",
-                    str(ROOT / "tests" / "native" / "decode_items_main.cu"), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
-    return exe
+    return _host_program(tmp_path_factory, NVCC, "decode_items_main.cu")
 
 
 def decoded(program: Path, lines: list[str]) -> list[list[tuple]]:

@@ -240,12 +240,10 @@ class CudaBackend(Backend):
                                    stream)
 
     def prepare_all_to_all(self, template: OverlapCall):
-        """all_to_all laid out per call from its own splits (:mod:`.all_to_all`), for plans of
-        the "destinations" grouping on NCCL groups (or none); None: a plan per split."""
+        """all_to_all laid out per call from its own splits (:mod:`.all_to_all`) on NCCL groups
+        (or none); None (a plan per split) on a group of another collective library."""
         group = template.group
-        if (template.plan.grouping != "destinations" or all_to_all.unsupported(
-                template.plan, template.world_size) or (
-                group is not None and template.world_size > 1 and not nccl.uses_nccl(group))):
+        if group is not None and template.world_size > 1 and not nccl.uses_nccl(group):
             return None
         stream = torch.cuda.current_stream(template.a.device)
         return outside_graph_pools(lambda: CudaAllToAllCall(self, template), stream)
