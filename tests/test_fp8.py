@@ -25,7 +25,7 @@ def _call(m=7, n=9, k=16):
     (dict(out_dtype=torch.float32), ValueError, "out_dtype must be torch.bfloat16 or torch.float16"),
     (dict(b=torch.randn(16, 9)), TypeError, "both must be float8_e4m3fn"),
     (dict(b=torch.randn(16, 9).to(F8)), ValueError, "column-major"),
-    (dict(plan="a plan"), ValueError, "takes no plan"),
+    (dict(plan="a plan"), TypeError, "plan must be a flashoverlap_core.Plan"),
 ])
 def test_bad_fp8_arguments_are_refused(change, error, match):
     a, b, sa, sb = _call()

@@ -9,6 +9,7 @@
 //      TMA store with the 128-byte swizzle (16-byte chunk ^= address bits 7..9), for a
 //      1024-byte aligned slot and a merely 128-byte aligned one: every element lands at its
 //      place in the tile's packed slot;
+//      (FragWord::row and ::col, which the fp8 scaling uses, say the same);
 //   3. vec16: quad_transpose's butterfly (quad_send_index) gives each lane 16 contiguous bytes
 //      at the column store_full_tile_vec16 writes them to.
 // Build: nvcc <flags of build.py> -DFO_LAYOUT_SELFTEST [config -D macros] gemm_sm90_selftest.cu
@@ -72,6 +73,9 @@ void check_fragment(const Coords& c) {
             const int r = c.row[t * c.per_thread + i], col = c.col[t * c.per_thread + i];
             expect(r == rb + 8 * h + lane / 4, "fragment row", t, i, r);
             expect(col == 8 * j + 2 * (lane % 4) + v, "fragment column", t, i, col);
+            // what the fp8 scaling reads for this accumulator (apply_scales)
+            expect(FragWord::row(rb, h, lane) == r && FragWord::col(j, v, lane) == col,
+                   "FragWord::row/col", t, i, r);
             if (r >= 0 && r < kBM && col >= 0 && col < kBN) seen[r * kBN + col]++;
           }
     }
@@ -163,8 +167,9 @@ int main() {
       check_tma(c, 5 * 1024 + 384);  // only 128-byte aligned: the swizzle follows the address
     }
   }
-  std::printf("%s tile %dx%dx%d %s epilogue %d slots %d stages %d smem %d bytes\n",
-              g_errors ? "FAILED" : "ok", kBM, kBN, kBK, kPingpong ? "pingpong" : "cooperative",
-              kEpilogue, kSlots, int(Mainloop::DispatchPolicy::Stages), kSmemBytes);
+  std::printf("%s tile %dx%dx%d %s %s epilogue %d slots %d stages %d smem %d bytes\n",
+              g_errors ? "FAILED" : "ok", kBM, kBN, kBK, kFp8 ? "e4m3" : "16-bit",
+              kPingpong ? "pingpong" : "cooperative", kEpilogue, kSlots,
+              int(Mainloop::DispatchPolicy::Stages), kSmemBytes);
   return g_errors ? 1 : 0;
 }
