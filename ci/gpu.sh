@@ -5,7 +5,7 @@
 #
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
 #                                conformance mainjob report cache; also: tuning, e2e, compile,
-#                                multirank, moe)
+#                                multirank, moe, fp8, gemmfp8)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -36,6 +36,12 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     conformance) stage conformance 240 $PY -m pytest -q -p no:cacheprovider --pyargs \
                    flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 ;;
     gemm) stage gemm 240 $PY bench/gemm.py ;;
+    # fp8 (issue 23): the e4m3 signaling GEMM's tests, the conformance suite's fp8 cases against
+    # cuda, and the fp8 set of bench/gemm.py against torch._scaled_mm (gemm-fp8-*.json)
+    fp8) stage fp8-tests 300 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fp8.py
+         stage fp8-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
+           flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 -k fp8 ;;
+    gemmfp8) stage gemmfp8 300 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
     reorder) stage reorder 60 $PY bench/reorder.py ;;
     offload) stage offload 120 $PY bench/offload.py --timeline "$OUT/timeline.png" ;;
     tuning) stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png" ${FO_TUNING_ARGS:-} ;;
