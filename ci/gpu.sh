@@ -48,7 +48,10 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     # The main job with the signaling backend and with the decomposition baseline, side by side.
     mainjob) stage mainjob-cuda 90 flashoverlap bench --backend cuda --json "$OUT/bench-cuda.json"
              stage mainjob-decomposition 90 flashoverlap bench --backend decomposition \
-               --device cuda --json "$OUT/bench-decomposition.json" ;;
+               --device cuda --json "$OUT/bench-decomposition.json"
+             # fp8 (issue 23): e4m3 with row-wise scales against torch._scaled_mm + NCCL
+             stage mainjob-fp8 90 flashoverlap bench --backend cuda --dtype float8_e4m3fn \
+               --json "$OUT/bench-cuda-fp8.json" ;;
     # Ranks sharing the one GPU (each its own NCCL host id, NCCL's socket transport on
     # loopback): every multi-rank path of the cuda backend, correctness only (no speed figure
     # comes from it). Fits one 10-minute device command; writes multirank-h200-<date>.json.
