@@ -126,11 +126,14 @@ class CudaBackend(Backend):
         if spec.b_layout != "col":
             reasons.append("fp8 b must be column-major [K, N] (weight.t()), as the e4m3 tensor "
                            "cores read both operands K-major")
-        if spec.device_type == "cuda" and torch.cuda.is_available() and self._arch() != 90:
-            major, minor = torch.cuda.get_device_capability()
-            reasons.append(f"fp8 needs sm_90a's e4m3 tensor cores (wgmma); this is sm_{major}{minor}"
-                           f"{' run as sm_80 (' + ENV_ARCH + ')' if major == 9 else ''}, whose "
-                           "kernels take bf16 and fp16 only (Ada's sm_89 fp8 is not built)")
+        forced = os.environ.get(ENV_ARCH)
+        if forced or (spec.device_type == "cuda" and torch.cuda.is_available()):
+            if self._arch() != 90:
+                why = (f"{ENV_ARCH}={forced}" if forced else
+                       "this GPU is sm_%d%d" % torch.cuda.get_device_capability())
+                reasons.append(f"fp8 needs sm_90a's e4m3 tensor cores (wgmma); {why} runs the "
+                               "sm_80 kernels, which take bf16 and fp16 only (Ada's sm_89 fp8 "
+                               "is not built)")
         return reasons
 
     def _arch(self) -> int:
