@@ -493,6 +493,20 @@ def comm_traffic(args):
     return launch
 
 
+def prepare_run(args, kernels, build, variants, dtypes):
+    """(shapes, NCCL traffic, L2 flush buffer) of a run, its kernels built first; None with
+    --build-only."""
+    shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
+        (name, s) for name in args.sets.split(",") for s in SETS[name]]
+    configs = needed_configs(kernels, variants, dtypes, [s for _, s in shapes])
+    print(f"building {len(configs)} kernel configurations", flush=True)
+    build.prebuild(configs, jobs=os.cpu_count())
+    if args.build_only:
+        return None
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.cold else None
+    return shapes, comm_traffic(args), flush
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="bfloat16,float16")
@@ -534,15 +548,10 @@ def main(argv=None):
                 for n in dict.fromkeys(names)]
     variants = [replace(v, name="plain") if v.name == "product-plain" else v for v in variants]
     dtypes = args.dtypes.split(",")
-    shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
-        (name, s) for name in args.sets.split(",") for s in SETS[name]]
-    configs = needed_configs(kernels, variants, dtypes, [s for _, s in shapes])
-    print(f"building {len(configs)} kernel configurations", flush=True)
-    build.prebuild(configs, jobs=os.cpu_count())
-    if args.build_only:
+    prepared = prepare_run(args, kernels, build, variants, dtypes)
+    if prepared is None:
         return
-    comm = comm_traffic(args)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.cold else None
+    shapes, comm, flush = prepared
     rows = []
     for dtype in dtypes:
         for set_name, shape in shapes:
@@ -583,16 +592,10 @@ def main_fp8(args, kernels, build):
         variants.append(Variant("splitacc", 90, (128, 128), schedule="cooperative",
                                 fast_accum=False))
     variants += [parse_variant(n, 90) for n in args.variants.split(",") if n]  # e.g. coop-tma
-    dtype = kernels.FP8_DTYPES[0]
-    shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
-        (name, s) for name in args.sets.split(",") for s in SETS[name]]
-    configs = needed_configs(kernels, variants, [dtype], [s for _, s in shapes])
-    print(f"building {len(configs)} kernel configurations", flush=True)
-    build.prebuild(configs, jobs=os.cpu_count())
-    if args.build_only:
+    prepared = prepare_run(args, kernels, build, variants, [kernels.FP8_DTYPES[0]])
+    if prepared is None:
         return
-    comm = comm_traffic(args)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.cold else None
+    shapes, comm, flush = prepared
     rows = []
     for set_name, shape in shapes:
         for scaling in SCALINGS:
