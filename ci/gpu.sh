@@ -38,7 +38,7 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     gemm) stage gemm 240 $PY bench/gemm.py ;;
     # fp8 (issue 23): the e4m3 signaling GEMM's tests, the conformance suite's fp8 cases against
     # cuda, and the fp8 set of bench/gemm.py against torch._scaled_mm (gemm-fp8-*.json)
-    fp8) stage fp8-tests 300 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fp8.py
+    fp8) stage fp8-tests 300 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_fp8.py
          stage fp8-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
            flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 -k fp8 ;;
     gemmfp8) stage gemmfp8 300 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
