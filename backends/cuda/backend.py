@@ -285,7 +285,10 @@ class CudaBackend(Backend):
 
     def run(self, call: OverlapCall) -> torch.Tensor:
         """One call without a kept preparation (``fo.overlap`` prepares once per key)."""
-        return self.prepare(call).run(call.a, call.b, call.out, call.op)
+        prepared = self.prepare(call)
+        if call.scale_a is not None:
+            return prepared.run_scaled(call.a, call.b, call.scale_a, call.scale_b, call.out, call.op)
+        return prepared.run(call.a, call.b, call.out, call.op)
 
     def warm_up(self, key) -> bool:
         """Whether a call of this (library, group, op, dtype) must run with host syncs first

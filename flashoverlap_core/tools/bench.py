@@ -48,13 +48,14 @@ ROUNDING_UNITS = 4  # output-dtype epsilons (times the largest |value|) always a
 FP8_OUT = torch.bfloat16  # fp8 runs: e4m3 a and b with row-wise scales, bf16 out
 FP8_TORCH = tuple(getattr(torch, name) for name in FP8_DTYPES)
 LEGEND = (
-    "baseline: a @ b (fp8: torch._scaled_mm), then torch.distributed's collective on the "
-    "whole output, one after the "
+    "baseline: a @ b, then torch.distributed's collective on the whole output, one after the "
     "other (allgather: the all-gather of a, then the GEMM); overlapped: fo.overlap(a, b, op), the same result with each wave group's "
     "collective started as soon as the GEMM has written the group; speedup = baseline / "
     "overlapped (medians, slowest rank). max error: the largest difference between the two "
     "results; bound: what it may be (twice the baseline's own error against float64, plus "
-    f"{ROUNDING_UNITS} units of rounding of the output dtype).")
+    f"{ROUNDING_UNITS} units of rounding of the output dtype). fp8 (float8_e4m3fn): a @ b is "
+    "torch._scaled_mm with the same row-wise scales and a bf16 result (on CPU ranks the "
+    "dequantized product).")
 HOST_NOTE = (
     "On CPU ranks this run checks that the results agree; it does not measure overlap: the "
     "GEMM and gloo's collective share the same cores, and the reference backend computes tile "

@@ -115,7 +115,7 @@ def _call(m, n, k, scaling, out_name, op="allreduce", group=None, **kw):
 @pytest.mark.parametrize("out_name", sorted(OUT))
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fp8_world1_matches_float64(shape, scaling, out_name):
+def test_fp8_one_rank_matches_float64(shape, scaling, out_name):
     _call(*shape, scaling, out_name)
     assert fo.prepared_calls()[-1]["backend"] == "cuda"
 
