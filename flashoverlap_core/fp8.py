@@ -12,7 +12,7 @@
 
 An fp8 call is a call kind of its own (``api.overlap_scaled``): its spec has dtype
 ``float8_e4m3fn`` and the ``out_dtype``, its plan the ``out_dtype`` too, and it carries its
-scales. A backend with ``native_fp8`` (cuda on sm_90) runs it; on any other backend, and for a
+scales. A backend with ``native_fp8`` (an fp8 signaling GEMM) runs it; on any other backend, and for a
 "sequential" plan, it runs dequantized (:class:`DequantizedCall`: the inputs times their scales
 in float32, the float32 call, the result rounded to ``out_dtype``). all_to_all always runs
 dequantized: its per-call rows and splits path carries no scales.

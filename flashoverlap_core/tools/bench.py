@@ -20,6 +20,7 @@ import shlex
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -54,8 +55,8 @@ LEGEND = (
     "overlapped (medians, slowest rank). max error: the largest difference between the two "
     "results; bound: what it may be (twice the baseline's own error against float64, plus "
     f"{ROUNDING_UNITS} units of rounding of the output dtype). fp8 (float8_e4m3fn): a @ b is "
-    "torch._scaled_mm with the same row-wise scales and a bf16 result (on CPU ranks the "
-    "dequantized product).")
+    "torch._scaled_mm with the same row-wise scales and a bf16 result (the dequantized "
+    "product where the device has no _scaled_mm).")
 HOST_NOTE = (
     "On CPU ranks this run checks that the results agree; it does not measure overlap: the "
     "GEMM and gloo's collective share the same cores, and the reference backend computes tile "
@@ -81,8 +82,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="input and output dtype (default: float32 on the CPU, bfloat16 "
                         "on accelerators); float8_e4m3fn: e4m3 a and b with row-wise float32 "
-                        "scales, bf16 out, against torch._scaled_mm (on the CPU the "
-                        "dequantized product) then the collective")
+                        "scales, bf16 out, against torch._scaled_mm (where the device has "
+                        "none, the dequantized product) then the collective")
     parser.add_argument("--iters", type=at_least(1), help="timed iterations (default: 5 on "
                         "the CPU, 20 on accelerators)")
     parser.add_argument("--warmup", type=at_least(0), default=2,
@@ -99,14 +100,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 def matmul(a, b, scales=None):
     """a @ b; fp8 (``scales`` = (scale_a, scale_b)): the scaled GEMM in FP8_OUT, with
-    torch._scaled_mm on CUDA devices, else the dequantized product."""
+    torch._scaled_mm where the device takes it, else the dequantized product."""
     if scales is None:
         return a @ b
     sa, sb = scales
-    if a.device.type == "cuda":
+    if scaled_mm_runs(a.device.type):
         return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=FP8_OUT,
                                 use_fast_accum=True)
     return ((a.float() * sa) @ (b.float() * sb)).to(FP8_OUT)
+
+
+@lru_cache(maxsize=None)
+def scaled_mm_runs(device_type: str) -> bool:
+    """Whether torch._scaled_mm runs a row-wise scaled e4m3 GEMM on this device type (tried
+    once on 16 x 16 x 16)."""
+    device = current_device(device_type)
+    f8 = FP8_TORCH[0]
+    a = torch.ones(16, 16, device=device).to(f8)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=FP8_OUT)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def gather_rows(t):
