@@ -11,9 +11,9 @@ as Mixtral's and DeepSeek-V3's experts) and sends each token's row back to its o
 
 Per shape (the slowest rank's median over steps): ``fo`` = fo.overlap(..., "all_to_all") with
 default arguments and recv_splits given; ``sequential`` = a @ b, then all_to_all_single;
-``decomposition`` = the same call on backend="decomposition"; at world size 1 also ``matmul`` =
-a @ b alone and ``host_us``, the host time per fo call in steady state (rows and splits of a
-new step every call). Each row names the backend fo ran on, and fo's error against float64.
+``decomposition`` = the same call on backend="decomposition"; ``host_us``, the host time per fo
+call in steady state (rows and splits of a new step every call, every table laid out anew);
+at world size 1 also ``matmul`` = a @ b alone. Each row names the backend fo ran on, and fo's error against float64.
 Ranks sharing devices (--shared-devices) check the harness only: their times say nothing.
 
 Result: bench/results/moe-<device>-<date>.json (or $FO_RESULTS_DIR); ``summary.max_host_us``
@@ -149,8 +149,8 @@ def rank_rows(shapes, dtype_name: str, device_type: str, iters: int) -> list[dic
                "decomposition_ms": timed(lambda i: fo_call(i, "decomposition"), device_type, iters)}
         if world == 1:
             row["matmul_ms"] = timed(lambda i: steps[i][0] @ b, device_type, iters)
-            row["host_us"] = host_us(fo_call, device_type)
             row["host_us_matmul"] = host_us(lambda i: steps[i][0] @ b, device_type)
+        row["host_us"] = host_us(fo_call, device_type)
         rows.append(row)
     return rows
 
@@ -219,6 +219,7 @@ def main(argv=None) -> int:
     hosts = [r["host_us"] for r in rows if "host_us" in r]
     bad = [f"{r['tokens']}x{r['hidden']}" for r in rows if not r["fo_rel_err"] <= 2e-2]
     summary = {"max_host_us": max(hosts) if hosts else None,
+               "host_us_world_size": args.world_size,
                "min_vs_sequential": min(r["vs_sequential"] for r in rows),
                "min_vs_decomposition": min(r["vs_decomposition"] for r in rows),
                "backends": sorted({b for r in rows for b in r["fo_backend"]}),

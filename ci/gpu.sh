@@ -5,7 +5,7 @@
 #
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
 #                                conformance mainjob report cache; also: tuning, e2e, compile,
-#                                multirank, moe, fp8, gemmfp8)
+#                                multirank (or its parts), moe, moe-tests, fp8, gemmfp8)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -56,20 +56,29 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     # Ranks sharing the one GPU (each its own NCCL host id, NCCL's socket transport on
     # loopback): every multi-rank path of the cuda backend, correctness only (no speed figure
     # comes from it). Fits one 10-minute device command; writes multirank-h200-<date>.json.
-    multirank)
-      stage multirank-conformance 170 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
+    # (or its parts: multirank-conformance, multirank-tests, multirank-bench, multirank-summary)
+    multirank) for part in conformance tests bench summary; do run_stage "multirank-$part"; done ;;
+    multirank-conformance)
+      stage multirank-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
         flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices \
-        --fo-world-sizes 2,3,4 --junitxml "$OUT/multirank-conformance.xml"
-      stage multirank-tests 300 env FO_MULTIRANK_WORLD_SIZES=2,4 $PY -m pytest -q -p no:cacheprovider \
-        -rs tests/gpu/test_multirank.py --junitxml "$OUT/multirank-tests.xml"
+        --fo-world-sizes 2,3,4 --junitxml "$OUT/multirank-conformance.xml" ;;
+    multirank-tests)
+      stage multirank-tests 330 env FO_MULTIRANK_WORLD_SIZES=2,4 $PY -m pytest -q -p no:cacheprovider \
+        -rs tests/gpu/test_multirank.py --junitxml "$OUT/multirank-tests.xml" ;;
+    multirank-bench)
       stage multirank-bench 100 $PY bench/multigpu.py --world-size 2 --shared-devices \
         --backend cuda --quick --shapes 1024x1024x512,2048x768x1024 --candidates 4 \
-        --json "$OUT/multigpu-w2-shared.json"
+        --json "$OUT/multigpu-w2-shared.json" ;;
+    multirank-summary)
       stage multirank-summary 30 $PY ci/junit_summary.py multirank \
         "$OUT/multirank-h200-$(date -u +%Y%m%d-%H%M%S).json" --world-sizes 2,3,4 \
         "$OUT/multirank-conformance.xml" "$OUT/multirank-tests.xml" \
         --extra "$OUT/multigpu-w2-shared.json" \
         --note "ranks sharing one GPU through NCCL's socket transport: correctness only" ;;
+    # all_to_all with each call's rows and splits at world size 1 (world sizes 2-4: multirank)
+    moe-tests) FO_STRESS_RUNS=100 FO_CONCURRENT_ROUNDS=100 FO_REPEAT_CALLS=500 \
+      stage moe-tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_moe.py \
+        tests/gpu/test_cuda.py -k "all_to_all or moe or world1 or lazy" ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac
 }

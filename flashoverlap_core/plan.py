@@ -102,7 +102,10 @@ def check_splits(name: str, splits, world_size: int, total: int | None) -> tuple
         raise TypeError(f"{name} must be a list of {world_size} ints, got {type(splits).__name__}")
     if len(splits) != world_size:
         raise ValueError(f"{name} must have one entry per rank ({world_size}), got {len(splits)}")
-    out = tuple(_check_int(f"{name}[{i}]", s, 0) for i, s in enumerate(splits))
+    out = tuple(splits)
+    # every call of an MoE layer checks its splits: plain non-negative ints take one pass
+    if not all(type(s) is int for s in out) or (out and min(out) < 0):
+        out = tuple(_check_int(f"{name}[{i}]", s, 0) for i, s in enumerate(out))
     if total is not None and sum(out) != total:
         raise ValueError(f"{name} must sum to the rows of a ({total}), got sum {sum(out)}")
     return out

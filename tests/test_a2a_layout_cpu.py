@@ -18,10 +18,14 @@ from flashoverlap_core.collectives import chunk_numels
 from flashoverlap_core.plan import Plan, destination_group_sizes
 from flashoverlap_core.reorder import block_tiles
 from flashoverlap_core.tiles import Schedule, TileGrid
+from flashoverlap_backends.cuda.build import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+NVCC = find_nvcc()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (the kernels' headers "
+                                "compile with it)")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +35,22 @@ def layout_program(tmp_path_factory) -> Path:
                     str(ROOT / "tests" / "native" / "a2a_layout_main.cpp"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     return exe
+
+
+@pytest.fixture(scope="module")
+def decode_program(tmp_path_factory) -> Path:
+    exe = tmp_path_factory.mktemp("decode") / "decode_items"
+    subprocess.run([NVCC, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'cuda'}",
+                    str(ROOT / "tests" / "native" / "decode_items_main.cu"), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    return exe
+
+
+def decoded(program: Path, lines: list[str]) -> list[list[tuple]]:
+    """The kernels' decode_item of each input line's items (decode_items_main.cu)."""
+    out = subprocess.run([str(program)], input="".join(lines), capture_output=True, text=True,
+                         check=True).stdout.split("end\n")[:-1]
+    return [[tuple(map(int, row.split())) for row in part.splitlines()] for part in out]
 
 
 def native_layouts(program: Path, cases) -> list[dict]:
@@ -127,3 +147,67 @@ def test_native_layout_counts_equal_what_the_collectives_move():
     for g, region in enumerate(plan.regions):
         assert list(region.dest_numels) == [chunk_numels(r, n, tile, schedule, 4)[g] for r in send]
     assert torch.tensor([r.numel for r in plan.regions]).sum() == sum(send) * n
+
+
+def _tiles(plan) -> list[tuple]:
+    """(row0, rows, col0, cols, packed offset, group) of the plan's items in execution order."""
+    where = {t: (off, g) for t, g, off in plan.packed_tiles}
+    return [(t.row0, t.rows, t.col0, t.cols) + where[t] for t in plan.execution_order]
+
+
+@needs_nvcc
+def test_the_kernels_decode_unequal_blocks_into_the_plans_tiles(decode_program):
+    """The per-call work items over unequal destination blocks, decoded by the kernels'
+    decode_item with block_starts: the plan's tiles, offsets and groups, in its order."""
+    rng = random.Random()
+    cases, lines = [], []
+    for _ in range(40):
+        tile = rng.choice([(128, 256), (128, 128), (64, 64)])
+        n = rng.choice([1, 256, 1000, rng.randint(1, 3000)])
+        schedule = Schedule(rng.choice("nm"), rng.choice([1, 3, 8]))
+        world = rng.choice([1, 2, 3, 5, 8])
+        groups = rng.choice([1, 4, 5])
+        rows = [0 if rng.random() < 0.2 else rng.randint(1, 1500) for _ in range(world)]
+        if not sum(rows):
+            rows[0] = 1
+        cases.append((tile, n, schedule, groups, rows))
+        lines.append(f"blocks {tile[0]} {tile[1]} {n} {int(schedule.raster == 'm')} "
+                     f"{schedule.swizzle} {groups} {world} {' '.join(map(str, rows))}\n")
+    for case, got in zip(cases, decoded(decode_program, lines)):
+        tile, n, schedule, groups, rows = case
+        grid = TileGrid(tuple(rows), n, tile[0], tile[1], schedule)
+        plan = Plan(sum(rows), n, 64, "all_to_all", len(rows), "bfloat16", tile, 128,
+                    destination_group_sizes(grid, groups), schedule,
+                    tuple(rows) if len(rows) > 1 else None, grouping="destinations")
+        assert got == _tiles(plan), f"decoded items differ for {case}"
+
+
+@needs_nvcc
+def test_the_kernels_decode_equal_blocks_as_before(decode_program):
+    """Plans of equal blocks (reduce_scatter, allreduce) keep their item decoding."""
+    from flashoverlap_core import api
+
+    plans = [api.plan(m, n, 64, op=op, world_size=w, tile=tile, backend="reference")
+             for m, n, op, w, tile in ((1000, 776, "reduce_scatter", 4, (128, 256)),
+                                       (777, 1000, "allreduce", 1, (128, 128)),
+                                       (384, 72, "reduce_scatter", 3, (64, 64)))]
+    lines = []
+    for plan in plans:
+        items, groups = plan.item_table()
+        body = "".join(f"{' '.join(map(str, r))} {g}\n"
+                       for r, g in zip(items.tolist(), groups.tolist()))
+        blocks = len(plan.block_rows)
+        lines.append(f"uniform {plan.tile[0]} {plan.tile[1]} {blocks} {plan.block_rows[0]} "
+                     f"{plan.n} {plan.num_tiles}\n{body}")
+    for plan, got in zip(plans, decoded(decode_program, lines)):
+        assert got == _tiles(plan), plan
+
+
+@needs_nvcc
+@pytest.mark.parametrize("item", ["2 0 0 0 0", "0 2 0 0 0", "0 0 1 0 0", "0 0 0 -1 0",
+                                  "0 0 0 80000 0", "1 2 0 0 0"])
+def test_a_malformed_item_stops_the_kernel(decode_program, item):
+    """An item outside its block, the matrix or the packed buffer traps (here: aborts)."""
+    done = subprocess.run([str(decode_program)], input=f"uniform 128 256 2 200 256 1\n{item}\n",
+                          capture_output=True, text=True)
+    assert done.returncode != 0, done.stdout

@@ -217,3 +217,53 @@ def test_rows_a_named_backend_refuses_on_one_rank_raise_on_every_rank():
         messages = pool.run(_unequal_rows_for_a_named_backend, 0)
     assert "unequal rows" in messages[1], messages
     assert "rank 1" in messages[0] and "unequal rows" in messages[0], messages
+
+
+class _PerCallLayout(ReferenceBackend):
+    """Lays out each call from its own splits (Backend.prepare_all_to_all), as the cuda backend
+    does: here the product, then one all_to_all_single; it keeps what each call was given."""
+
+    name = "fake-per-call-layout"
+
+    def prepare_all_to_all(self, template):
+        import torch.distributed as dist
+
+        group, world = template.group, template.world_size
+        backend = self
+
+        class Rows:
+            seen: list = []
+
+            def run(self, a, b, out, send, recv):
+                assert sum(send) == a.shape[0] and out.shape == (sum(recv), b.shape[1])
+                self.seen.append((tuple(send), tuple(recv)))
+                c = (a.double() @ b.double()).to(a.dtype)
+                if group is None or world == 1:
+                    return out.copy_(c)
+                dist.all_to_all_single(out, c, list(recv), list(send), group=group)
+                return out
+
+        backend.rows = Rows()
+        return backend.rows
+
+
+def _sequence_per_call_layout(seed, calls):
+    from flashoverlap_core import registry
+
+    fake = _PerCallLayout()
+    registry.register(fake)
+    result = _sequence(seed, calls, fake.name)
+    result["runner"] = fo.prepared_calls()[-1]["runner"]
+    result["seen"] = len(fake.rows.seen)
+    return result
+
+
+def test_a_backend_that_lays_out_each_call_gets_every_call_with_its_splits():
+    """prepare_all_to_all: once per key, then every call with its checked splits and the rows
+    it receives (exchanged when recv_splits are omitted), and an out of that many rows."""
+    for world in (1, 3):
+        with RankPool(world, timeout=240) as pool:
+            results = pool.run(_sequence_per_call_layout, 5, 12)
+        for r in results:
+            assert r["worst"] < 2e-2 and r["keys"] == 1 and r["seen"] == 12, results
+            assert r["backends"] == ["fake-per-call-layout"], results

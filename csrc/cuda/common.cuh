@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include <cstdarg>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 
@@ -120,34 +121,45 @@ struct ItemTable {
                                 // all_to_all with each call's own splits)
 };
 
+// A malformed table stops the kernel (a host build of the decoding, for its tests, aborts).
+__host__ __device__ inline void trap_bad_item() {
+#ifdef __CUDA_ARCH__
+  __trap();
+#else
+  std::abort();
+#endif
+}
+
 // Decodes item i. With Checked, traps on an item that lies outside the matrix or the packed
 // buffer; without, the loads do not block until the fields are used (a kernel's math threads
-// decode the next item before its mainloop and use it only in the epilogue).
+// decode the next item before its mainloop and use it only in the epilogue). Host-callable for
+// the tests (tests/native/decode_items_main.cu).
 template <int BM, int BN, bool Checked = true>
-__device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
+__host__ __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   const int64_t* it = t.items + 4 * i;
   int64_t l = it[0], m_blk = it[1], n_blk = it[2], offset = it[3];
   if constexpr (Checked) {
-    if (l < 0 || l >= t.L) __trap();  // before block_starts is read at l
+    if (l < 0 || l >= t.L) trap_bad_item();  // before block_starts is read at l
   }
-  int64_t start = l * t.block_rows, end = start + t.block_rows;
-  if (t.block_starts != nullptr) start = t.block_starts[l], end = t.block_starts[l + 1];
+  int64_t block_start = l * t.block_rows, block_end = block_start + t.block_rows;
+  if (t.block_starts != nullptr) block_start = t.block_starts[l], block_end = t.block_starts[l + 1];
   WorkTile w;
-  w.row0 = int(start + m_blk * BM);
-  w.rows = int(min(int64_t(BM), end - w.row0));
+  w.row0 = int(block_start + m_blk * BM);
+  w.rows = int(block_end - w.row0 < BM ? block_end - w.row0 : BM);
   w.col0 = int(n_blk * BN);
-  w.cols = min(BN, int(t.N - n_blk * BN));
+  w.cols = t.N - w.col0 < BN ? int(t.N - w.col0) : BN;
   w.n_blk = int(n_blk);
   w.block = int(l);
   w.offset = offset;
   w.group = t.item_group[i];
   w.valid = true;
   if constexpr (Checked) {
-    const int64_t end = t.ldo ? offset + int64_t(w.rows - 1) * t.ldo + w.cols
-                              : offset + int64_t(w.rows) * w.cols;
-    bool ok = start >= 0 && m_blk >= 0 && m_blk * BM < end - start && end <= t.M && n_blk >= 0 &&
-              n_blk * BN < t.N && offset >= 0 && end <= t.packed_numel && w.group >= 0;
-    if (!ok) __trap();
+    const int64_t packed_end = t.ldo ? offset + int64_t(w.rows - 1) * t.ldo + w.cols
+                                     : offset + int64_t(w.rows) * w.cols;
+    const bool ok = block_start >= 0 && block_end <= t.M && m_blk >= 0 &&
+                    m_blk * BM < block_end - block_start && n_blk >= 0 && n_blk * BN < t.N &&
+                    offset >= 0 && packed_end <= t.packed_numel && w.group >= 0;
+    if (!ok) trap_bad_item();
   }
   return w;
 }

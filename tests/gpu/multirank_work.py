@@ -89,7 +89,7 @@ def splits_for(seed: int, world: int, call: int, equal: bool, m: int):
     rng = random.Random(seed * 100003 + call)  # the same on every rank (no str hashing)
     out = []
     for r in range(world):
-        rows = rng.randint(1, m)  # at least one row: M_r = 0 is not accepted yet
+        rows = 0 if rng.random() < 0.15 else rng.randint(1, m)  # a rank may have no rows
         cuts = sorted(rng.choices(range(rows + 1), k=world - 1))
         out.append([b - a for a, b in zip([0] + cuts, cuts + [rows])])
     return out
@@ -126,6 +126,29 @@ def every_op(seed: int, backend) -> dict:
         problems += p
         ran.setdefault("all_to_all-skewed-default", set()).add(b)
     return {"problems": problems, "ran": {k: sorted(v) for k, v in ran.items()}}
+
+
+def moe_sequence(seed: int, calls: int, backend) -> dict:
+    """Expert parallelism: every call, each rank's rows and splits are new (skewed, zeros, a
+    rank without rows at times), recv_splits given on every other call only, fresh inputs,
+    poisoned outputs on some calls; each call against float64. One prepared key."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    n, k = 1000, 264
+    problems = []
+    for call in range(calls):
+        splits = splits_for(seed, world, call, False, 1 + 97 * (call % 7) + 13 * call)
+        a, b = operands(seed, rank, sum(splits[rank]), n, k, "col", call)
+        want = reference("all_to_all", seed, 0, n, k, "col", call, splits)
+        given = call % 2 == 0
+        guard, out = poisoned(*want.shape) if given and call % 4 == 0 else (None, None)
+        got = fo.overlap(a, b, "all_to_all", out=out, backend=backend,
+                         send_splits=splits[rank],
+                         recv_splits=[s[rank] for s in splits] if given else None)
+        problems += check(got, want.to(got.device), f"MoE call {call} (splits {splits})", guard)
+    calls_seen = fo.prepared_calls()
+    return {"problems": problems, "keys": len(calls_seen),
+            "backends": sorted({c["backend"] for c in calls_seen})}
 
 
 def back_to_back(seed: int, calls: int, backend) -> dict:

@@ -158,6 +158,9 @@ def test_replayed_call_follows_moving_operands(op, arch, replay, monkeypatch, nc
                 out = fo.overlap(a, b, op, plan=plan)
             torch.cuda.synchronize()
             _check(out, a, b)
+        if op == "all_to_all":  # laid out per call from its splits: nothing to replay
+            assert _last_prepared().native is not None
+            continue
         state = _last_prepared().graph_state()
         assert state == (1 if replay == "1" else 0), f"graph state {state}"
     api.forget_prepared()

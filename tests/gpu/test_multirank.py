@@ -75,8 +75,16 @@ def test_every_op_with_per_rank_inputs(pools, world):
     assert all(r == ran[0] for r in ran), f"the ranks ran different backends: {ran}"
     for op in work.OPS:
         assert ran[0][op] == ["cuda"], ran[0]
-    # skewed splits, automatic choice: one backend on every rank (decomposition today)
-    assert len(ran[0]["all_to_all-skewed-default"]) == 1, ran[0]
+    # skewed splits (a rank without rows at times), automatic choice: the signaling GEMM
+    assert ran[0]["all_to_all-skewed-default"] == ["cuda"], ran[0]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_moe_sequence_on_the_signaling_gemm(pools, world):
+    results = run(pools, world, work.moe_sequence, 41 + world, 24, None)
+    no_problems(results, "MoE sequence")
+    for r in results:
+        assert r["backends"] == ["cuda"] and r["keys"] == 1, results
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -1,0 +1,77 @@
+// Decodes work items on the host with the kernels' own decode_item (csrc/cuda/common.cuh), for
+// tests/test_a2a_layout_cpu.py. Input lines:
+//   blocks BM BN N raster_m swizzle groups world rows[world]
+//       the items of all_to_all's per-call layout (a2a_layout.cuh) over unequal blocks
+//   uniform BM BN L block_rows N T  then T lines "block band col offset group"
+//       a plan's item table over L equal blocks
+// Output per line: T lines "row0 rows col0 cols offset group" in item order, then "end".
+// A malformed item aborts (the kernel traps).
+#include <cstdio>
+#include <vector>
+
+#include "a2a_layout.cuh"
+#include "common.cuh"
+
+template <int BM, int BN>
+void decode_all(const fo::ItemTable& t) {
+  for (int i = 0; i < t.num_items; ++i) {
+    const fo::WorkTile w = fo::decode_item<BM, BN>(t, i);
+    std::printf("%d %d %d %d %lld %d\n", w.row0, w.rows, w.col0, w.cols, (long long)w.offset, w.group);
+  }
+}
+
+void decode(int bm, int bn, const fo::ItemTable& t) {
+  if (bm == 128 && bn == 256) return decode_all<128, 256>(t);
+  if (bm == 128 && bn == 128) return decode_all<128, 128>(t);
+  if (bm == 64 && bn == 64) return decode_all<64, 64>(t);
+  std::fprintf(stderr, "tile %dx%d is not instantiated here\n", bm, bn);
+  std::exit(2);
+}
+
+int main() {
+  char mode[16];
+  while (std::scanf("%15s", mode) == 1) {
+    fo::a2a::Geometry g;
+    std::vector<int64_t> items;
+    std::vector<int32_t> groups, starts;
+    fo::ItemTable t = {};
+    if (std::string(mode) == "blocks") {
+      int world;
+      std::scanf("%d %d %d %d %d %d %d", &g.bm, &g.bn, &g.n, &g.raster_m, &g.swizzle, &g.groups, &world);
+      std::vector<int> rows(world);
+      for (int& r : rows) std::scanf("%d", &r);
+      static fo::a2a::Side s;
+      fo::a2a::make_side(g, rows.data(), world, s);
+      const int tiles = s.tile_start[world];
+      items.assign(4 * size_t(tiles), 0);
+      groups.assign(tiles, 0);
+      for (int i = 0; i < tiles; ++i) {
+        const fo::a2a::Placed p = fo::a2a::place(g, s, i);
+        const int item = fo::a2a::item_index(g, s, p);
+        int64_t* it = &items[4 * size_t(item)];
+        it[0] = p.block, it[1] = p.at.band, it[2] = p.at.col, it[3] = p.offset;
+        groups[item] = p.group;
+      }
+      starts.assign(s.row_start, s.row_start + world + 1);
+      t = fo::ItemTable{items.data(), groups.data(), tiles, 0, world, s.row_start[world], g.n,
+                        int64_t(s.row_start[world]) * g.n, 0, starts.data()};
+    } else {
+      int L, block_rows, n, count;
+      std::scanf("%d %d %d %d %d %d", &g.bm, &g.bn, &L, &block_rows, &n, &count);
+      items.assign(4 * size_t(count), 0);
+      groups.assign(count, 0);
+      for (int i = 0; i < count; ++i) {
+        long long f[5];
+        std::scanf("%lld %lld %lld %lld %lld", &f[0], &f[1], &f[2], &f[3], &f[4]);
+        for (int k = 0; k < 4; ++k) items[4 * size_t(i) + k] = f[k];
+        groups[i] = int32_t(f[4]);
+      }
+      t = fo::ItemTable{items.data(), groups.data(), count, block_rows, L, L * block_rows, n,
+                        int64_t(L) * block_rows * n, 0, nullptr};
+    }
+    decode(g.bm, g.bn, t);
+    std::printf("end\n");
+    std::fflush(stdout);
+  }
+  return 0;
+}
