@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 
 import pytest
 import torch
 
 import flashoverlap_core as fo
 from flashoverlap_core import api
+
+import test_cuda  # tests/gpu: its NCCL group of one rank
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,22 +44,12 @@ if REASON and os.environ.get("FLASHOVERLAP_REQUIRE_HW") == "1":
     raise RuntimeError(f"FLASHOVERLAP_REQUIRE_HW=1 but {REASON}")
 pytestmark = [pytestmark, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
+nccl_group = test_cuda.nccl_group  # the fixture: a NCCL process group of one rank
+
 OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 SCALINGS = ("tensorwise", "rowwise", "mixed")  # mixed: row-wise a, tensor-wise b
 SHAPES = [(1, 1, 1), (7, 127, 33), (1000, 1000, 1000), (4097, 384, 72), (256, 8192, 64),
           (777, 1234, 999), (3000, 2500, 320), (2048, 4096, 4096)]
-
-
-@pytest.fixture
-def nccl_group():
-    """A NCCL process group of one rank, so that the calls' collectives really run."""
-    import torch.distributed as dist
-
-    store = tempfile.mktemp(prefix="fo-fp8-test-")
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
