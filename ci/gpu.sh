@@ -22,8 +22,8 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     # Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
     build) stage build 360 flashoverlap build --backend cuda --jobs 16 ;;  # + 8 fp8 builds
     report) stage report 60 flashoverlap report ;;
-    tests) stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu \
-             --ignore tests/gpu/test_multirank.py --ignore tests/gpu/test_cuda_fp8.py -k "not e4m3" ;;
+    tests) FO_GEMM_TEST_CONFIGS=-e4m3 stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu \
+             --ignore tests/gpu/test_multirank.py --ignore tests/gpu/test_cuda_fp8.py ;;
     callpath) stage callpath 180 $PY bench/callpath.py ;;
     e2e) stage e2e 420 $PY bench/e2e_mlp.py ;;
     moe) stage moe 300 $PY bench/moe.py ;;  # all_to_all of MoE steps at world size 1
@@ -38,8 +38,8 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     gemm) stage gemm 240 $PY bench/gemm.py ;;
     # fp8 (issue 23): the e4m3 signaling GEMM's tests, the conformance suite's fp8 cases against
     # cuda, and the fp8 set of bench/gemm.py against torch._scaled_mm (gemm-fp8-*.json)
-    fp8) stage fp8-tests 420 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_fp8.py \
-           tests/gpu/test_gemm_epilogue.py -k "e4m3 or test_fp8 or test_cuda_fp8"
+    fp8) FO_GEMM_TEST_CONFIGS=e4m3 stage fp8-tests 420 $PY -m pytest -q -p no:cacheprovider -rs \
+           tests/gpu/test_cuda_fp8.py tests/gpu/test_gemm_epilogue.py -k "e4m3 or test_cuda_fp8"
          stage fp8-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
            flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 -k fp8 ;;
     gemmfp8) stage gemmfp8 300 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;

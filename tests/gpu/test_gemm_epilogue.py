@@ -69,9 +69,13 @@ SM80 = [
 CONFIGS = (SM90 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
            else []) + SM80
 # FO_GEMM_TEST_CONFIGS=sm90,estaged: only the configurations whose name contains one of these
-# (and only those are built).
-_WANTED = [w for w in os.environ.get("FO_GEMM_TEST_CONFIGS", "").split(",") if w]
-CONFIGS = [c for c in CONFIGS if not _WANTED or any(w in build.config_name(c) for w in _WANTED)]
+# (and only those are built); an entry -NAME leaves out those whose name contains NAME
+# (FO_GEMM_TEST_CONFIGS=-e4m3: the 16-bit ones).
+_SELECTION = [w for w in os.environ.get("FO_GEMM_TEST_CONFIGS", "").split(",") if w]
+_WANTED = [w for w in _SELECTION if not w.startswith("-")]
+_UNWANTED = [w[1:] for w in _SELECTION if w.startswith("-")]
+CONFIGS = [c for c in CONFIGS if (not _WANTED or any(w in build.config_name(c) for w in _WANTED))
+           and not any(w in build.config_name(c) for w in _UNWANTED)]
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}
 
 
