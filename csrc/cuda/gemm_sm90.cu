@@ -160,9 +160,25 @@ struct TileScales {
   float rows[kBM];
   float cols[kBN];
 };
+static_assert(sizeof(TileScales) == (kBM + kBN) * sizeof(float), "rows then columns, unpadded");
 struct alignas(16) ScaleStorage {
   TileScales tile[kMathGroups][2];
 };
+
+// Entry i of a tile's TileScales (rows, then columns, as one array): what stage_scales copies
+// there. A tensor-wise scale is repeated; rows past the tile's end, columns past N and a
+// cluster's filler item get zeros (copy = false: nothing is read).
+struct ScaleCopy {
+  int64_t src;  // element of scale_a (i < kBM) or scale_b
+  bool copy;
+};
+__host__ __device__ inline ScaleCopy scale_copy(const fo_gemm_scales& sc, const WorkTile& w, int i) {
+  const bool row = i < kBM;
+  const int at = row ? i : i - kBM;
+  const bool in = w.valid && at < (row ? w.rows : w.cols);
+  const bool per = row ? sc.a_per_row : sc.b_per_col;
+  return ScaleCopy{in && per ? int64_t(row ? w.row0 : w.col0) + at : 0, in};
+}
 // The epilogue's shared memory: the tma slots, and for fp8 the scales (a specialisation, so
 // that 16-bit builds keep their layout and size).
 template <bool Scales>
@@ -376,20 +392,17 @@ __device__ inline void cp_async_f32(uint32_t smem, const float* src, bool copy) 
 }
 
 // Math thread t of a tile's kTileThreads, before the tile's mainloop: copies the tile's row
-// scales (scale_a) and column scales (scale_b) into `s` with cp.async, which the mainloop
-// hides; a tensor-wise scale is repeated, rows past the tile's end and columns past N are zero.
+// scales (scale_a) and column scales (scale_b) into `s` with cp.async (scale_copy), which the
+// mainloop hides.
 __device__ inline void stage_scales(const fo_gemm_scales& sc, const WorkTile& w, TileScales& s, int t) {
   constexpr int kPerThread = (kBM + kBN + kTileThreads - 1) / kTileThreads;
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int i = t + k * kTileThreads;
     if (i >= kBM + kBN) break;
-    const bool row = i < kBM;
-    const int at = row ? i : i - kBM;
-    const bool in = w.valid && at < (row ? w.rows : w.cols);
-    const bool per = row ? sc.a_per_row : sc.b_per_col;
-    const float* src = (row ? sc.a : sc.b) + (in && per ? (row ? w.row0 : w.col0) + at : 0);
-    cp_async_f32(cute::cast_smem_ptr_to_uint(row ? &s.rows[at] : &s.cols[at]), src, in);
+    const ScaleCopy c = scale_copy(sc, w, i);
+    cp_async_f32(cute::cast_smem_ptr_to_uint(reinterpret_cast<float*>(&s) + i),
+                 (i < kBM ? sc.a : sc.b) + c.src, c.copy);
   }
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
