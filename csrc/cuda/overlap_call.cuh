@@ -19,7 +19,6 @@ struct fo_call_graph {
   const void* b = nullptr;
   int64_t lda = 0, ldb = 0;
   void* out = nullptr;
-  fo_gemm_scales scales = {};  // fp8: what the GEMM node's scales point at
   int state = 0;  // 0 none yet, 1 replaying, -1 could not be made
 };
 
@@ -35,7 +34,6 @@ struct fo_call {
   cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
   cudaStream_t capture = nullptr;      // where the graph is captured (never runs work)
   fo_call_graph g;
-  fo_gemm_scales scales = {};          // fp8: this call's scales (fo_call_run_scaled)
 };
 
 namespace fo::runtime {
@@ -46,14 +44,6 @@ using GemmRun = cudaError_t (*)(const void*, const void*, void*, int, int, int, 
 using GemmSetNode = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*, const void*,
                                     void*, int, int, int, int, int64_t, int64_t, const int64_t*,
                                     const int32_t*, int, int32_t*, int);
-using GemmRunScaled = cudaError_t (*)(const void*, const void*, const fo_gemm_scales*, void*, int,
-                                      int, int, int, int64_t, int64_t, const int64_t*,
-                                      const int32_t*, int, int32_t*, int, uint64_t*, void*,
-                                      cudaStream_t);
-using GemmSetNodeScaled = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*,
-                                          const void*, const fo_gemm_scales*, void*, int, int, int,
-                                          int, int64_t, int64_t, const int64_t*, const int32_t*,
-                                          int, int32_t*, int);
 
 inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
@@ -77,9 +67,6 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
     return fail(cudaErrorInvalidValue, "fo_call_create: only all_to_all has per_step > 1");
   if (d.use_graph && !d.gemm_set_node)
     return fail(cudaErrorInvalidValue, "fo_call_create: use_graph needs gemm_set_node");
-  if (d.gemm_run_scaled && d.use_graph && !d.gemm_set_node_scaled)
-    return fail(cudaErrorInvalidValue, "fo_call_create: use_graph with gemm_run_scaled needs "
-                "gemm_set_node_scaled");
   if (d.wait_mode != 0 && d.wait_mode != 1)
     return fail(cudaErrorInvalidValue, "fo_call_create: wait_mode %d is not 0 or 1", d.wait_mode);
   if (d.elem_size != 2 && d.elem_size != 4)
@@ -165,13 +152,9 @@ inline cudaError_t issue_call(fo_call& c, const void* a, int64_t lda, const void
     FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
   }
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
-  cudaError_t err = d.gemm_run_scaled
-      ? reinterpret_cast<GemmRunScaled>(d.gemm_run_scaled)(
-            a, b, &c.scales, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items,
-            d.item_group, d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream)
-      : reinterpret_cast<GemmRun>(d.gemm_run)(
-            a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items, d.item_group,
-            d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
+  cudaError_t err = reinterpret_cast<GemmRun>(d.gemm_run)(
+      a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items, d.item_group,
+      d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
   if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
     return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
   if (g) {
@@ -238,7 +221,7 @@ inline cudaError_t build_graph(fo_call& c, const void* a, int64_t lda, const voi
     if (g.graph) cudaGraphDestroy(g.graph);
     return err;
   }
-  g.a = a, g.b = b, g.lda = lda, g.ldb = ldb, g.out = out, g.scales = c.scales, g.state = 1;
+  g.a = a, g.b = b, g.lda = lda, g.ldb = ldb, g.out = out, g.state = 1;
   c.g = std::move(g);
   return cudaSuccess;
 }
@@ -248,18 +231,13 @@ inline cudaError_t update_graph(fo_call& c, const void* a, int64_t lda, const vo
                                 void* out) {
   fo_call_graph& g = c.g;
   const fo_call_desc& d = c.d;
-  const bool scales_moved = c.scales.a != g.scales.a || c.scales.b != g.scales.b;
-  if (a != g.a || b != g.b || lda != g.lda || ldb != g.ldb || scales_moved) {
-    cudaError_t err = d.gemm_run_scaled
-        ? reinterpret_cast<GemmSetNodeScaled>(d.gemm_set_node_scaled)(
-              g.exec, g.gemm, a, b, &c.scales, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb,
-              d.items, d.item_group, d.num_items, d.counters, d.num_ctas)
-        : reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
-              g.exec, g.gemm, a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items,
-              d.item_group, d.num_items, d.counters, d.num_ctas);
+  if (a != g.a || b != g.b || lda != g.lda || ldb != g.ldb) {
+    cudaError_t err = reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
+        g.exec, g.gemm, a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items,
+        d.item_group, d.num_items, d.counters, d.num_ctas);
     if (err != cudaSuccess)
       return fail(err, "re-pointing the graph's GEMM at new operands (cudaError %d)", int(err));
-    g.a = a, g.b = b, g.lda = lda, g.ldb = ldb, g.scales = c.scales;
+    g.a = a, g.b = b, g.lda = lda, g.ldb = ldb;
   }
   if (out != g.out) {
     for (size_t i = 0; i < g.unpack.size(); ++i) {
@@ -367,17 +345,6 @@ FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const 
   if (!call || !a || !b || !out)
     return fo::fail(cudaErrorInvalidValue, "fo_call_run: call, a, b and out must be non-null");
   return fo::runtime::run_call(*call, a, lda, b, ldb, out, stream, warm != 0);
-}
-
-FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda, const void* b,
-                                      int64_t ldb, const float* scale_a, const float* scale_b,
-                                      void* out, cudaStream_t stream, int warm) {
-  if (!call || !call->d.gemm_run_scaled || !scale_a || !scale_b)
-    return fo::fail(cudaErrorInvalidValue,
-                    "fo_call_run_scaled: needs a call made with gemm_run_scaled, and scale_a and "
-                    "scale_b (got call=%p, scale_a=%p, scale_b=%p)", call, scale_a, scale_b);
-  call->scales = fo_gemm_scales{scale_a, scale_b, call->d.scale_a_per_row, call->d.scale_b_per_col};
-  return fo_call_run(call, a, lda, b, ldb, out, stream, warm);
 }
 
 FO_API int fo_call_graph_state(const fo_call* call) { return call ? call->g.state : 0; }
