@@ -49,6 +49,23 @@ def test_config_names_and_defines_carry_the_epilogue():
     assert build.config_name(staged).endswith("_estaged")
     names = {build.config_name(c) for c in (plain, tma, replace(tma, epi_slots=0), staged)}
     assert len(names) == 4  # distinct builds, distinct cache files
+    blocks = replace(tma, cluster_m=1, blocks=True)
+    assert build.config_name(blocks).endswith("_etma4_blocks")
+    assert "-DFO_BLOCKS=1" in build.gemm_defines(blocks)
+    assert not any("FO_BLOCKS" in d for d in build.gemm_defines(tma))
+
+
+def test_all_to_all_has_its_own_builds_of_the_default_tile(monkeypatch):
+    """Unequal destination blocks take builds of their own (the plain builds' producer warps
+    keep their registers), prebuilt for the default tile with 1x1 clusters."""
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    for arch in (90, 80):
+        made = [c for c in kernels.all_configs([arch]) if c.blocks]
+        assert {(c.tile, c.cluster_m, c.cluster_n) for c in made} == {
+            (kernels.DEFAULT_TILE[arch], 1, 1)}
+        assert len(made) == len(kernels.DTYPES) * 2  # dtypes x layouts of b
+        config = kernels.gemm_config(arch, kernels.DEFAULT_TILE[arch], "bfloat16", True, blocks=True)
+        assert config in made
 
 
 def test_every_table_entry_makes_valid_configs(monkeypatch):

@@ -132,10 +132,10 @@ class CudaAllToAllCall:
         # sm80 loads 8-element vectors along N of a row-major b: such a b with N % 8 != 0 runs
         # as the column-major kernel on a transposed copy (as CudaCall does)
         self.col = b_col_major(b) or (self.arch == 80 and b.shape[1] % 8 != 0)
-        # 1x1 clusters: a round's items are tiles of different destination blocks, which need
-        # not share operand tiles
+        # the build for unequal destination blocks, with 1x1 clusters: a round's items are
+        # tiles of different destination blocks, which need not share operand tiles
         self.gemm = kernels.gemm_library(kernels.gemm_config(self.arch, plan.tile, plan.dtype,
-                                                             self.col))
+                                                             self.col, blocks=True))
         k = template.a.shape[1]
         self.k = k if self.arch != 80 else -(-k // 8) * 8
         b_rows = b.t() if self.col else b

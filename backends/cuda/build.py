@@ -59,6 +59,7 @@ class GemmConfig:
     stages: int = 0  # mainloop pipeline stages; 0: as many as fit (sm90), 4 (sm80)
     epilogue: str = "direct"  # how tiles leave the math threads (EPILOGUES)
     epi_slots: int = 0  # sm90 tma: 64-column shared-memory slots (0: 2)
+    blocks: bool = False  # destination blocks of unequal rows too (all_to_all's per-call layout)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -139,6 +140,8 @@ def config_name(config: GemmConfig) -> str:
         name += f"_s{config.stages}"
     if config.epilogue != "direct":
         name += f"_e{config.epilogue}{config.epi_slots or ''}"
+    if config.blocks:
+        name += "_blocks"
     return name
 
 
@@ -248,7 +251,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         f"-DFO_DTYPE={DTYPES[config.dtype]}", f"-DFO_B_COL_MAJOR={int(config.b_col_major)}",
         f"-DFO_SCHEDULE={SCHEDULES[config.arch][config.schedule]}", f"-DFO_STAGES={config.stages}",
         f"-DFO_EPILOGUE={EPILOGUES[config.arch][config.epilogue]}",
-    ] + ([f"-DFO_EPI_SLOTS={config.epi_slots}"] if config.epi_slots else [])
+    ] + ([f"-DFO_EPI_SLOTS={config.epi_slots}"] if config.epi_slots else []) + (
+        ["-DFO_BLOCKS=1"] if config.blocks else [])
 
 
 def _gemm_job(config: GemmConfig) -> tuple[str, list[str], str, bool]:
@@ -380,6 +384,7 @@ def prebuild(configs, jobs: int | None = None) -> list[Path]:
 CHECK_CONFIGS = (
     GemmConfig(),  # sm90 cooperative, bf16, b column-major, cluster 2x1
     GemmConfig(epilogue="tma"),
+    GemmConfig(cluster_m=1, epilogue="tma", epi_slots=4, blocks=True),  # all_to_all's
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, dtype="fp16", b_col_major=False,
                schedule="pingpong", epilogue="tma"),
     GemmConfig(tile_n=128, schedule="pingpong", epilogue="vec16"),

@@ -126,20 +126,24 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
     return bool(same_col and same_rows)
 
 
-def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1)
-                ) -> build.GemmConfig:
+def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
+                blocks: bool = False) -> build.GemmConfig:
+    """The build that runs ``tile``; ``blocks``: one that also takes destination blocks of
+    unequal rows (all_to_all's per-call layout; other calls keep the plain build, whose
+    producer warps do not pay for that branch)."""
     kernel = CONFIGS[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
     slots = kernel.tma_slots if epilogue == "tma" else 0
     return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=kernel.tile_k,
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                             b_col_major=b_col_major, schedule=kernel.schedule,
-                            epilogue=epilogue, epi_slots=slots)
+                            epilogue=epilogue, epi_slots=slots, blocks=blocks)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
-    (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster."""
+    (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster; and
+    all_to_all's (its default tile, 1x1, unequal blocks)."""
     out = []
     for arch in archs:
         for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
@@ -147,6 +151,8 @@ def all_configs(archs) -> list[build.GemmConfig]:
             for dtype in DTYPES:
                 for col in (True, False):
                     out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
+                    if tile == DEFAULT_TILE[arch]:
+                        out.append(gemm_config(arch, tile, dtype, col, blocks=True))
     return out
 
 

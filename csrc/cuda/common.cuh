@@ -131,33 +131,40 @@ __host__ __device__ inline void trap_bad_item() {
 
 // Decodes item i. With Checked, traps on an item that lies outside the matrix or the packed
 // buffer; without, the loads do not block until the fields are used (a kernel's math threads
-// decode the next item before its mainloop and use it only in the epilogue). Host-callable for
-// the tests (tests/native/decode_items_main.cu).
-template <int BM, int BN, bool Checked = true>
+// decode the next item before its mainloop and use it only in the epilogue). Blocks (builds
+// with FO_BLOCKS=1, for all_to_all's unequal destination blocks): block l is rows
+// [block_starts[l], block_starts[l + 1]) when the table has block_starts; other builds compile
+// the decoding of L equal blocks alone (the branch costs the producer warps, which run on 40
+// registers, spills). Host-callable for the tests (tests/native/decode_items_main.cu).
+template <int BM, int BN, bool Checked = true, bool Blocks = false>
 __host__ __device__ inline WorkTile decode_item(const ItemTable& t, int64_t i) {
   const int64_t* it = t.items + 4 * i;
   int64_t l = it[0], m_blk = it[1], n_blk = it[2], offset = it[3];
-  if constexpr (Checked) {
-    if (l < 0 || l >= t.L) trap_bad_item();  // before block_starts is read at l
-  }
-  int64_t block_start = l * t.block_rows, block_end = block_start + t.block_rows;
-  if (t.block_starts != nullptr) block_start = t.block_starts[l], block_end = t.block_starts[l + 1];
   WorkTile w;
-  w.row0 = int(block_start + m_blk * BM);
-  w.rows = int(block_end - w.row0 < BM ? block_end - w.row0 : BM);
+  int block_start = 0, block_rows = t.block_rows;
+  if constexpr (Blocks) {
+    if (Checked && (l < 0 || l >= t.L)) trap_bad_item();  // before block_starts is read at l
+    block_start = int(l) * t.block_rows;  // 32-bit rows: M < 2^31 (checked on the host)
+    if (t.block_starts != nullptr)
+      block_start = t.block_starts[l], block_rows = t.block_starts[l + 1] - block_start;
+    w.row0 = block_start + int(m_blk) * BM;
+  } else {
+    w.row0 = int(l * t.block_rows + m_blk * BM);
+  }
+  w.rows = min(BM, int(block_rows - m_blk * BM));
   w.col0 = int(n_blk * BN);
-  w.cols = t.N - w.col0 < BN ? int(t.N - w.col0) : BN;
+  w.cols = min(BN, int(t.N - n_blk * BN));
   w.n_blk = int(n_blk);
   w.block = int(l);
   w.offset = offset;
   w.group = t.item_group[i];
   w.valid = true;
   if constexpr (Checked) {
-    const int64_t packed_end = t.ldo ? offset + int64_t(w.rows - 1) * t.ldo + w.cols
-                                     : offset + int64_t(w.rows) * w.cols;
-    const bool ok = block_start >= 0 && block_end <= t.M && m_blk >= 0 &&
-                    m_blk * BM < block_end - block_start && n_blk >= 0 && n_blk * BN < t.N &&
-                    offset >= 0 && packed_end <= t.packed_numel && w.group >= 0;
+    const int64_t end = t.ldo ? offset + int64_t(w.rows - 1) * t.ldo + w.cols
+                              : offset + int64_t(w.rows) * w.cols;
+    bool ok = l >= 0 && l < t.L && m_blk >= 0 && m_blk * BM < block_rows && n_blk >= 0 &&
+              n_blk * BN < t.N && offset >= 0 && end <= t.packed_numel && w.group >= 0;
+    if constexpr (Blocks) ok = ok && block_start >= 0 && block_start + block_rows <= t.M;
     if (!ok) trap_bad_item();
   }
   return w;

@@ -258,8 +258,8 @@ FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void
 // shared layout (tile, tile order, N, K, groups, world); fo_a2a_run then lays out and issues one
 // call: on `stream` a table kernel (work items, block starts, post-reorder tiles, from the
 // splits), the signaling GEMM over the unequal destination blocks (`gemm_run_blocks`, the
-// fo_gemm_run_blocks of the GEMM library; a 1x1-cluster build: the items of a round need not
-// share operands); on `comm_stream` per group a device-side wait for its tiles and one NCCL
+// fo_gemm_run_blocks of a GEMM library built with FO_BLOCKS=1 and 1x1 clusters: the items of a
+// round need not share operands); on `comm_stream` per group a device-side wait for its tiles and one NCCL
 // group of sends and receives (the plan's "destinations" grouping: group g takes chunk g of
 // every destination block, so both sides count each part from the rows alone); back on
 // `stream` the post-reorder into `out`, which zeroes the counters. Without a communicator

@@ -14,8 +14,13 @@
 #ifndef FO_STAGES
 #define FO_STAGES 0  // mainloop pipeline stages; 0: the kernel's default
 #endif
+#ifndef FO_BLOCKS
+#define FO_BLOCKS 0  // 1: destination blocks of unequal rows (fo_gemm_run_blocks) too
+#endif
 
 namespace fo::gemm {
+
+constexpr bool kBlocks = FO_BLOCKS != 0;
 
 struct Args {
   const void* a;
@@ -123,7 +128,7 @@ FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L
 // (block_starts: L + 1 int32 in device memory, non-decreasing from 0 to M; a block may be
 // empty); `packed` holds packed_numel >= M * N elements. The items are fo_gemm_run's, their
 // band counted from their block's first row. Nothing is launched when num_items is 0 (a rank
-// with no rows: a may then be empty).
+// with no rows: a may then be empty). Needs a build with FO_BLOCKS=1.
 FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed,
                                       int64_t packed_numel, int M, int N, int K, int64_t lda,
                                       int64_t ldb, const int32_t* block_starts, int L,
@@ -136,6 +141,10 @@ FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed
                     "block_starts (got num_items=%d, M=%d, L=%d, block_starts=%p)", num_items, M,
                     L, block_starts);
   if (num_items == 0) return cudaSuccess;
+  if (!fo::gemm::kBlocks)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_gemm_run_blocks: this library was built for equal destination blocks "
+                    "only; unequal ones need a build with FO_BLOCKS=1");
   const fo_gemm_config& c = fo::gemm::config();
   cudaError_t err = fo::check_gemm_args(a, b, packed, 1, M, N, K, lda, ldb, c.b_col_major, items,
                                         item_group, num_items, num_ctas, c.cta_multiple);

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) signaling_gemm(const __grid_constant
   const auto blk_nk = make_shape(Int<kBN>{}, Int<kBK>{});
 
   for (int64_t i = blockIdx.x; i < p.table.num_items; i += gridDim.x) {
-    const WorkTile w = decode_item<kBM, kBN>(p.table, i);
+    const WorkTile w = decode_item<kBM, kBN, true, gemm::kBlocks>(p.table, i);
     if (p.item_wait != nullptr) {
       // allgather: this item's rows of A must have arrived before any thread loads them. One
       // thread waits (acquire); the barrier orders every thread's cp.async after it. The

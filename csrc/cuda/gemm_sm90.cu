@@ -360,25 +360,25 @@ __device__ inline void bulk_wait_written() {
 __device__ inline WorkTile cluster_item(const ItemTable& t, int64_t base, int rank) {
   const int rm = rank % kClusterM, rn = rank / kClusterM;
   if (base + rank < t.num_items) {
-    WorkTile w = decode_item<kBM, kBN>(t, base + rank);
+    WorkTile w = decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rank);
     if constexpr (kClusterSize > 1) {
       // Multicast: A is shared along the cluster's N mode, B along its M mode.
-      if (rn > 0 && decode_item<kBM, kBN>(t, base + rm).row0 != w.row0) __trap();
-      if (rm > 0 && decode_item<kBM, kBN>(t, base + rn * kClusterM).n_blk != w.n_blk) __trap();
+      if (rn > 0 && decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rm).row0 != w.row0) __trap();
+      if (rm > 0 && decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rn * kClusterM).n_blk != w.n_blk) __trap();
     }
     return w;
   }
   WorkTile w{};
   w.valid = false;
-  if (base + rm < t.num_items) w.row0 = decode_item<kBM, kBN>(t, base + rm).row0;
-  if (base + rn * kClusterM < t.num_items) w.n_blk = decode_item<kBM, kBN>(t, base + rn * kClusterM).n_blk;
+  if (base + rm < t.num_items) w.row0 = decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rm).row0;
+  if (base + rn * kClusterM < t.num_items) w.n_blk = decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rn * kClusterM).n_blk;
   return w;
 }
 
 // The same item for the threads that only store or signal it: unchecked (the producer checked
 // it before loading its operands), so the loads overlap the mainloop.
 __device__ inline WorkTile stored_item(const ItemTable& t, int64_t base, int rank) {
-  if (base + rank < t.num_items) return decode_item<kBM, kBN, false>(t, base + rank);
+  if (base + rank < t.num_items) return decode_item<kBM, kBN, false, gemm::kBlocks>(t, base + rank);
   WorkTile w{};
   w.valid = false;
   return w;

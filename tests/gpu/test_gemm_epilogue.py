@@ -2,7 +2,7 @@
 
 Every configuration of CONFIGS (sm90 cooperative and pingpong with the direct and the tma
 epilogue, bf16 and fp16, b column- and row-major, clusters 2x1 / 1x2 / 1x1; sm80 direct and
-staged, run on the GPU at hand) against a float64 reference, on item tables built here rather
+staged, run on the GPU at hand; and all_to_all's builds for unequal blocks, on equal ones here) against a float64 reference, on item tables built here rather
 than by the plan: tiles placed at chosen packed offsets with poisoned gaps, so that every path is
 taken on purpose (full tiles at offsets that are multiples of BN, of 8 but not BN, and odd;
 partial tiles; several destination blocks whose rows are not multiples of BM; a K tail with NaN
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,9 +52,11 @@ SM90 = [
     GemmConfig(epilogue="direct", **COOP),
     GemmConfig(epilogue="direct", **PP),
     GemmConfig(epilogue="vec16", **COOP),
+    GemmConfig(epilogue="tma", epi_slots=4, cluster_m=1, blocks=True, **COOP),  # all_to_all's
 ]
 SM80 = [
     build.default_config(80, epilogue="staged"),
+    replace(build.default_config(80, epilogue="staged"), blocks=True),
     build.default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
     build.default_config(80),
 ]

@@ -5,25 +5,44 @@
 //   uniform BM BN L block_rows N T  then T lines "block band col offset group"
 //       a plan's item table over L equal blocks
 // Output per line: T lines "row0 rows col0 cols offset group" in item order, then "end".
-// A malformed item aborts (the kernel traps).
+// A malformed item aborts (the kernel traps). Equal blocks are decoded as both builds do
+// (FO_BLOCKS 0 and 1), which must agree.
 #include <cstdio>
 #include <vector>
 
 #include "a2a_layout.cuh"
 #include "common.cuh"
 
+// Blocks: the decoding of the FO_BLOCKS=1 builds; both builds must agree on equal blocks.
+template <int BM, int BN, bool Blocks>
+std::vector<fo::WorkTile> decode_all(const fo::ItemTable& t) {
+  std::vector<fo::WorkTile> out;
+  for (int i = 0; i < t.num_items; ++i) out.push_back(fo::decode_item<BM, BN, true, Blocks>(t, i));
+  return out;
+}
+
 template <int BM, int BN>
-void decode_all(const fo::ItemTable& t) {
-  for (int i = 0; i < t.num_items; ++i) {
-    const fo::WorkTile w = fo::decode_item<BM, BN>(t, i);
-    std::printf("%d %d %d %d %lld %d\n", w.row0, w.rows, w.col0, w.cols, (long long)w.offset, w.group);
+void print_decoded(const fo::ItemTable& t) {
+  // equal blocks: the plain build's checks first (the malformed-item tests), then the other's
+  const std::vector<fo::WorkTile> plain =
+      t.block_starts == nullptr ? decode_all<BM, BN, false>(t) : std::vector<fo::WorkTile>();
+  const std::vector<fo::WorkTile> tiles = decode_all<BM, BN, true>(t);
+  if (t.block_starts == nullptr) {
+    for (size_t i = 0; i < tiles.size(); ++i)
+      if (plain[i].row0 != tiles[i].row0 || plain[i].rows != tiles[i].rows ||
+          plain[i].col0 != tiles[i].col0 || plain[i].cols != tiles[i].cols) {
+        std::printf("the two builds decode item %zu differently\n", i);
+        std::exit(3);
+      }
   }
+  for (const fo::WorkTile& w : tiles)
+    std::printf("%d %d %d %d %lld %d\n", w.row0, w.rows, w.col0, w.cols, (long long)w.offset, w.group);
 }
 
 void decode(int bm, int bn, const fo::ItemTable& t) {
-  if (bm == 128 && bn == 256) return decode_all<128, 256>(t);
-  if (bm == 128 && bn == 128) return decode_all<128, 128>(t);
-  if (bm == 64 && bn == 64) return decode_all<64, 64>(t);
+  if (bm == 128 && bn == 256) return print_decoded<128, 256>(t);
+  if (bm == 128 && bn == 128) return print_decoded<128, 128>(t);
+  if (bm == 64 && bn == 64) return print_decoded<64, 64>(t);
   std::fprintf(stderr, "tile %dx%d is not instantiated here\n", bm, bn);
   std::exit(2);
 }
