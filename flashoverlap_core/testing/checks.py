@@ -93,10 +93,13 @@ def _outside(what, got64, ref, bad, bound: str, detail) -> str | None:
             f"{detail(first)}")
 
 
-def normwise_mismatch(got, want: torch.Tensor, rtol: float, what: str) -> str | None:
+def normwise_mismatch(got, want: torch.Tensor, rtol: float, what: str, scale: float = 0.0,
+                      slack: torch.Tensor | None = None) -> str | None:
     """None when ``got`` is within ``rtol`` of the largest |value| of ``want`` (float64)
     everywhere, else what is wrong: for results that pass through a normalisation or a
-    quantisation, where the element-wise bound above does not apply."""
+    quantisation, where the element-wise bound above does not apply. ``scale``: a larger
+    magnitude the error is relative to (the terms of a sum that cancel); ``slack``: float64
+    amounts added to the bound element by element (an error a sum passes on)."""
     if got is None:
         return f"{what}: missing"
     if tuple(got.shape) != tuple(want.shape):
@@ -104,7 +107,10 @@ def normwise_mismatch(got, want: torch.Tensor, rtol: float, what: str) -> str | 
     if not want.numel():
         return None
     got64 = got.detach().to("cpu", torch.float64)
-    bound = rtol * float(want.abs().max())
-    bad = ~((got64 - want).abs() <= bound)
-    return _outside(what, got64, want, bad, f" {bound:.3g} ({rtol} of the largest |value|)",
-                    lambda first: "")
+    largest = float(want.abs().max())
+    bound = rtol * max(largest, scale)
+    limit = bound if slack is None else bound + slack
+    bad = ~((got64 - want).abs() <= limit)
+    of = "the largest |value|" if scale <= largest else f"the largest term, {scale:.3g}"
+    return _outside(what, got64, want, bad, f" {bound:.3g} ({rtol} of {of})",
+                    lambda first: "" if slack is None else f" + {float(slack[first]):.3g}")
