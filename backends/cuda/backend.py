@@ -40,7 +40,6 @@ from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
 from . import all_to_all, kernels, nccl
-from .all_to_all import CudaAllToAllCall
 from .device_state import (ENV_ARCH, ENV_RESERVED_SMS, PlanTables, aligned_rows, b_col_major,
                            outside_graph_pools, reserved_sms)
 from .gather import CudaGatherCall
@@ -246,7 +245,7 @@ class CudaBackend(Backend):
         if group is not None and template.world_size > 1 and not nccl.uses_nccl(group):
             return None
         stream = torch.cuda.current_stream(template.a.device)
-        return outside_graph_pools(lambda: CudaAllToAllCall(self, template), stream)
+        return outside_graph_pools(lambda: all_to_all.CudaAllToAllCall(self, template), stream)
 
     def run(self, call: OverlapCall) -> torch.Tensor:
         """One call without a kept preparation (``fo.overlap`` prepares once per key)."""

@@ -223,4 +223,27 @@ FO_HD int item_index(const Geometry& g, const Side& s, const Placed& p) {
   return index;
 }
 
+// Send tile i's work item, written where the kernel finds it: items[4 * index] = {block, band,
+// column tile, packed offset} and item_group[index] (the GEMM's table, fo_gemm_run_blocks).
+FO_HD void write_item(const Geometry& g, const Side& s, int i, int64_t* items, int32_t* item_group) {
+  const Placed p = place(g, s, i);
+  const int index = item_index(g, s, p);
+  int64_t* it = items + 4 * int64_t(index);
+  it[0] = p.block, it[1] = p.at.band, it[2] = p.at.col, it[3] = p.offset;
+  item_group[index] = p.group;
+}
+
+// Receive tile j's post-reorder entry: tiles[4 j] = {first row in out, rows, first column,
+// columns} and its staging offset (the unpack kernel's tables).
+FO_HD void write_unpack(const Geometry& g, const Side& r, int j, int32_t* tiles, int64_t* offsets) {
+  const Placed p = place(g, r, j);
+  const int band_row = p.at.band * g.bm, col0 = p.at.col * g.bn;
+  int32_t* u = tiles + 4 * int64_t(j);
+  u[0] = r.row_start[p.block] + band_row;
+  u[1] = min_int(g.bm, r.rows[p.block] - band_row);
+  u[2] = col0;
+  u[3] = min_int(g.bn, g.n - col0);
+  offsets[j] = p.offset;
+}
+
 }  // namespace fo::a2a

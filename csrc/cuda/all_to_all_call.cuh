@@ -57,23 +57,10 @@ __global__ void __launch_bounds__(kTableThreads) a2a_tables(const __grid_constan
     for (int d = threadIdx.x; d <= p.world; d += blockDim.x) p.block_starts[d] = send.row_start[d];
   const int total = p.send_tiles + p.recv_tiles;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    if (i < p.send_tiles) {
-      const a2a::Placed t = a2a::place(p.geo, send, i);
-      const int item = a2a::item_index(p.geo, send, t);
-      int64_t* it = p.items + 4 * int64_t(item);
-      it[0] = t.block, it[1] = t.at.band, it[2] = t.at.col, it[3] = t.offset;
-      p.item_group[item] = t.group;
-    } else {
-      const int j = i - p.send_tiles;
-      const a2a::Placed t = a2a::place(p.geo, recv, j);
-      const int band_row = t.at.band * p.geo.bm, col0 = t.at.col * p.geo.bn;
-      int32_t* u = p.unpack_tiles + 4 * int64_t(j);
-      u[0] = recv.row_start[t.block] + band_row;
-      u[1] = a2a::min_int(p.geo.bm, recv.rows[t.block] - band_row);
-      u[2] = col0;
-      u[3] = a2a::min_int(p.geo.bn, p.geo.n - col0);
-      p.unpack_offsets[j] = t.offset;
-    }
+    if (i < p.send_tiles)
+      a2a::write_item(p.geo, send, i, p.items, p.item_group);
+    else
+      a2a::write_unpack(p.geo, recv, i - p.send_tiles, p.unpack_tiles, p.unpack_offsets);
   }
 }
 
@@ -130,28 +117,25 @@ inline cudaError_t a2a_step(const fo_a2a& c, int g) {
   const int64_t es = d.elem_size;
   const nccl::Api& n = nccl::api();
   auto comm = static_cast<nccl::Comm>(d.nccl_comm);
-  bool any = false;
-  for (int peer = 0; peer < d.world && !any; ++peer)
-    any = a2a::part_numel(geo, c.send, g, peer) > 0 || a2a::part_numel(geo, c.recv, g, peer) > 0;
-  if (!any) return cudaSuccess;
   char* packed = static_cast<char*>(c.buf.packed);
   char* staging = static_cast<char*>(c.buf.staging);
-  FO_NCCL_CHECK(n.GroupStart());
+  bool grouped = false;  // the NCCL group opens at this rank's first transfer in the step
   for (int peer = 0; peer < d.world; ++peer) {
     const int64_t sent = a2a::part_numel(geo, c.send, g, peer);
     const int64_t got = a2a::part_numel(geo, c.recv, g, peer);
-    if (sent > 0) {
-      nccl::Result r = n.Send(packed + c.send.part[g][peer] * es, size_t(sent), d.nccl_dtype, peer,
-                              comm, d.comm_stream);
-      if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
-    }
-    if (got > 0) {
-      nccl::Result r = n.Recv(staging + c.recv.part[g][peer] * es, size_t(got), d.nccl_dtype,
-                              peer, comm, d.comm_stream);
-      if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
-    }
+    if (sent == 0 && got == 0) continue;
+    if (!grouped) FO_NCCL_CHECK(n.GroupStart());
+    grouped = true;
+    nccl::Result r = 0;
+    if (sent > 0)
+      r = n.Send(packed + c.send.part[g][peer] * es, size_t(sent), d.nccl_dtype, peer, comm,
+                 d.comm_stream);
+    if (r == 0 && got > 0)
+      r = n.Recv(staging + c.recv.part[g][peer] * es, size_t(got), d.nccl_dtype, peer, comm,
+                 d.comm_stream);
+    if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
   }
-  FO_NCCL_CHECK(n.GroupEnd());
+  if (grouped) FO_NCCL_CHECK(n.GroupEnd());
   return cudaSuccess;
 }
 

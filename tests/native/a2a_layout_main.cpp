@@ -23,31 +23,26 @@ int main() {
     make_side(g, send.data(), world, s);
     make_side(g, recv.data(), world, r);
     const int tiles = s.tile_start[world];
-    std::vector<long long> rows(5 * size_t(tiles), -1);
-    for (int i = 0; i < tiles; ++i) {
-      const Placed p = place(g, s, i);
-      const int item = item_index(g, s, p);
-      long long* row = &rows[5 * size_t(item)];
-      row[0] = p.block, row[1] = p.at.band, row[2] = p.at.col, row[3] = p.offset, row[4] = p.group;
-    }
+    std::vector<int64_t> items(4 * size_t(tiles), -1);
+    std::vector<int32_t> groups(tiles, -1);
+    for (int i = 0; i < tiles; ++i) write_item(g, s, i, items.data(), groups.data());
     std::printf("items %d\n", tiles);
     for (int i = 0; i < tiles; ++i)
-      std::printf("%lld %lld %lld %lld %lld\n", rows[5 * i], rows[5 * i + 1], rows[5 * i + 2],
-                  rows[5 * i + 3], rows[5 * i + 4]);
+      std::printf("%lld %lld %lld %lld %d\n", (long long)items[4 * i], (long long)items[4 * i + 1],
+                  (long long)items[4 * i + 2], (long long)items[4 * i + 3], groups[i]);
     std::printf("parts\n");
     for (int gr = 0; gr < g.groups; ++gr) {
       for (int d = 0; d < world; ++d) std::printf("%lld ", (long long)s.part[gr][d]);
       std::printf("\n");
     }
     const int received = r.tile_start[world];
+    std::vector<int32_t> tiles_out(4 * size_t(received));
+    std::vector<int64_t> offsets(received);
+    for (int j = 0; j < received; ++j) write_unpack(g, r, j, tiles_out.data(), offsets.data());
     std::printf("unpack %d\n", received);
-    for (int i = 0; i < received; ++i) {
-      const Placed p = place(g, r, i);
-      const int row0 = r.row_start[p.block] + p.at.band * g.bm;
-      const int nrows = min_int(g.bm, r.rows[p.block] - p.at.band * g.bm);
-      const int col0 = p.at.col * g.bn;
-      std::printf("%d %d %d %d %lld\n", row0, nrows, col0, min_int(g.bn, g.n - col0), (long long)p.offset);
-    }
+    for (int j = 0; j < received; ++j)
+      std::printf("%d %d %d %d %lld\n", tiles_out[4 * j], tiles_out[4 * j + 1], tiles_out[4 * j + 2],
+                  tiles_out[4 * j + 3], (long long)offsets[j]);
     std::printf("end\n");
   }
   return 0;

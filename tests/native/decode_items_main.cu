@@ -64,13 +64,7 @@ int main() {
       const int tiles = s.tile_start[world];
       items.assign(4 * size_t(tiles), 0);
       groups.assign(tiles, 0);
-      for (int i = 0; i < tiles; ++i) {
-        const fo::a2a::Placed p = fo::a2a::place(g, s, i);
-        const int item = fo::a2a::item_index(g, s, p);
-        int64_t* it = &items[4 * size_t(item)];
-        it[0] = p.block, it[1] = p.at.band, it[2] = p.at.col, it[3] = p.offset;
-        groups[item] = p.group;
-      }
+      for (int i = 0; i < tiles; ++i) fo::a2a::write_item(g, s, i, items.data(), groups.data());
       starts.assign(s.row_start, s.row_start + world + 1);
       t = fo::ItemTable{items.data(), groups.data(), tiles, 0, world, s.row_start[world], g.n,
                         int64_t(s.row_start[world]) * g.n, 0, starts.data()};
