@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from flashoverlap_core.tools.table import format_table
 from flashoverlap_core.tuning.measure import median_time
 
 RESULTS = Path(os.environ.get("FO_RESULTS_DIR", Path(__file__).resolve().parent / "results"))
+FLUSH_BYTES = 256 << 20  # written before a cold replay: more than the H200's 50 MB of L2
+
+
+def device_tag() -> str:
+    """The current GPU's short name for result file names ("NVIDIA H200" -> "h200")."""
+    return torch.cuda.get_device_name().split()[-1].lower()
 
 
 def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda",
@@ -34,6 +41,55 @@ def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda",
 
     device = current_device(device_type)
     return median_time(repeated, device, None, iters, warmup) * 1e3 / inner
+
+
+# ---- device time from CUDA-graph replays (bench/gemm.py's method) ------------------------------
+
+def graph(fn, inner: int):
+    """fn captured `inner` times in one CUDA graph (warmed up first on the capture stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(inner):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_alternating(fns: dict, reps: int, inner: int, flush=None, comm=None) -> dict:
+    """{name: [ms per launch, one per repetition]}: one replay per kernel per repetition,
+    kernels in rotated order; `flush` (a buffer) is overwritten before each replay."""
+    graphs = {name: graph(fn, inner) for name, fn in fns.items()}
+    names = list(graphs)
+    marks = []
+    for r in range(reps + 2):  # 2 warm-up rounds, not counted
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if flush is not None:
+                flush.zero_()
+            if comm is not None:
+                comm()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            if r >= 2:
+                marks.append((name, start, end))
+    torch.cuda.synchronize()
+    out = {name: [] for name in names}
+    for name, start, end in marks:
+        out[name].append(start.elapsed_time(end) / inner)
+    return out
+
+
+def stats(samples: list[float]) -> dict:
+    s = sorted(samples)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9)}
 
 
 def write_result(name: str, rows: list[dict], extra: dict | None = None,

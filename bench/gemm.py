@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_result  # noqa: E402
+from common import FLUSH_BYTES, device_tag, stats, table, time_alternating, write_result  # noqa: E402
 
 FACTS_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 1024), (8192, 8192, 2048),
                 (4096, 8192, 8192), (2048, 8192, 4096)]
@@ -57,7 +57,6 @@ KSWEEP = [(8192, 8192, k) for k in (256, 512, 1024, 2048, 4096, 8192)]
 QUICK_SHAPES = [(4096, 4096, 4096), (8192, 8192, 2048), (16384, 8192, 1024), (4096, 8192, 8192)]
 SETS = {"facts": FACTS_SHAPES, "llm": LLM_SHAPES, "ragged": RAGGED_SHAPES, "ksweep": KSWEEP}
 TILES = {"coop": (90, (128, 256)), "pp": (90, (128, 128)), "sm80": (80, (128, 128))}
-FLUSH_BYTES = 256 << 20
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -189,54 +188,7 @@ def cublas(a, w, carveout: int | None):
     return run
 
 
-# ---- timing --------------------------------------------------------------------------------------
-
-def graph(fn, inner: int):
-    """fn captured `inner` times in one CUDA graph (warmed up first on the capture stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(inner):
-            fn()
-    torch.cuda.synchronize()
-    return g
-
-
-def time_alternating(fns: dict, reps: int, inner: int, flush=None, comm=None) -> dict:
-    """{name: [ms per launch, one per repetition]}: one replay per kernel per repetition,
-    kernels in rotated order; `flush` (a buffer) is overwritten before each replay."""
-    graphs = {name: graph(fn, inner) for name, fn in fns.items()}
-    names = list(graphs)
-    marks = []
-    for r in range(reps + 2):  # 2 warm-up rounds, not counted
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if flush is not None:
-                flush.zero_()
-            if comm is not None:
-                comm()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[name].replay()
-            end.record()
-            if r >= 2:
-                marks.append((name, start, end))
-    torch.cuda.synchronize()
-    out = {name: [] for name in names}
-    for name, start, end in marks:
-        out[name].append(start.elapsed_time(end) / inner)
-    return out
-
-
-def stats(samples: list[float]) -> dict:
-    s = sorted(samples)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9)}
-
+# ---- timing (graph replays: common.time_alternating) -----------------------------------------
 
 def kernel_names(fn) -> list[dict]:
     """Name and grid of every kernel fn launches, from a profiler trace."""
@@ -442,7 +394,7 @@ def main(argv=None):
     if not args.no_json and int(os.environ.get("RANK", "0")) == 0:
         if fits:
             result["ksweep"] = fits
-        device = torch.cuda.get_device_name().split()[-1].lower()  # "NVIDIA H200" -> h200
+        device = device_tag()
         write_result(f"gemm-{device}", rows, {"summary": result, "variants": [v.name for v in variants],
                                     "method": "CUDA-graph replays between events, kernels alternated, "
                                               f"{args.reps} reps, warm x{args.inner}, cold after a "

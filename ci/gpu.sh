@@ -5,7 +5,8 @@
 #
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
 #                                conformance mainjob report cache; also: tuning, e2e, compile,
-#                                multirank (or its parts), moe, moe-tests)
+#                                multirank (or its parts), moe, moe-tests, fusednorm,
+#                                fusednorm-multirank)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -69,6 +70,18 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     moe-tests) FO_STRESS_RUNS=100 FO_CONCURRENT_ROUNDS=100 FO_REPEAT_CALLS=500 \
       stage moe-tests 240 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_moe.py \
         tests/gpu/test_cuda.py -k "all_to_all or moe or world1 or lazy" ;;
+    # The post-reorder fused into residual add + RMSNorm (issue 22): its GPU tests, its
+    # conformance cases at world size 1, and bench/fused_norm.py (writes
+    # fused-norm-<device>-<date>.json; summary.met). ~5 minutes, at most 9.5.
+    fusednorm)
+      stage fusednorm-tests 180 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py
+      stage fusednorm-conformance 120 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
+        flashoverlap_core.testing.test_add_rmsnorm --fo-backend cuda --fo-world-sizes 1
+      stage fusednorm-bench 270 $PY bench/fused_norm.py ;;
+    # Its conformance cases at W = 2-4 with ranks sharing the one GPU (correctness only).
+    fusednorm-multirank) stage fusednorm-multirank 500 $PY -m pytest -q -p no:cacheprovider -rs \
+        --pyargs flashoverlap_core.testing.test_add_rmsnorm --fo-backend cuda --fo-shared-devices \
+        --fo-world-sizes 2,3,4 --junitxml "$OUT/fusednorm-multirank.xml" ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac
 }

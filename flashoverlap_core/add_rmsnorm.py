@@ -5,9 +5,15 @@
 residual_out * rsqrt(mean(residual_out ** 2, -1) + eps) * weight``, in float32 math, both in
 ``a``'s dtype (the seed's ReorderRMSNorm; vLLM and flashinfer fuse allreduce + add + RMSNorm
 likewise). ``op`` is ``allreduce`` (``residual`` is ``[M, N]``) or ``reduce_scatter``
-(``residual`` is this rank's ``[M / W, N]`` rows). The overlapped call runs on the backend
-``overlap`` chooses; the add and the norm then run in torch on its result (every backend, for
-now: no backend fuses them into its post-reorder yet).
+(``residual`` is this rank's ``[M / W, N]`` rows).
+
+The call runs on the prepared call ``overlap`` would run (:func:`api.prepared_call`), through
+its ``run_add_rmsnorm``: a backend with a fused kernel reads the received tiles and the
+residual once and writes both results; the others post-reorder, then add and normalise in
+torch (:meth:`Backend.run_add_rmsnorm <flashoverlap_core.backend.Backend.run_add_rmsnorm>`).
+Like ``overlap``, a key's first call checks everything and prepares; later calls of the key
+(same shapes, strides, dtypes and devices of a and b, residual and weight, op, group, plan,
+backend) check only eps and launch.
 """
 from __future__ import annotations
 
@@ -16,8 +22,11 @@ import numbers
 import torch
 
 from . import api
+from .collectives import current_default_group
+from .reorder import add_rmsnorm
 
 NORM_OPS = ("allreduce", "reduce_scatter")
+__all__ = ["NORM_OPS", "add_rmsnorm", "add_rmsnorm_backward", "check", "overlap_add_rmsnorm"]
 
 
 def check(a, b, residual, weight, eps, op, group) -> int:
@@ -44,13 +53,6 @@ def check(a, b, residual, weight, eps, op, group) -> int:
     return rows
 
 
-def add_rmsnorm(reduced, residual, weight, eps: float):
-    """(normed, residual_out) from the reduced product, in float32 math."""
-    resid = residual.float() + reduced.float()
-    rstd = torch.rsqrt(resid.pow(2).mean(-1, keepdim=True) + eps)
-    return (resid * rstd * weight.float()).to(reduced.dtype), resid.to(reduced.dtype)
-
-
 def add_rmsnorm_backward(resid_out, weight, eps: float, grad_normed, grad_resid):
     """(d residual_out, d weight) of ``normed = rmsnorm(residual_out) * weight`` given the two
     outputs' gradients (either may be None), in float32."""
@@ -65,9 +67,23 @@ def add_rmsnorm_backward(resid_out, weight, eps: float, grad_normed, grad_resid)
     return grad_x, grad_w
 
 
+_prepared = api.keyed_table()  # key (see below) -> the prepared call that runs it
+
+
 def overlap_add_rmsnorm(a, b, residual, weight, eps: float = 1e-6, op: str = "allreduce",
                         group=None, *, plan=None, backend=None):
     """See the module docstring (the eager path: real tensors, nothing to differentiate)."""
-    check(a, b, residual, weight, eps, op, group)
-    reduced = api.overlap(a, b, op, group, plan=plan, backend=backend)
-    return add_rmsnorm(reduced, residual, weight, float(eps))
+    try:
+        key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
+               residual.shape, residual.stride(), residual.dtype, residual.device, weight.shape,
+               weight.stride(), weight.dtype, weight.device, op,
+               group if group is not None else current_default_group(), id(plan), backend)
+        prepared = _prepared.get(key)
+    except (AttributeError, TypeError):  # not tensors, an unhashable op: the checks say what
+        key = prepared = None
+    if prepared is None or eps.__class__ is not float or not eps >= 0:
+        check(a, b, residual, weight, eps, op, group)
+        prepared = api.prepared_call(a, b, op, group, plan, backend)
+        if key is not None:
+            api.remember(_prepared, key, prepared)
+    return prepared.run_add_rmsnorm(a, b, op, residual, weight, float(eps))

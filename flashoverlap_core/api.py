@@ -159,6 +159,27 @@ def forget_prepared() -> None:
     with _prepare_lock:
         _prepared.clear()
         _settled.clear()
+        for table in _keyed_tables:
+            table.clear()
+
+
+_keyed_tables: list[dict] = []
+
+
+def keyed_table() -> dict:
+    """A table of the caller's own from call keys to prepared calls (an op built on
+    ``overlap``, with its own key: ``overlap_add_rmsnorm``), dropped with the prepared calls
+    (:func:`forget_prepared`); fill it with :func:`remember`."""
+    table: dict = {}
+    _keyed_tables.append(table)
+    return table
+
+
+def remember(table: dict, key, value) -> None:
+    """``table[key] = value``, keeping the last :data:`MAX_PREPARED` keys."""
+    table[key] = value
+    while len(table) > MAX_PREPARED:
+        table.pop(next(iter(table)))
 
 
 def _splits_key(splits):
@@ -191,9 +212,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
             if entry is not None:
                 return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
             return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
-        key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, kind,
-               group if group is not None else current_default_group(), id(plan), backend,
-               _splits_key(send_splits), _splits_key(recv_splits))
+        key = _call_key(a, b, kind, group, plan, backend, send_splits, recv_splits)
         entry = _prepared.get(key)
         if entry is not None:
             if out is None and entry.out_shape is not None:  # the common call: a new result
@@ -225,8 +244,36 @@ def _to_array_type(t: torch.Tensor, kind: type):
     return library.from_dlpack(t)
 
 
+def _call_key(a, b, kind, group, plan, backend, send_splits, recv_splits) -> tuple:
+    """The key of a call whose op is not all_to_all (see :func:`overlap`)."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, kind,
+            group if group is not None else current_default_group(), id(plan), backend,
+            _splits_key(send_splits), _splits_key(recv_splits))
+
+
+def prepared_call(a, b, op: str, group=None, plan: Plan | None = None, backend: str | None = None):
+    """What ``overlap(a, b, op, group, plan=plan, backend=backend)`` runs (op allreduce or
+    reduce_scatter): its key's prepared call, a :class:`PreparedCall` or alike, prepared on the
+    key's first use (every argument checked, collective at world size > 1) and not run. For
+    ops built on an overlapped call (``overlap_add_rmsnorm``: ``run_add_rmsnorm``)."""
+    key = _call_key(a, b, op, group, plan, backend, None, None)
+    entry = _prepared.get(key)
+    if entry is None:
+        entry, _ = _prepare(key, a, b, op, group, plan, None, None, None, backend)
+    return entry.prepared
+
+
 def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend):
-    """Check everything, prepare the key if it is new, and run the call.
+    """Check everything, prepare the key if it is new (:func:`_prepare`), and run the call."""
+    entry, call = _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
+    if call is None:  # all_to_all: each call is laid out from its own splits
+        return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
+    return entry.prepared.run(a, b, call.out, op)
+
+
+def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend):
+    """Check everything and prepare the key if it is new: (its entry, the checked call, or
+    None for all_to_all).
 
     What decides the collectives a call issues (backend and plan) is settled once per *group
     key*: the facts of a call that are the same on every rank of the group (op, group, the
@@ -281,9 +328,7 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
                 _prepared.pop(next(iter(_prepared)))
         elif not a2a:  # prepared meanwhile by another thread: this call's out still needs its checks
             call = _call_of(c, a, b, op, entry.plan, out)
-    if a2a:
-        return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
-    return entry.prepared.run(a, b, call.out, op)
+    return entry, (None if a2a else call)
 
 
 def _tell_agreeing_peers(group, error) -> None:
@@ -596,5 +641,6 @@ def prepared_calls() -> list[dict]:
     return found
 
 
-__all__ = ["PreparedCall", "backends", "check_arguments", "forget_prepared", "make_plan",
-           "overlap", "plan", "prepared_calls", "set_plan_lookup"]
+__all__ = ["PreparedCall", "backends", "check_arguments", "forget_prepared", "keyed_table",
+           "make_plan", "overlap", "plan", "prepared_call", "prepared_calls", "remember",
+           "set_plan_lookup"]

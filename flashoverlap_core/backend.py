@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .reorder import add_rmsnorm
 from .tiles import Schedule
 
 if TYPE_CHECKING:
@@ -70,9 +71,21 @@ class PreparedCall:
         self.template = dataclasses.replace(template, a=None, b=None, out=None)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
+        return self.backend.run(self._call(a, b, out, op))
+
+    def run_add_rmsnorm(self, a: torch.Tensor, b: torch.Tensor, op, residual: torch.Tensor,
+                        weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed, residual_out)`` of ``fo.overlap_add_rmsnorm`` (op allreduce or
+        reduce_scatter; ``residual`` has the result's shape and a's dtype, ``weight`` is [N],
+        both checked): the post-communication reorder fused into the residual add and the
+        RMSNorm. The default re-enters :meth:`Backend.run_add_rmsnorm`; a backend whose
+        prepared call has a fused kernel overrides this."""
+        call = self._call(a, b, residual.new_empty(residual.shape), op)
+        return self.backend.run_add_rmsnorm(call, residual, weight, eps)
+
+    def _call(self, a, b, out, op) -> OverlapCall:
         t = self.template
-        return self.backend.run(OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out,
-                                            t.recv_splits))
+        return OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits)
 
 
 class Backend(abc.ABC):
@@ -143,6 +156,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run(self, call: OverlapCall) -> torch.Tensor:
         """Run the overlapped call; the result goes to (and is) ``call.out``."""
+
+    def run_add_rmsnorm(self, call: OverlapCall, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed, residual_out)``: the call (allreduce or reduce_scatter) with its
+        post-communication reorder fused into ``residual_out = residual + result`` and
+        ``normed = rmsnorm(residual_out) * weight`` (float32 math, the result's dtype; see
+        :func:`flashoverlap_core.reorder.add_rmsnorm`). Optional: the default runs the call,
+        then the add and the norm in torch; ``call.out`` is scratch space for the result."""
+        return add_rmsnorm(self.run(call), residual, weight, eps)
 
     def trace(self, call: OverlapCall) -> "TileTrace":
         """Run the call like :meth:`run` (the result goes to ``call.out``) and report when each

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .backend import OverlapCall
 from .plan import destination_chunks
-from .reorder import block_tiles, stream_offsets, unpack_tiles
+from .reorder import add_rmsnorm, block_tiles, stream_offsets, unpack_tiles
 from .tiles import RASTERS
 
 
@@ -89,6 +89,11 @@ class SequentialCall:
             return out
         reduce_scatter_single(out, torch.matmul(a, b), group=group)  # (all_to_all: AllToAllCall)
         return out
+
+    def run_add_rmsnorm(self, a, b, op, residual, weight, eps: float):
+        """PreparedCall.run_add_rmsnorm: the plain call, then the add and the norm in torch."""
+        return add_rmsnorm(self.run(a, b, residual.new_empty(residual.shape), op), residual,
+                           weight, eps)
 
 
 INVALID = -1  # what a rank whose all_to_all arguments were invalid sends in the count exchange

@@ -2,8 +2,11 @@
 
 Tiles are computed one by one in execution order (fp32 accumulation) and stored in their packed
 slots; when a group's last tile is stored, its collective starts asynchronously and runs while
-the next groups' tiles are computed; then the post-communication reorder. It is the executable
-specification every other backend is tested against, not a fast path.
+the next groups' tiles are computed; then the post-communication reorder (fused into the
+residual add and the RMSNorm for ``fo.overlap_add_rmsnorm``: rows read from the received tiles
+through the band table of :func:`~flashoverlap_core.reorder.band_offsets`, as a fused kernel
+reads them). It is the executable specification every other backend is tested against, not a
+fast path.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from .backend import Backend, OverlapCall
 from .collectives import RegionExchange
 from .gather import execute_tiles
 from .plan import GATHER_OP
-from .reorder import pack_tile
+from .reorder import add_rmsnorm, band_offsets, pack_tile, row_index
 from .tile_trace import HostRecorder, NoRecorder, TileTrace
 
 
@@ -38,11 +41,25 @@ class ReferenceBackend(Backend):
         self._execute(call, recorder)
         return recorder.trace()
 
+    def run_add_rmsnorm(self, call: OverlapCall, residual, weight, eps: float):
+        """The received tiles read row by row through the band table, then add + RMSNorm."""
+        exchange = self._communicate(call, NoRecorder())
+        (rows_view, tiles, offsets), = exchange.block_layouts()  # allreduce, reduce_scatter
+        rows, n = rows_view.shape
+        index = row_index(band_offsets(tiles, offsets, rows, n, call.plan.tile), rows, n,
+                          call.plan.tile)
+        return add_rmsnorm(exchange.staging[index.to(exchange.staging.device)], residual, weight,
+                           eps)
+
     def _execute(self, call: OverlapCall, recorder) -> torch.Tensor:
+        if call.plan.op == GATHER_OP:  # the collective feeds the GEMM (see flashoverlap_core.gather)
+            return execute_tiles(call, recorder, accumulation_dtype(call.a.dtype))
+        return self._communicate(call, recorder).finish()
+
+    def _communicate(self, call: OverlapCall, recorder) -> RegionExchange:
+        """The tiles and every group's collective, joined: what the post-reorder reads."""
         plan = call.plan
         acc = accumulation_dtype(call.a.dtype)
-        if plan.op == GATHER_OP:  # the collective feeds the GEMM (see flashoverlap_core.gather)
-            return execute_tiles(call, recorder, acc)
         a, b = call.a.to(acc), call.b.to(acc)
         packed = torch.empty(plan.packed_numel, dtype=call.a.dtype, device=call.a.device)
         offsets = {tile: offset for tile, _, offset in plan.packed_tiles}
@@ -58,4 +75,4 @@ class ReferenceBackend(Backend):
             recorder.transfer_launched(g, exchange.works[launched:])
         recorder.join()
         exchange.wait()
-        return exchange.finish()
+        return exchange

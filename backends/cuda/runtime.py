@@ -6,7 +6,7 @@ and ``cudaStream_t`` handles, so one build serves any torch on the same driver.
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
+from ctypes import POINTER, c_float, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 
 ABI_VERSION = 1
 WAIT_MODES = {"stream_wait_value": 0, "spin_kernel": 1}
@@ -205,6 +205,45 @@ class RuntimeLibrary(_Library):
         lib.fo_a2a_destroy.argtypes = [c_void_p]
         lib.fo_a2a_destroy.restype = None
         self.a2a_run = lib.fo_a2a_run  # the per-call entry point of all_to_all, bound once
+        self._bind_add_rmsnorm()
+
+    # ---- the post-reorder fused into residual add + RMSNorm (add_rmsnorm.cuh) ----------------
+    def _bind_add_rmsnorm(self) -> None:
+        lib = self.lib
+        lib.fo_add_rmsnorm_tiles.argtypes = [
+            c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_int64, c_void_p,
+            c_int, c_float, c_void_p, c_void_p, c_int64, c_void_p]
+        lib.fo_add_rmsnorm_tiles.restype = c_int
+        lib.fo_call_set_add_rmsnorm.argtypes = [c_void_p, c_void_p, c_int, c_int, c_int, c_int]
+        lib.fo_call_set_add_rmsnorm.restype = c_int
+        lib.fo_call_run_add_rmsnorm.argtypes = [
+            c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int,
+            c_float, c_void_p, c_void_p, c_int64, c_void_p, c_int]
+        lib.fo_call_run_add_rmsnorm.restype = c_int
+        lib.fo_call_add_rmsnorm_graph_state.argtypes = [c_void_p]
+        lib.fo_call_add_rmsnorm_graph_state.restype = c_int
+        # the per-call entry point: (call, a, lda, b, ldb, residual, ld_residual, weight,
+        # weight_dtype, eps, normed, residual_out, ld_out, stream, warm) -> cudaError
+        self.call_run_add_rmsnorm = lib.fo_call_run_add_rmsnorm
+
+    def add_rmsnorm_tiles(self, src: int, band_offsets: int, rows: int, n: int,
+                          tile: tuple[int, int], dtype: int, residual: int, ld_residual: int,
+                          weight: int, weight_dtype: int, eps: float, normed: int,
+                          residual_out: int, ld_out: int, stream: int) -> None:
+        """fo_add_rmsnorm_tiles: rows of ``src`` through the band table, + residual, RMSNorm
+        (dtype and weight_dtype codes as flashoverlap_cuda.h has them)."""
+        self.check(self.lib.fo_add_rmsnorm_tiles(
+            src, band_offsets, rows, n, tile[0], tile[1], dtype, residual, ld_residual, weight,
+            weight_dtype, eps, normed, residual_out, ld_out, stream), "fo_add_rmsnorm_tiles")
+
+    def call_set_add_rmsnorm(self, handle: int, band_offsets: int, rows: int,
+                             tile: tuple[int, int], dtype: int) -> None:
+        self.check(self.lib.fo_call_set_add_rmsnorm(handle, band_offsets, rows, tile[0], tile[1],
+                                                    dtype), "fo_call_set_add_rmsnorm")
+
+    def call_add_rmsnorm_graph_state(self, handle: int) -> int:
+        """As :meth:`call_graph_state`, for the fused calls (fo_call_add_rmsnorm_graph_state)."""
+        return self.lib.fo_call_add_rmsnorm_graph_state(handle)
 
     # ---- NCCL, through the runtime object ----------------------------------------------------
     def nccl_load(self, path: str | None) -> None:

@@ -1,7 +1,9 @@
 """The output-side signaling call of the ``cuda`` backend (allreduce, reduce_scatter,
 all_to_all and callable ops): the signaling GEMM writes the packed layout and bumps each group's
 counter; the communication stream waits on each counter and runs the group's collective; the
-post-reorder restores the layout (see :mod:`.backend` for the whole picture).
+post-reorder restores the layout (see :mod:`.backend` for the whole picture). For
+``fo.overlap_add_rmsnorm`` the post-reorder is the fused residual add + RMSNorm kernel
+(:mod:`.add_rmsnorm`).
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import torch
 
 from flashoverlap_core.backend import OverlapCall, PreparedCall
 from flashoverlap_core.collectives import RegionExchange, collective_steps, unpack_layouts
+from flashoverlap_core.reorder import add_rmsnorm
 
 from . import kernels, nccl
+from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_operand
 from .device_state import (ALIGN_BYTES, COLLECTIVES, NCCL_DTYPES, StreamState, _current_device,
                            _current_stream_getter, outside_graph_pools, replay_graphs, wait_mode)
 from .runtime import WAIT_MODES, CallDescription
@@ -26,7 +30,7 @@ class CudaCall(PreparedCall):
 
     ``run`` costs a few microseconds of Python: find this stream's state, check the operands'
     alignment, one native call that issues the GEMM, every wait and collective, and the
-    post-reorder."""
+    post-reorder (``run_add_rmsnorm``: the fused residual add + RMSNorm in its place)."""
 
     def __init__(self, backend: CudaBackend, call: OverlapCall, python_path: bool = False,
                  stream: int | None = None):
@@ -43,6 +47,7 @@ class CudaCall(PreparedCall):
         self.use_graph = replay_graphs()
         self.runtime = kernels.runtime_library()
         self.call_run = self.runtime.call_run
+        self.norm_run = self.runtime.call_run_add_rmsnorm
         self.warmed = False  # this key's first call ran (with host syncs where needed)
         # The key fixes the strides: what the kernel takes as lda and ldb.
         self.lda, self.ldb = a.stride(0), (call.b.stride(1) if self.col else call.b.stride(0))
@@ -66,6 +71,7 @@ class CudaCall(PreparedCall):
                 first.staging = exchange.staging
                 first.staging.record_stream(first.comm)
             self.blocks = self._unpack_tables(exchange)
+            self.norm = band_table(exchange, device)  # (table, rows) of the fused post-reorder
             self.steps, self.num_steps, self.per_step = collective_steps(exchange)
         if not self.python_path:
             self._make_native(first)
@@ -126,6 +132,10 @@ class CudaCall(PreparedCall):
         desc.use_graph = int(self.use_graph)
         state.runtime = self.runtime
         state.handle = self.runtime.call_create(desc)
+        if self.norm is not None:
+            table, rows = self.norm
+            self.runtime.call_set_add_rmsnorm(state.handle, table.data_ptr(), rows, plan.tile,
+                                              DTYPE_CODES[plan.dtype])
 
     # ---- per stream --------------------------------------------------------------------------
     def state(self, stream: int | None = None) -> StreamState:
@@ -144,26 +154,39 @@ class CudaCall(PreparedCall):
             self._states[stream] = state
         return state
 
-    def graph_state(self, stream: int | None = None) -> int:
+    def graph_state(self, stream: int | None = None, fused: bool = False) -> int:
         """How this key's calls on ``stream`` run: 1 replaying a captured graph, 0 launch by
-        launch (first call, python path, replay off), -1 the graph could not be made."""
+        launch (first call, python path, replay off), -1 the graph could not be made;
+        ``fused``: its ``run_add_rmsnorm`` calls (a graph of their own)."""
         state = self.state(stream)
-        return 0 if state.handle is None else self.runtime.call_graph_state(state.handle)
+        if state.handle is None:
+            return 0
+        if fused:
+            return self.runtime.call_add_rmsnorm_graph_state(state.handle)
+        return self.runtime.call_graph_state(state.handle)
 
     # ---- the call ----------------------------------------------------------------------------
-    def run(self, a, b, out, op):
-        # The steady state: this stream's native call, operands read in place, kernels loaded.
+    def _steady(self, a, b):
+        """(this stream's state, the stream) in the steady state: its native call made, kernels
+        loaded, operands read in place and aligned, this device current; else None."""
         stream = self.current_stream(self.index)
         state = self._states.get(stream)
-        if state is not None and self.warmed and self.direct and state.handle is not None:
-            a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
-            if (a_ptr | b_ptr) & (ALIGN_BYTES - 1) == 0 and _current_device() == self.index:
-                err = self.call_run(state.handle, a_ptr, self.lda, b_ptr, self.ldb,
-                                    out.data_ptr(), stream, 0)
-                if err:
-                    self._raise(err)
-                return out
-        return self._run(a, b, out, op)
+        if (state is not None and self.warmed and self.direct and state.handle is not None
+                and (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0
+                and _current_device() == self.index):
+            return state, stream
+        return None
+
+    def run(self, a, b, out, op):
+        steady = self._steady(a, b)
+        if steady is None:
+            return self._run(a, b, out, op)
+        state, stream = steady
+        err = self.call_run(state.handle, a.data_ptr(), self.lda, b.data_ptr(), self.ldb,
+                            out.data_ptr(), stream, 0)
+        if err:
+            self._raise(err)
+        return out
 
     def _run(self, a, b, out, op):
         """Every other case: another device current, a first call, copied operands, the
@@ -171,25 +194,60 @@ class CudaCall(PreparedCall):
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
                 return self._run(a, b, out, op)
-        stream = self.current_stream(self.index)
-        state = self._states.get(stream) or self.state(stream)
         if self.python_path:
             t = self.template
             call = OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits)
-            self.run_python(call, state)
+            self.run_python(call, self.state())
             return call.out
+        self._run_native(a, b, lambda handle, a_ptr, lda, b_ptr, ldb, stream, warm: self.call_run(
+            handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream, warm))
+        return out
+
+    def run_add_rmsnorm(self, a, b, op, residual, weight, eps):
+        """The call with the fused residual add + RMSNorm kernel as its post-reorder (the
+        python path: the post-reorder, then the add and the norm in torch)."""
+        if self.python_path or self.norm is None:
+            return add_rmsnorm(self.run(a, b, residual.new_empty(residual.shape), op), residual,
+                               weight, eps)
+        residual, ld_residual = residual_operand(residual, self.template.plan.n)
+        weight, weight_code = weight_operand(weight, residual.dtype)
+        normed, resid_out = residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+        def issue(handle, a_ptr, lda, b_ptr, ldb, stream, warm):
+            return self.norm_run(handle, a_ptr, lda, b_ptr, ldb, residual.data_ptr(), ld_residual,
+                                 weight.data_ptr(), weight_code, eps, normed.data_ptr(),
+                                 resid_out.data_ptr(), resid_out.stride(0), stream, warm)
+
+        steady = self._steady(a, b)
+        if steady is None:
+            self._run_native(a, b, issue)
+        else:
+            state, stream = steady
+            err = issue(state.handle, a.data_ptr(), self.lda, b.data_ptr(), self.ldb, stream, 0)
+            if err:
+                self._raise(err)
+        return normed, resid_out
+
+    def _run_native(self, a, b, issue) -> None:
+        """The native call outside the steady state (another device current, a first call,
+        copied operands): ``issue(handle, a_ptr, lda, b_ptr, ldb, stream, warm)`` makes it and
+        returns its error code."""
+        if _current_device() != self.index:
+            with torch.cuda.device(self.device):
+                return self._run_native(a, b, issue)
+        stream = self.current_stream(self.index)
+        state = self._states.get(stream) or self.state(stream)
         warm = self.backend.warm_up(self.warm_key)
         a_ptr, lda, b_ptr, ldb, copies = self.operands(a, b)
-        err = self.call_run(state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream, int(warm))
+        err = issue(state.handle, a_ptr, lda, b_ptr, ldb, stream, int(warm))
         del copies  # queued: the caching allocator orders their reuse after these kernels
         if err:
             self._raise(err)
         self.warmed = True
-        return out
 
     def _raise(self, err: int) -> None:
         gemm_detail = self.gemm.lib.fo_last_error()
-        self.runtime.check(err, "fo_call_run" + (
+        self.runtime.check(err, "the native call" + (
             f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
 
     def run_python(self, call: OverlapCall, state: StreamState, monitor=None,

@@ -4,21 +4,25 @@
 #pragma once
 #include <vector>
 
+#include "add_rmsnorm.cuh"
 #include "flashoverlap_cuda.h"
 #include "nccl_loader.cuh"
 
 // A call's captured graph (use_graph): the nodes a later call may have to re-point, and what
-// they point at now.
+// they point at now. A call has two: one ending in the post-reorder, one in the fused residual
+// add + RMSNorm (fo_call_run_add_rmsnorm).
 struct fo_call_graph {
   cudaGraph_t graph = nullptr;  // kept: node handles belong to it
   cudaGraphExec_t exec = nullptr;
   cudaGraphNode_t gemm = nullptr;
   std::vector<cudaGraphNode_t> unpack;  // per block with tiles, in block order
   std::vector<int> unpack_block;
+  cudaGraphNode_t norm = nullptr;  // the fused add + RMSNorm
   const void* a = nullptr;
   const void* b = nullptr;
   int64_t lda = 0, ldb = 0;
   void* out = nullptr;
+  fo::runtime::NormLaunch norm_launch;
   int state = 0;  // 0 none yet, 1 replaying, -1 could not be made
 };
 
@@ -34,6 +38,10 @@ struct fo_call {
   cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
   cudaStream_t capture = nullptr;      // where the graph is captured (never runs work)
   fo_call_graph g;
+  // The fused residual add + RMSNorm (fo_call_set_add_rmsnorm): the output block's rows.
+  fo::runtime::NormRows norm_rows{};
+  int norm_dtype = -1;  // -1: not set
+  fo_call_graph norm_graph;
 };
 
 namespace fo::runtime {
@@ -137,10 +145,105 @@ inline cudaError_t captured_node(cudaStream_t stream, cudaGraphNode_t* node) {
   return cudaSuccess;
 }
 
-// Issues the whole call on `stream` (see fo_call_desc). `warm`: a host sync after each phase.
-// `g` (capture only): records the GEMM and post-reorder nodes.
-inline cudaError_t issue_call(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
-                              void* out, cudaStream_t stream, bool warm, fo_call_graph* g) {
+// Where the GEMM's operands of one call are.
+struct GemmOperands {
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+};
+
+// The last phase of a call, once the compute stream has joined the communication stream: what
+// reads the received tiles from staging, zeroing the group counters for the next call on the
+// way. Each phase issues its kernels (recording their nodes while a graph is captured), says
+// which of the call's graphs is its own, and re-points that graph's nodes at a call's operands.
+
+// The post-reorder of every block into `out`.
+struct UnpackPhase {
+  void* out;
+
+  static fo_call_graph& graph(fo_call& c) { return c.g; }
+
+  cudaError_t issue(const fo_call& c, cudaStream_t stream, fo_call_graph* g) const {
+    const fo_call_desc& d = c.d;
+    bool reset = false;
+    for (int k = 0; k < d.num_blocks; ++k) {
+      if (c.block_num_tiles[k] == 0) continue;
+      cudaError_t err = launch_unpack(d.staging, static_cast<char*>(out) + c.block_out_offset[k],
+                                      d.ldo, c.block_tiles[k], c.block_offsets[k],
+                                      c.block_num_tiles[k], d.elem_size,
+                                      reset ? nullptr : d.counters, reset ? 0 : d.num_groups, stream);
+      if (err != cudaSuccess) return err;
+      if (g) {
+        g->unpack.emplace_back();
+        g->unpack_block.push_back(k);
+        err = captured_node(stream, &g->unpack.back());
+        if (err != cudaSuccess) return err;
+      }
+      reset = true;
+    }
+    if (!reset) {  // nothing to unpack (a rank that receives no rows): reset on its own
+      reset_counters<<<1, 256, 0, stream>>>(d.counters, d.num_groups);
+      FO_CUDA_CHECK(cudaGetLastError());
+    }
+    return cudaSuccess;
+  }
+
+  void remember(fo_call_graph& g) const { g.out = out; }
+
+  cudaError_t update(const fo_call& c, fo_call_graph& g, bool* rebuild) const {
+    const fo_call_desc& d = c.d;
+    if (out == g.out) return cudaSuccess;
+    for (size_t i = 0; i < g.unpack.size(); ++i) {
+      const int k = g.unpack_block[i];
+      UnpackLaunch u(d.staging, static_cast<char*>(out) + c.block_out_offset[k], d.ldo,
+                     c.block_tiles[k], c.block_offsets[k], c.block_num_tiles[k], d.elem_size,
+                     i == 0 ? d.counters : nullptr, i == 0 ? d.num_groups : 0);
+      void* args[UnpackLaunch::kArgs];
+      const cudaKernelNodeParams p = u.node(args);
+      FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(g.exec, g.unpack[i], &p));
+    }
+    g.out = out;
+    return cudaSuccess;
+  }
+};
+
+// The post-reorder fused into residual add + RMSNorm: one kernel (add_rmsnorm.cuh).
+struct NormPhase {
+  NormLaunch launch;
+
+  static fo_call_graph& graph(fo_call& c) { return c.norm_graph; }
+
+  cudaError_t issue(const fo_call&, cudaStream_t stream, fo_call_graph* g) const {
+    NormLaunch l = launch;
+    cudaError_t err = l.launch(stream);
+    if (err == cudaSuccess && g) err = captured_node(stream, &g->norm);
+    return err;
+  }
+
+  void remember(fo_call_graph& g) const { g.norm_launch = launch; }
+
+  // Another kernel or CTA size (the operands' alignment changed): the graph is captured afresh.
+  cudaError_t update(const fo_call&, fo_call_graph& g, bool* rebuild) const {
+    if (launch.same(g.norm_launch)) return cudaSuccess;
+    if (launch.kernel != g.norm_launch.kernel || launch.block.x != g.norm_launch.block.x) {
+      *rebuild = true;
+      return cudaSuccess;
+    }
+    NormLaunch l = launch;
+    void* args[4];
+    const cudaKernelNodeParams p = l.node(args);
+    FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(g.exec, g.norm, &p));
+    g.norm_launch = launch;
+    return cudaSuccess;
+  }
+};
+
+// Issues the whole call on `stream` (see fo_call_desc), ending in `phase`. `warm`: a host sync
+// after each phase. `g` (capture only): records the GEMM's and the last phase's nodes.
+template <class Phase>
+inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& phase,
+                              cudaStream_t stream, bool warm, fo_call_graph* g) {
   const fo_call_desc& d = c.d;
   // Without a collective (world size 1, no communicator) there is nothing to overlap: the
   // GEMM and the post-reorder run on the caller's stream, which orders them.
@@ -153,7 +256,7 @@ inline cudaError_t issue_call(fo_call& c, const void* a, int64_t lda, const void
   }
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
   cudaError_t err = reinterpret_cast<GemmRun>(d.gemm_run)(
-      a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items, d.item_group,
+      op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb, d.items, d.item_group,
       d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
   if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
     return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
@@ -175,37 +278,26 @@ inline cudaError_t issue_call(fo_call& c, const void* a, int64_t lda, const void
     FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
     FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
   }
-  bool reset = false;
-  for (int k = 0; k < d.num_blocks; ++k) {
-    if (c.block_num_tiles[k] == 0) continue;
-    err = launch_unpack(d.staging, static_cast<char*>(out) + c.block_out_offset[k], d.ldo,
-                        c.block_tiles[k], c.block_offsets[k], c.block_num_tiles[k], d.elem_size,
-                        reset ? nullptr : d.counters, reset ? 0 : d.num_groups, stream);
-    if (err != cudaSuccess) return err;
-    if (g) {
-      g->unpack.emplace_back();
-      g->unpack_block.push_back(k);
-      err = captured_node(stream, &g->unpack.back());
-      if (err != cudaSuccess) return err;
-    }
-    reset = true;
-  }
-  if (!reset) {  // nothing to unpack (a rank that receives no rows): reset on its own
-    reset_counters<<<1, 256, 0, stream>>>(d.counters, d.num_groups);
-    FO_CUDA_CHECK(cudaGetLastError());
-  }
+  err = phase.issue(c, stream, g);
+  if (err != cudaSuccess) return err;
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   return cudaSuccess;
 }
 
+inline void drop_graph(fo_call_graph& g) {
+  if (g.exec) cudaGraphExecDestroy(g.exec);
+  if (g.graph) cudaGraphDestroy(g.graph);
+  g = fo_call_graph();
+}
+
 // Captures the call once (on a private stream, thread-local mode: other threads' captures and
-// launches are not disturbed) and instantiates it. Nothing runs here.
-inline cudaError_t build_graph(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
-                               void* out) {
+// launches are not disturbed) and instantiates it into `Phase::graph(c)`. Nothing runs here.
+template <class Phase>
+inline cudaError_t build_graph(fo_call& c, const GemmOperands& op, const Phase& phase) {
   if (!c.capture) FO_CUDA_CHECK(cudaStreamCreateWithFlags(&c.capture, cudaStreamNonBlocking));
   fo_call_graph g;
   FO_CUDA_CHECK(cudaStreamBeginCapture(c.capture, cudaStreamCaptureModeThreadLocal));
-  cudaError_t err = issue_call(c, a, lda, b, ldb, out, c.capture, false, &g);
+  cudaError_t err = issue_call(c, op, phase, c.capture, false, &g);
   const cudaError_t ended = cudaStreamEndCapture(c.capture, &g.graph);
   if (err == cudaSuccess && ended != cudaSuccess)
     err = fail(ended, "capturing the call: cudaStreamEndCapture: %s", cudaGetErrorString(ended));
@@ -221,58 +313,54 @@ inline cudaError_t build_graph(fo_call& c, const void* a, int64_t lda, const voi
     if (g.graph) cudaGraphDestroy(g.graph);
     return err;
   }
-  g.a = a, g.b = b, g.lda = lda, g.ldb = ldb, g.out = out, g.state = 1;
-  c.g = std::move(g);
+  g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb, g.state = 1;
+  phase.remember(g);
+  Phase::graph(c) = std::move(g);
   return cudaSuccess;
 }
 
-// Re-points the graph's GEMM and post-reorder nodes at this call's operands where they moved.
-inline cudaError_t update_graph(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
-                                void* out) {
-  fo_call_graph& g = c.g;
+// Re-points the graph's GEMM and last-phase nodes at this call's operands where they moved;
+// `rebuild`: the last phase needs the graph captured afresh.
+template <class Phase>
+inline cudaError_t update_graph(fo_call& c, fo_call_graph& g, const GemmOperands& op,
+                                const Phase& phase, bool* rebuild) {
   const fo_call_desc& d = c.d;
-  if (a != g.a || b != g.b || lda != g.lda || ldb != g.ldb) {
+  if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb) {
     cudaError_t err = reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
-        g.exec, g.gemm, a, b, d.packed, d.L, d.block_rows, d.N, d.K, lda, ldb, d.items,
-        d.item_group, d.num_items, d.counters, d.num_ctas);
+        g.exec, g.gemm, op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb,
+        d.items, d.item_group, d.num_items, d.counters, d.num_ctas);
     if (err != cudaSuccess)
       return fail(err, "re-pointing the graph's GEMM at new operands (cudaError %d)", int(err));
-    g.a = a, g.b = b, g.lda = lda, g.ldb = ldb;
+    g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb;
   }
-  if (out != g.out) {
-    for (size_t i = 0; i < g.unpack.size(); ++i) {
-      const int k = g.unpack_block[i];
-      UnpackLaunch u(d.staging, static_cast<char*>(out) + c.block_out_offset[k], d.ldo,
-                     c.block_tiles[k], c.block_offsets[k], c.block_num_tiles[k], d.elem_size,
-                     i == 0 ? d.counters : nullptr, i == 0 ? d.num_groups : 0);
-      void* args[8];
-      const cudaKernelNodeParams p = u.node(args);
-      FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(g.exec, g.unpack[i], &p));
-    }
-    g.out = out;
-  }
-  return cudaSuccess;
+  return phase.update(c, g, rebuild);
 }
 
-inline cudaError_t run_call(fo_call& c, const void* a, int64_t lda, const void* b, int64_t ldb,
-                            void* out, cudaStream_t stream, bool warm) {
+template <class Phase>
+inline cudaError_t run_call(fo_call& c, const GemmOperands& op, const Phase& phase,
+                            cudaStream_t stream, bool warm) {
   // A warm (first) call loads every kernel launch by launch. Later calls replay the graph,
   // except inside the caller's own capture, where the launches are what it records.
-  if (c.d.use_graph && !warm && c.g.state >= 0) {
+  fo_call_graph& g = Phase::graph(c);
+  if (c.d.use_graph && !warm && g.state >= 0) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     FO_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
     if (status == cudaStreamCaptureStatusNone) {
-      cudaError_t err = c.g.state == 1 ? update_graph(c, a, lda, b, ldb, out)
-                                       : build_graph(c, a, lda, b, ldb, out);
-      if (err == cudaSuccess) {
-        FO_CUDA_CHECK(cudaGraphLaunch(c.g.exec, stream));
+      if (g.state == 1) {
+        bool rebuild = false;
+        cudaError_t err = update_graph(c, g, op, phase, &rebuild);
+        if (err != cudaSuccess) return err;  // an update failed: the arguments are bad
+        if (rebuild) drop_graph(g);
+      }
+      if (g.state == 0 && build_graph(c, op, phase) != cudaSuccess)
+        g.state = -1;  // the graph could not be made: launch by launch from now on
+      if (g.state == 1) {
+        FO_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
         return cudaSuccess;
       }
-      if (c.g.state == 1) return err;  // an update failed: the arguments are bad
-      c.g.state = -1;  // the graph could not be made: launch by launch from now on
     }
   }
-  return issue_call(c, a, lda, b, ldb, out, stream, warm, nullptr);
+  return issue_call(c, op, phase, stream, warm, nullptr);
 }
 
 }  // namespace fo::runtime
@@ -344,15 +432,57 @@ FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const 
                                int64_t ldb, void* out, cudaStream_t stream, int warm) {
   if (!call || !a || !b || !out)
     return fo::fail(cudaErrorInvalidValue, "fo_call_run: call, a, b and out must be non-null");
-  return fo::runtime::run_call(*call, a, lda, b, ldb, out, stream, warm != 0);
+  return fo::runtime::run_call(*call, fo::runtime::GemmOperands{a, lda, b, ldb},
+                               fo::runtime::UnpackPhase{out}, stream, warm != 0);
 }
 
 FO_API int fo_call_graph_state(const fo_call* call) { return call ? call->g.state : 0; }
 
+FO_API cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_offsets, int rows,
+                                           int tile_m, int tile_n, int dtype) {
+  using namespace fo::runtime;
+  if (!call) return fo::fail(cudaErrorInvalidValue, "fo_call_set_add_rmsnorm: call is null");
+  const fo_call_desc& d = call->d;
+  if (d.collective == 3 || d.num_blocks != 1 || call->block_out_offset[0] != 0)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_call_set_add_rmsnorm: the call must write one block of rows (allreduce, "
+                    "reduce_scatter), not %d blocks with collective %d", d.num_blocks, d.collective);
+  const NormRows r{d.staging, band_offsets, rows, d.N, tile_m, tile_n,
+                   tile_n > 0 ? (d.N + tile_n - 1) / tile_n : 0};
+  cudaError_t err = check_norm_rows(r, dtype);
+  if (err != cudaSuccess) return err;
+  call->norm_rows = r, call->norm_dtype = dtype;
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_call_run_add_rmsnorm(fo_call* call, const void* a, int64_t lda,
+                                           const void* b, int64_t ldb, const void* residual,
+                                           int64_t ld_residual, const void* weight,
+                                           int weight_dtype, float eps, void* normed,
+                                           void* residual_out, int64_t ld_out,
+                                           cudaStream_t stream, int warm) {
+  using namespace fo::runtime;
+  if (!call || !a || !b)
+    return fo::fail(cudaErrorInvalidValue, "fo_call_run_add_rmsnorm: call, a and b must be non-null");
+  if (call->norm_dtype < 0)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_call_run_add_rmsnorm: the call has no band table (fo_call_set_add_rmsnorm)");
+  NormPhase phase;
+  const NormIo io{residual, ld_residual, weight, normed, residual_out, ld_out, eps};
+  cudaError_t err = NormLaunch::make(call->norm_rows, call->norm_dtype, io, weight_dtype,
+                                     call->d.counters, call->d.num_groups, &phase.launch);
+  if (err != cudaSuccess) return err;
+  return run_call(*call, GemmOperands{a, lda, b, ldb}, phase, stream, warm != 0);
+}
+
+FO_API int fo_call_add_rmsnorm_graph_state(const fo_call* call) {
+  return call ? call->norm_graph.state : 0;
+}
+
 FO_API void fo_call_destroy(fo_call* call) {
   if (!call) return;
-  if (call->g.exec) cudaGraphExecDestroy(call->g.exec);
-  if (call->g.graph) cudaGraphDestroy(call->g.graph);
+  fo::runtime::drop_graph(call->g);
+  fo::runtime::drop_graph(call->norm_graph);
   if (call->capture) cudaStreamDestroy(call->capture);
   if (call->inputs_ready) cudaEventDestroy(call->inputs_ready);
   if (call->comm_done) cudaEventDestroy(call->comm_done);

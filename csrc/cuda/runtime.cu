@@ -53,70 +53,74 @@ __global__ void reset_counters(int32_t* counters, int n) {
 
 // ---- post-communication reorder ----------------------------------------------------------
 
+// One CTA per part of a tile (grid: tiles x kUnpackParts), each thread with one round of kUnroll
+// 16-byte vectors of a 128x256 bf16 tile (two for float32, none for the empty parts of smaller
+// tiles). Small units keep the end of the kernel short, and 40 registers let 6 CTAs of 256
+// threads share an SM: 96 KiB of loads in flight per SM (74 registers and 3 CTAs before).
 constexpr int kUnpackThreads = 256;
-constexpr int kUnroll = 8;
+constexpr int kUnroll = 4;        // loads in flight per thread, issued before any store
+constexpr int kUnpackParts = 4;   // CTAs per tile; a part copies every kUnpackParts-th round
+constexpr int kUnpackCtasPerSm = 6;
 
-// Copies rows x vpr vectors of type V from a contiguous tile to strided rows. The vectors of
-// this block (part `part` of `parts`) are i = part*T + tid + k*parts*T; (row, col) advance
-// incrementally, so there is no division per vector, and kUnroll (8) loads are in flight at once.
+// Copies rows x vpr vectors of type V from a contiguous tile to strided rows: the vectors of
+// part `part` are i = part*T + tid + k*kUnpackParts*T, kUnroll of them loaded at a time; (row,
+// col) advance incrementally, so there is no division per vector.
 template <class V>
 __device__ inline void copy_tile(const V* __restrict__ src, V* __restrict__ dst, int64_t ldd_v,
-                                 int rows, int vpr, int part, int parts) {
-  const int64_t total = int64_t(rows) * vpr;
-  const int step = parts * kUnpackThreads;
-  const int step_r = step / vpr, step_c = step % vpr;
-  int64_t i = int64_t(part) * kUnpackThreads + threadIdx.x;
+                                 int rows, int vpr, int part) {
+  const int total = rows * vpr;  // < 2^31: checked by unpack_tiles
+  constexpr int step = kUnpackParts * kUnpackThreads;
+  const int step_r = step / vpr, step_c = step - step_r * vpr;
+  int i = part * kUnpackThreads + threadIdx.x;
   if (i >= total) return;
-  int r = int(i / vpr), c = int(i % vpr);
-  for (; i < total; i += int64_t(kUnroll) * step) {
+  int r = i / vpr, c = i - r * vpr;
+  for (; i < total; i += kUnroll * step) {
     V v[kUnroll];
-    int rr[kUnroll], cc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * step < total) v[u] = src[i + u * step];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      rr[u] = r, cc[u] = c;
-      if (i + int64_t(u) * step < total) v[u] = src[i + int64_t(u) * step];
+      if (i + u * step < total) dst[r * ldd_v + c] = v[u];
       c += step_c, r += step_r;
       if (c >= vpr) c -= vpr, ++r;
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + int64_t(u) * step < total) dst[rr[u] * ldd_v + cc[u]] = v[u];
   }
 }
 
-// Block (t, part): part `part` of tile t. The widest vector that divides the tile's source and
-// destination addresses, its row length and the destination stride is used.
-__global__ void __launch_bounds__(kUnpackThreads) unpack_tiles(const char* __restrict__ src,
-                                                               char* __restrict__ dst, int64_t ldd,
-                                                               const int32_t* __restrict__ tiles,
-                                                               const int64_t* __restrict__ src_offsets,
-                                                               int elem_size, int32_t* reset,
-                                                               int num_reset) {
-  const int t = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
+// Block (t, part): part `part` of tile t, with the widest vector that divides the tile's source
+// and destination addresses, its row length and the destination stride.
+__global__ void __launch_bounds__(kUnpackThreads, kUnpackCtasPerSm)
+unpack_tiles(const char* __restrict__ src, char* __restrict__ dst, int64_t ldd,
+             const int32_t* __restrict__ tiles, const int64_t* __restrict__ src_offsets,
+             int elem_size, int32_t* reset, int num_reset) {
+  const int t = blockIdx.x, part = blockIdx.y;
   // A prepared call zeroes its group counters here: every wait on them has passed (the stream
   // waited for the communication stream), and it saves a launch per call.
   if (t == 0 && part == 0)
     for (int i = threadIdx.x; i < num_reset; i += kUnpackThreads) reset[i] = 0;
-  const int row0 = tiles[4 * t], rows = tiles[4 * t + 1], col0 = tiles[4 * t + 2], cols = tiles[4 * t + 3];
-  const char* s = src + src_offsets[t] * elem_size;
+  const int row0 = __ldg(tiles + 4 * t), rows = __ldg(tiles + 4 * t + 1);
+  const int col0 = __ldg(tiles + 4 * t + 2), cols = __ldg(tiles + 4 * t + 3);
+  const char* s = src + __ldg(src_offsets + t) * elem_size;
   char* d = dst + (int64_t(row0) * ldd + col0) * elem_size;
   const int64_t row_bytes = int64_t(cols) * elem_size, ldd_bytes = ldd * elem_size;
+  if (rows * row_bytes >= (int64_t(1) << 31)) __trap();  // no plan has a tile of 2 GiB
   const uint64_t bits = reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d) |
                         uint64_t(row_bytes) | uint64_t(ldd_bytes);
   if ((bits & 15) == 0)
-    copy_tile(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), ldd_bytes / 16, rows, int(row_bytes / 16), part, parts);
+    copy_tile(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), ldd_bytes / 16, rows, int(row_bytes / 16), part);
   else if ((bits & 7) == 0)
-    copy_tile(reinterpret_cast<const uint2*>(s), reinterpret_cast<uint2*>(d), ldd_bytes / 8, rows, int(row_bytes / 8), part, parts);
+    copy_tile(reinterpret_cast<const uint2*>(s), reinterpret_cast<uint2*>(d), ldd_bytes / 8, rows, int(row_bytes / 8), part);
   else if ((bits & 3) == 0)
-    copy_tile(reinterpret_cast<const uint32_t*>(s), reinterpret_cast<uint32_t*>(d), ldd_bytes / 4, rows, int(row_bytes / 4), part, parts);
+    copy_tile(reinterpret_cast<const uint32_t*>(s), reinterpret_cast<uint32_t*>(d), ldd_bytes / 4, rows, int(row_bytes / 4), part);
   else
-    copy_tile(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint16_t*>(d), ldd_bytes / 2, rows, int(row_bytes / 2), part, parts);
+    copy_tile(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint16_t*>(d), ldd_bytes / 2, rows, int(row_bytes / 2), part);
 }
 
-// Split each tile over `parts` blocks so that small tile counts still fill the device.
 // The launch of unpack_tiles for one block: its grid and its argument values (kept together
 // so that a replayed graph's node can be re-pointed at a new `dst` with the same launch).
 struct UnpackLaunch {
+  static constexpr int kArgs = 8;
   dim3 grid;
   const char* src;
   char* dst;
@@ -130,12 +134,9 @@ struct UnpackLaunch {
   UnpackLaunch(const void* src_, void* dst_, int64_t ldd_, const int32_t* tiles_,
                const int64_t* src_offsets_, int num_tiles, int elem_size_, int32_t* reset_,
                int num_reset_)
-      : src(static_cast<const char*>(src_)), dst(static_cast<char*>(dst_)), ldd(ldd_),
-        tiles(tiles_), src_offsets(src_offsets_), elem_size(elem_size_), reset(reset_),
-        num_reset(num_reset_) {
-    const int parts = num_tiles >= 1024 ? 1 : (1024 + num_tiles - 1) / num_tiles < 8 ? (1024 + num_tiles - 1) / num_tiles : 8;
-    grid = dim3(num_tiles, parts);
-  }
+      : grid(num_tiles, kUnpackParts), src(static_cast<const char*>(src_)),
+        dst(static_cast<char*>(dst_)), ldd(ldd_), tiles(tiles_), src_offsets(src_offsets_),
+        elem_size(elem_size_), reset(reset_), num_reset(num_reset_) {}
 
   // Node parameters pointing at this object's fields (valid while it lives).
   cudaKernelNodeParams node(void** args) {
@@ -184,6 +185,7 @@ cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaSt
 
 }  // namespace fo::runtime
 
+#include "add_rmsnorm.cuh"  // the post-reorder fused into residual add + RMSNorm
 #include "overlap_call.cuh"
 #include "gather_call.cuh"  // allgather: the gather that feeds a waiting GEMM
 #include "all_to_all_call.cuh"  // all_to_all with each call's own rows and splits
@@ -198,6 +200,8 @@ FO_API cudaError_t fo_load_kernels(void) {
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, reset_counters));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_tiles));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, a2a_tables));
+  cudaError_t err = load_norm_kernels();
+  if (err != cudaSuccess) return err;
   StreamWaitValue32 fn;
   return stream_wait_value32(&fn);
 }

@@ -1,0 +1,49 @@
+"""The post-reorder fused into residual add + RMSNorm on the ``cuda`` backend
+(``fo.overlap_add_rmsnorm``; the kernel: csrc/cuda/add_rmsnorm.cuh).
+
+A prepared call whose result is one block of rows (allreduce, reduce_scatter) hands its native
+call the block's band table once (``fo_call_set_add_rmsnorm``); each fused call then passes the
+residual and the weight as the kernel takes them: rows with unit column stride, a contiguous
+weight of the activations' dtype or float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashoverlap_core.collectives import RegionExchange
+from flashoverlap_core.reorder import band_offsets
+
+DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # the kernel's activation types (flashoverlap_cuda.h)
+FUSED_OPS = ("allreduce", "reduce_scatter")  # ops whose result is one block of rows
+
+
+def band_table(exchange: RegionExchange, device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """(the band table of the call's output block in its staging buffer, on ``device``; the
+    block's rows), or None for ops the fused kernel does not serve."""
+    plan = exchange.plan
+    if exchange.kind not in FUSED_OPS or plan.dtype not in DTYPE_CODES:
+        return None
+    (rows_view, tiles, offsets), = exchange.block_layouts()
+    rows, n = rows_view.shape
+    table = torch.tensor(band_offsets(tiles, offsets, rows, n, plan.tile), dtype=torch.int64)
+    if n % 8 == 0 and plan.tile[1] % 8 == 0 and bool((table % 8).any()):
+        # the kernel's 16-byte path relies on it (true of tiles stored back to back)
+        raise ValueError(f"the staging offsets of {plan.describe_grid()} are not multiples of 8")
+    return table.to(device), rows
+
+
+def residual_operand(residual: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(residual as rows with unit column stride, its row stride): itself when it is such rows."""
+    row_stride, col_stride = residual.stride()
+    if col_stride == 1 and (row_stride >= n or residual.shape[0] == 1):
+        return residual, max(row_stride, n)
+    return residual.contiguous(), n
+
+
+def weight_operand(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(weight as the kernel takes it, its code): 0 in the activations' dtype, 1 float32
+    (any other floating dtype is converted to float32); contiguous."""
+    code = 0 if weight.dtype == dtype else 1
+    if code and weight.dtype != torch.float32:
+        weight = weight.float()
+    return (weight if weight.stride(0) == 1 else weight.contiguous()), code
