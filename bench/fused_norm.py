@@ -62,7 +62,7 @@ def reference(reduced, residual, weight):
 
 
 def check(what, got, want) -> list[str]:
-    problems = [normwise_mismatch(g, w, RTOL, f"{what} {name}")
+    problems = [normwise_mismatch(g, w.cpu(), RTOL, f"{what} {name}")  # float64 on the host
                 for name, g, w in zip(("normed", "residual_out"), got, want)]
     return [p for p in problems if p]
 

@@ -208,7 +208,7 @@ def test_replays_follow_moving_residual_weight_and_eps(replay, monkeypatch, nccl
         weight = torch.randn(n, device="cuda", dtype=weight_dtype)
         eps = 10.0 ** -(i + 3)
         _poison_allocator(m, n, torch.bfloat16)
-        got = fo.overlap_add_rmsnorm(a, b, residual, weight, eps=eps)
+        got = fo.overlap_add_rmsnorm(a, b, residual, weight, eps=eps, backend="cuda")
         torch.cuda.synchronize()
         _check_call(a, b, residual, weight, eps, "allreduce", got)
         spare.normal_()
