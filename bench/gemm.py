@@ -4,6 +4,8 @@
     python bench/gemm.py --quick                  # 4 shapes, bf16, fewer repetitions
     python bench/gemm.py --variants coop-tma,pp-tma,coop-vec16,coop-none  # epilogue study
     python bench/gemm.py --build-only --variants ...                      # prebuild, no GPU
+    python bench/gemm.py --fp8                    # e4m3 with scales vs torch._scaled_mm
+    python bench/gemm.py --fp8 --fp8-split        # also without fast accumulation
 
 Method. Every kernel is captured in a CUDA graph, and one repetition times one replay between
 two events: device time, no Python, no counter reset (the kernel only adds to its counters).
@@ -22,6 +24,15 @@ with null counters (signaling's cost). --variants adds builds: {coop|pp|sm80}-{e
 e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (pingpong
 128x128), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters.
+
+fp8 (--fp8, its own run and JSON, gemm-fp8-<device>-<date>.json): the same shapes with float8
+e4m3 a and w (b = w.t()), tensor-wise (0-dim) and row-wise ([M, 1] and [1, N]) float32 scales,
+bf16 out, by the same method against torch._scaled_mm with the same scales, out dtype and
+accumulation (use_fast_accum=True, as the product accumulates); "plain" is the product without
+counters; --variants adds builds as above (fast accumulation); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
+("splitacc", cooperative 128x128: 128x256 spills) against _scaled_mm(use_fast_accum=False).
+Correctness: sampled tiles against float64 of the dequantized inputs. summary.fp8 has
+min_vs_scaled_mm and median_vs_scaled_mm (warm, product) over every row, and per scaling.
 
 Shape sets: facts (docs/gpu-facts.md), llm (tokens x hidden x K), ragged (tile counts that are not
 multiples of the grid), ksweep (8192 x 8192, K = 256 .. 8192: the fitted intercept is the
@@ -73,6 +84,8 @@ class Variant:
     epilogue: str | None = None
     slots: int = 0
     signal: bool = True
+    schedule: str | None = None  # None: the table's
+    fast_accum: bool = True  # fp8 only
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
@@ -91,17 +104,24 @@ def parse_variant(name: str, product_arch: int) -> Variant:
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None):
-    cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster)
+    fp8 = dtype in kernels.FP8_DTYPES
+    cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster,
+                              out_dtype=FP8_OUT if fp8 else None)
     if v.epilogue is not None:
         cfg = replace(cfg, epilogue=v.epilogue, epi_slots=v.slots)
-    return cfg
+    if v.schedule is not None:
+        cfg = replace(cfg, schedule=v.schedule)
+    return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 
 def plan_for(m, n, k, dtype, tile):
-    """The cuda backend's plan (tile None: the backend's choice for this shape)."""
+    """The cuda backend's plan (tile None: the backend's choice for this shape); fp8 with the
+    result in FP8_OUT."""
     import flashoverlap_core as fo
 
-    return fo.plan(m, n, k, op="custom", dtype=getattr(torch, dtype), tile=tile, backend="cuda")
+    out = getattr(torch, FP8_OUT) if dtype.startswith("float8") else None
+    return fo.plan(m, n, k, op="custom", dtype=getattr(torch, dtype), tile=tile, backend="cuda",
+                   out_dtype=out)
 
 
 def cluster_for(kernels, v: Variant, plan, items=None):
@@ -130,7 +150,7 @@ def needed_configs(kernels, variants, dtypes, shapes):
 class Gemm:
     """One variant bound to a plan and operands: call it to launch on the current stream."""
 
-    def __init__(self, kernels, v: Variant, a, w, dtype_name):
+    def __init__(self, kernels, v: Variant, a, w, dtype_name, scales=None):
         m, k = a.shape
         self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile)
         items, groups = self.plan.item_table()
@@ -140,17 +160,25 @@ class Gemm:
         self.items, self.groups = items.cuda(), groups.cuda()
         self.counters = (torch.zeros(self.plan.num_groups, dtype=torch.int32, device="cuda")
                          if v.signal else None)
-        self.packed = torch.empty(self.plan.packed_numel, dtype=a.dtype, device="cuda")
+        self.packed = torch.empty(self.plan.packed_numel, dtype=self.plan.result_dtype,
+                                  device="cuda")
         self.a, self.w = a, w
         self.variant = v
+        self.scales = None
+        if scales is not None:  # fp8: (scale_a, scale_b) as the kernel reads them
+            from flashoverlap_backends.cuda.device_state import gemm_scales
+            self.scales = gemm_scales(*scales)
 
     def __call__(self):
         p = self.plan
-        self.lib.run(self.a.data_ptr(), self.w.data_ptr(), self.packed.data_ptr(),
-                     len(p.block_rows), p.block_rows[0], p.n, p.k, self.a.stride(0),
-                     self.w.stride(0), self.items.data_ptr(), self.groups.data_ptr(), p.num_tiles,
-                     self.counters.data_ptr() if self.counters is not None else None,
-                     p.wave_size, None, None, torch.cuda.current_stream().cuda_stream)
+        args = (self.packed.data_ptr(), len(p.block_rows), p.block_rows[0], p.n, p.k,
+                self.a.stride(0), self.w.stride(0), self.items.data_ptr(), self.groups.data_ptr(),
+                p.num_tiles, self.counters.data_ptr() if self.counters is not None else None,
+                p.wave_size, None, None, torch.cuda.current_stream().cuda_stream)
+        if self.scales is not None:
+            self.lib.run_scaled(self.a.data_ptr(), self.w.data_ptr(), self.scales, *args)
+        else:
+            self.lib.run(self.a.data_ptr(), self.w.data_ptr(), *args)
 
     def rel_err(self, ref, samples: int = 24) -> float:
         """Worst relative error (norm) over `samples` tiles spread over the packed buffer."""
@@ -222,11 +250,26 @@ def measure(kernels, shape, dtype, variants, args, flush, comm) -> dict:
            "tile": list(gemms["product"].plan.tile), "tiles": gemms["product"].plan.num_tiles,
            "configs": {name: kernels_name(g.config) for name, g in gemms.items()},
            "waves": {name: -(-g.plan.num_tiles // g.plan.wave_size) for name, g in gemms.items()}}
-    ref = a.double() @ w.double().t()
+    check_and_time(row, a.double() @ w.double().t(), fns, gemms, {name: "cublas" for name in gemms},
+                   args, flush, comm)
+    for mode in ("warm", "cold") if args.cold else ("warm",):
+        row[f"{mode}_cublas_sm_vs_cublas"] = round(row[f"{mode}_cublas_ms"] / row[f"{mode}_cublas_sm_ms"], 3)
+    if args.names:
+        row["cublas_kernels"] = {name: kernel_names(fns[name]) for name in ("cublas", "cublas_sm")}
+        row["cublas_sm_ctas"] = sum(math.prod(k["grid"] or [0]) for k in row["cublas_kernels"]["cublas_sm"])
+    if "plain" in gemms:
+        row["signal_overhead"] = round(row["warm_product_ms"] / row["warm_plain_ms"] - 1, 4)
+    return row
+
+
+def check_and_time(row, ref, fns, gemms, baselines, args, flush, comm) -> None:
+    """Fills ``row``: each GEMM's sampled tiles' relative error against ``ref`` (float64), then
+    every function's warm (and cold) time, TFLOP/s, and each GEMM's ratio to its baseline
+    (``baselines``: GEMM name -> the name of the function it is compared with)."""
     row["rel_err"] = {name: round(g.rel_err(ref), 6) for name, g in gemms.items()
                       if g.variant.epilogue != "none"}
     del ref
-    flops = 2.0 * m * n * k
+    flops = 2.0 * row["M"] * row["N"] * row["K"]
     for mode, inner, buf in (("warm", args.inner, None), ("cold", 1, flush)):
         if mode == "cold" and not args.cold:
             continue
@@ -236,15 +279,88 @@ def measure(kernels, shape, dtype, variants, args, flush, comm) -> dict:
             row[f"{mode}_{name}_ms"] = round(st["median"], 5)
             row[f"{mode}_{name}_spread"] = [round(st["p10"], 5), round(st["p90"], 5)]
             row[f"{mode}_{name}_tflops"] = round(flops / st["median"] / 1e9, 1)
-        for name in gemms:
-            row[f"{mode}_{name}_vs_cublas"] = round(row[f"{mode}_cublas_ms"] / row[f"{mode}_{name}_ms"], 3)
-        row[f"{mode}_cublas_sm_vs_cublas"] = round(row[f"{mode}_cublas_ms"] / row[f"{mode}_cublas_sm_ms"], 3)
+        for name, base in baselines.items():
+            row[f"{mode}_{name}_vs_{base}"] = round(row[f"{mode}_{base}_ms"] / row[f"{mode}_{name}_ms"], 3)
+
+
+# ---- fp8 -------------------------------------------------------------------------------------------
+
+FP8_OUT = "bfloat16"  # the result dtype of the fp8 set (torch's row-wise _scaled_mm takes bf16 only)
+SCALINGS = ("tensorwise", "rowwise")
+
+
+def fp8_inputs(shape, scaling: str):
+    """e4m3 a [M, K] and w [N, K] (b = w.t()) with float32 scales, 0-dim or [M, 1] and [1, N]."""
+    m, n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((shape, scaling)) % 2**31)
+    f8 = torch.float8_e4m3fn
+    a = (torch.randn(m, k, device="cuda", generator=gen) * 4).to(f8)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 4).to(f8)
+    sizes = ((), ()) if scaling == "tensorwise" else ((m, 1), (1, n))
+    sa, sb = (torch.rand(size, device="cuda", generator=gen) / 8 + 1 / 16 for size in sizes)
+    return a, w, sa, sb
+
+
+def scaled_mm(a, w, sa, sb, fast_accum: bool):
+    """torch._scaled_mm (cuBLASLt, or torch's own row-wise kernel) with the same scales."""
+    out = getattr(torch, FP8_OUT)
+    return lambda: torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=out,
+                                    use_fast_accum=fast_accum)
+
+
+def measure_fp8(kernels, shape, scaling, variants, args, flush, comm) -> dict:
+    """One fp8 row: the variants (product, plain, splitacc) against torch._scaled_mm with the
+    same accumulation (fast for the product, not for splitacc)."""
+    a, w, sa, sb = fp8_inputs(shape, scaling)
+    dtype = str(a.dtype).removeprefix("torch.")
+    gemms = {v.name: Gemm(kernels, v, a, w, dtype, (sa, sb)) for v in variants}
+    fns = {"scaled_mm": scaled_mm(a, w, sa, sb, True), **gemms}
+    baselines = {v.name: "scaled_mm" if v.fast_accum else "scaled_mm_split" for v in variants}
+    if "scaled_mm_split" in baselines.values():
+        fns["scaled_mm_split"] = scaled_mm(a, w, sa, sb, False)
+    product = gemms["product"].plan
+    row = {"M": shape[0], "N": shape[1], "K": shape[2], "dtype": dtype, "out_dtype": FP8_OUT,
+           "scaling": scaling, "ctas": product.wave_size, "tile": list(product.tile),
+           "tiles": product.num_tiles,
+           "configs": {name: kernels_name(g.config) for name, g in gemms.items()}}
+    ref = (a.double() * sa.double()) @ (w.double() * sb.double().t()).t()
+    check_and_time(row, ref, fns, gemms, baselines, args, flush, comm)
     if args.names:
-        row["cublas_kernels"] = {name: kernel_names(fns[name]) for name in ("cublas", "cublas_sm")}
-        row["cublas_sm_ctas"] = sum(math.prod(k["grid"] or [0]) for k in row["cublas_kernels"]["cublas_sm"])
+        row["scaled_mm_kernels"] = {name: kernel_names(fns[name]) for name in set(baselines.values())}
     if "plain" in gemms:
         row["signal_overhead"] = round(row["warm_product_ms"] / row["warm_plain_ms"] - 1, 4)
     return row
+
+
+def fp8_summary(rows, variants) -> dict:
+    """summary.fp8: the product's warm ratio to torch._scaled_mm, min and median over every row
+    and per scaling (the targets: min >= 0.95, median >= 1.0); the other variants' against
+    their baselines; signaling's cost; the sampled tiles' worst relative error."""
+    out = {"measure": "warm L2, graph replays, median; vs torch._scaled_mm with the same scales, "
+                      "out dtype and accumulation"}
+    for v in variants:
+        base = "scaled_mm" if v.fast_accum else "scaled_mm_split"
+        prefix = "" if v.name == "product" else f"{v.name}_"
+        for scaling in (None,) + SCALINGS:
+            ratios = sorted(r[f"warm_{v.name}_vs_{base}"] for r in rows
+                            if scaling is None or r["scaling"] == scaling)
+            if ratios:
+                tail = f"_{scaling}" if scaling else ""
+                out[f"{prefix}min_vs_{base}{tail}"] = ratios[0]
+                out[f"{prefix}median_vs_{base}{tail}"] = statistics.median(ratios)
+    cold = sorted(r["cold_product_vs_scaled_mm"] for r in rows if "cold_product_vs_scaled_mm" in r)
+    if cold:
+        out["cold_min_vs_scaled_mm"], out["cold_median_vs_scaled_mm"] = cold[0], statistics.median(cold)
+    overheads = [r["signal_overhead"] for r in rows if "signal_overhead" in r]
+    if overheads:
+        out["max_signal_overhead"] = max(overheads)
+        out["median_signal_overhead"] = statistics.median(overheads)
+    out["max_rel_err"] = {}
+    for r in rows:
+        for name, err in r.get("rel_err", {}).items():
+            out["max_rel_err"][name] = max(out["max_rel_err"].get(name, 0.0), err)
+    out["rows"] = len(rows)
+    return out
 
 
 def kernels_name(config) -> str:
@@ -329,11 +445,26 @@ def comm_traffic(args):
     return launch
 
 
+def prepare_run(args, kernels, build, variants, dtypes):
+    """(shapes, NCCL traffic, L2 flush buffer) of a run, its kernels built first; None with
+    --build-only."""
+    shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
+        (name, s) for name in args.sets.split(",") for s in SETS[name]]
+    configs = needed_configs(kernels, variants, dtypes, [s for _, s in shapes])
+    print(f"building {len(configs)} kernel configurations", flush=True)
+    build.prebuild(configs, jobs=os.cpu_count())
+    if args.build_only:
+        return None
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.cold else None
+    return shapes, comm_traffic(args), flush
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="bfloat16,float16")
-    p.add_argument("--sets", default="facts,llm,ragged,ksweep",
-                   help=f"comma-separated shape sets: {', '.join(SETS)}")
+    p.add_argument("--sets", default=None,
+                   help=f"comma-separated shape sets: {', '.join(SETS)} (default: all; with "
+                        "--fp8 all but ksweep)")
     p.add_argument("--quick", action="store_true", help="4 shapes, bf16, 30 repetitions, no cold")
     p.add_argument("--variants", default="", help="extra builds to time (see above)")
     p.add_argument("--reps", type=int, default=100)
@@ -344,12 +475,22 @@ def main(argv=None):
     p.add_argument("--reserved-sms", type=int, default=4)
     p.add_argument("--build-only", action="store_true", help="build every variant and exit")
     p.add_argument("--no-json", action="store_true")
+    p.add_argument("--fp8", action="store_true",
+                   help="the fp8 set instead (default shapes: facts,llm,ragged): e4m3 with "
+                        "scales vs torch._scaled_mm")
+    p.add_argument("--fp8-split", action="store_true",
+                   help="with --fp8: also the kernel without fast accumulation")
     args = p.parse_args(argv)
     if args.quick:
         args.dtypes, args.reps, args.cold, args.names = "bfloat16", min(args.reps, 30), False, False
         args.inner = min(args.inner, 5)
 
     from flashoverlap_backends.cuda import build, kernels
+
+    if args.fp8:
+        args.sets = args.sets or "facts,llm,ragged"
+        return main_fp8(args, kernels, build)
+    args.sets = args.sets or "facts,llm,ragged,ksweep"
 
     if args.comm:  # before anything creates a context on device 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
@@ -359,15 +500,10 @@ def main(argv=None):
                 for n in dict.fromkeys(names)]
     variants = [replace(v, name="plain") if v.name == "product-plain" else v for v in variants]
     dtypes = args.dtypes.split(",")
-    shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
-        (name, s) for name in args.sets.split(",") for s in SETS[name]]
-    configs = needed_configs(kernels, variants, dtypes, [s for _, s in shapes])
-    print(f"building {len(configs)} kernel configurations", flush=True)
-    build.prebuild(configs, jobs=os.cpu_count())
-    if args.build_only:
+    prepared = prepare_run(args, kernels, build, variants, dtypes)
+    if prepared is None:
         return
-    comm = comm_traffic(args)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.cold else None
+    shapes, comm, flush = prepared
     rows = []
     for dtype in dtypes:
         for set_name, shape in shapes:
@@ -399,6 +535,44 @@ def main(argv=None):
                                     "method": "CUDA-graph replays between events, kernels alternated, "
                                               f"{args.reps} reps, warm x{args.inner}, cold after a "
                                               f"{FLUSH_BYTES >> 20} MiB write"})
+
+
+def main_fp8(args, kernels, build):
+    """--fp8: every shape of the sets (ksweep only if named) x both scalings."""
+    variants = [Variant("product", 90, None), Variant("plain", 90, None, signal=False)]
+    if args.fp8_split:  # 128x256 spills without fast accumulation (twice the accumulators)
+        variants.append(Variant("splitacc", 90, (128, 128), schedule="cooperative",
+                                fast_accum=False))
+    variants += [parse_variant(n, 90) for n in args.variants.split(",") if n]  # e.g. coop-tma
+    prepared = prepare_run(args, kernels, build, variants, [kernels.FP8_DTYPES[0]])
+    if prepared is None:
+        return
+    shapes, comm, flush = prepared
+    rows = []
+    for set_name, shape in shapes:
+        for scaling in SCALINGS:
+            row = {"set": set_name, **measure_fp8(kernels, shape, scaling, variants, args, flush, comm)}
+            rows.append(row)
+            print(f"{set_name} {shape[0]}x{shape[1]}x{shape[2]} fp8 {scaling}: _scaled_mm "
+                  f"{row['warm_scaled_mm_tflops']} TFLOP/s; " + ", ".join(
+                      f"{name} {row[key]}" for name in (v.name for v in variants)
+                      for key in row if key.startswith(f"warm_{name}_vs_")), flush=True)
+    result = {"fp8": fp8_summary(rows, variants)}
+    cols = ["set", "M", "N", "K", "scaling", "warm_scaled_mm_tflops", "warm_product_tflops",
+            "warm_product_vs_scaled_mm", "cold_product_vs_scaled_mm", "signal_overhead"] + (
+        ["warm_splitacc_vs_scaled_mm_split"] if args.fp8_split else [])
+    print(table(rows, cols))
+    print("summary:", json.dumps(result))
+    wrong = {name: err for name, err in result["fp8"]["max_rel_err"].items() if not err < 1e-2}
+    if wrong:
+        print(f"WARNING: wrong results (sampled tiles' relative error >= 1e-2): {wrong}")
+    if not args.no_json and int(os.environ.get("RANK", "0")) == 0:
+        device = torch.cuda.get_device_name().split()[-1].lower()
+        write_result(f"gemm-fp8-{device}", rows, {
+            "summary": result, "variants": [v.name for v in variants],
+            "method": "CUDA-graph replays between events, kernels alternated, "
+                      f"{args.reps} reps, warm x{args.inner}, cold after a {FLUSH_BYTES >> 20} "
+                      "MiB write; e4m3 inputs, bf16 out, vs torch._scaled_mm"})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
 #                                conformance mainjob report cache; also: tuning, e2e, compile,
 #                                multirank (or its parts), moe, moe-tests, fusednorm,
-#                                fusednorm-multirank)
+#                                fusednorm-multirank, fp8, gemmfp8)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -21,10 +21,10 @@ STAGES=("$@")
 run_stage() {  # the stages, most important first (a call may run out of time at the end)
   case $1 in
     # Kernels: carried prebuilt objects (same sources and nvcc) are reused; the rest compile here.
-    build) stage build 240 flashoverlap build --backend cuda --jobs 16 ;;
+    build) stage build 360 flashoverlap build --backend cuda --jobs 16 ;;  # + 8 fp8 builds
     report) stage report 60 flashoverlap report ;;
-    tests) stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu \
-             --ignore tests/gpu/test_multirank.py ;;
+    tests) FO_GEMM_TEST_CONFIGS=-e4m3 stage tests 300 $PY -m pytest -q -p no:cacheprovider tests/gpu \
+             --ignore tests/gpu/test_multirank.py --ignore tests/gpu/test_cuda_fp8.py ;;
     callpath) stage callpath 180 $PY bench/callpath.py ;;
     e2e) stage e2e 420 $PY bench/e2e_mlp.py ;;
     moe) stage moe 300 $PY bench/moe.py ;;  # all_to_all of MoE steps at world size 1
@@ -37,13 +37,23 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     conformance) stage conformance 240 $PY -m pytest -q -p no:cacheprovider --pyargs \
                    flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 ;;
     gemm) stage gemm 240 $PY bench/gemm.py ;;
+    # fp8 (issue 23): the e4m3 signaling GEMM's tests, the conformance suite's fp8 cases against
+    # cuda, and the fp8 set of bench/gemm.py against torch._scaled_mm (gemm-fp8-*.json)
+    fp8) FO_GEMM_TEST_CONFIGS=e4m3 stage fp8-tests 420 $PY -m pytest -q -p no:cacheprovider -rs \
+           tests/gpu/test_cuda_fp8.py tests/gpu/test_gemm_epilogue.py -k "e4m3 or test_cuda_fp8"
+         stage fp8-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs \
+           flashoverlap_core.testing --fo-backend cuda --fo-world-sizes 1 -k fp8 ;;
+    gemmfp8) stage gemmfp8 300 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
     reorder) stage reorder 60 $PY bench/reorder.py ;;
     offload) stage offload 120 $PY bench/offload.py --timeline "$OUT/timeline.png" ;;
     tuning) stage tuning 300 $PY bench/tuning.py --timeline "$OUT/tuning-timeline.png" ${FO_TUNING_ARGS:-} ;;
     # The main job with the signaling backend and with the decomposition baseline, side by side.
     mainjob) stage mainjob-cuda 90 flashoverlap bench --backend cuda --json "$OUT/bench-cuda.json"
              stage mainjob-decomposition 90 flashoverlap bench --backend decomposition \
-               --device cuda --json "$OUT/bench-decomposition.json" ;;
+               --device cuda --json "$OUT/bench-decomposition.json"
+             # fp8 (issue 23): e4m3 with row-wise scales against torch._scaled_mm + NCCL
+             stage mainjob-fp8 90 flashoverlap bench --backend cuda --dtype float8_e4m3fn \
+               --json "$OUT/bench-cuda-fp8.json" ;;
     # Ranks sharing the one GPU (each its own NCCL host id, NCCL's socket transport on
     # loopback): every multi-rank path of the cuda backend, correctness only (no speed figure
     # comes from it). Fits one 10-minute device command; writes multirank-h200-<date>.json.

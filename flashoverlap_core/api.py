@@ -27,14 +27,15 @@ from typing import Callable
 
 import torch
 
-from . import registry
-from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
+from . import fp8, registry
+from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall, call_reasons
 from .all_to_all import AllToAllCall
 from .collectives import SequentialCall, current_default_group, exchange_objects, resolve_group
 from .grouping import wave_group_sizes
 from .plan import (CUSTOM_OP, DTYPES, GATHER_OP, OPS, PLAN_OPS, Plan, _check_int,
-                   all_to_all_groups, block_rows_for, check_splits, destination_group_sizes,
-                   dtype_name, group_unit, transfer_bytes_per_tile)
+                   all_to_all_groups, block_rows_for, check_out_dtype, check_splits,
+                   destination_group_sizes, dtype_name, group_unit, moved_dtype,
+                   transfer_bytes_per_tile)
 from .tiles import Schedule, TileGrid
 
 PlanLookup = Callable[[OverlapSpec, Backend, object, str], "Plan | None"]
@@ -95,11 +96,11 @@ def _check_splits_use(op: str, world_size: int, m: int, send_splits, recv_splits
     return send, recv
 
 
-def _check_out(out, shape, like: torch.Tensor, n: int) -> None:
+def _check_out(out, shape, dtype: torch.dtype, device: torch.device, n: int) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(f"out must be {like.dtype} on {like.device}, got {out.dtype} on {out.device}")
+    if out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be {dtype} on {device}, got {out.dtype} on {out.device}")
     if shape is not None and tuple(out.shape) != shape:
         raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
     if out.dim() != 2 or out.shape[1] != n or not out.is_contiguous():
@@ -146,6 +147,11 @@ class _Prepared:
         if out is None and self.out_shape is not None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         return self.prepared.run(a, b, out, op)
+
+    def run_scaled(self, a, b, scale_a, scale_b, out, op):
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        return self.prepared.run_scaled(a, b, scale_a, scale_b, out, op)
 
 
 MAX_PREPARED = 512  # keys kept; the oldest is dropped (and prepared again if it comes back)
@@ -263,15 +269,70 @@ def prepared_call(a, b, op: str, group=None, plan: Plan | None = None, backend: 
     return entry.prepared
 
 
-def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend):
-    """Check everything, prepare the key if it is new (:func:`_prepare`), and run the call."""
-    entry, call = _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
+def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_a=None,
+                   scale_b=None, out_dtype=None, plan: Plan | None = None, out=None,
+                   send_splits=None, recv_splits=None, backend: str | None = None) -> torch.Tensor:
+    """The fp8 call: ``op((a * scale_a) @ (b * scale_b))`` in ``out_dtype`` (bfloat16 by
+    default) for float8_e4m3fn ``a`` and ``b`` (flashoverlap_core/fp8.py says what each argument
+    takes). It runs on a backend with native fp8 as an fp8 call, else dequantized as a float32
+    call; all_to_all always runs dequantized (its per-call rows and splits path carries no
+    scales). The call path is :func:`overlap`'s: a key's first call checks and prepares."""
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    kind = op if op.__class__ is str else type(op)
+    tensors = all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b))
+    key = None
+    if tensors and kind != "all_to_all":
+        # overlap's key, then the scales' layout and the result's dtype
+        key = _call_key(a, b, kind, group, plan, backend, send_splits, recv_splits) + (
+            scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device, scale_b.shape,
+            scale_b.stride(), scale_b.dtype, scale_b.device, out_dtype)
+        entry = _prepared.get(key)
+        if entry is not None and entry.fits(out):
+            return entry.run_scaled(a, b, scale_a, scale_b, out, op)
+    fp8.check(a, b, scale_a, scale_b, out_dtype)
+    if kind == "all_to_all":
+        return _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out,
+                                       send_splits, recv_splits, backend)
+    return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
+                       (scale_a, scale_b, out_dtype))
+
+
+def _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out, send_splits,
+                            recv_splits, backend) -> torch.Tensor:
+    """An fp8 all_to_all: the float32 call of the dequantized inputs, rounded to out_dtype."""
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != out_dtype):
+        raise ValueError(f"out must be a {out_dtype} tensor, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)}")
+    a32, b32 = fp8.dequantized(a, b, scale_a, scale_b)
+    try:
+        result = overlap(a32, b32, "all_to_all", group, send_splits=send_splits,
+                         recv_splits=recv_splits, backend=backend,
+                         plan=plan.dequantized() if isinstance(plan, Plan) else plan)
+    except registry.BackendError as e:
+        raise registry.BackendError(f"{e}\n(an fp8 all_to_all runs dequantized, as a float32 "
+                                    "call, on a backend that takes float32)") from None
+    if out is None:
+        return result.to(out_dtype)
+    if out.shape != result.shape:
+        raise ValueError(f"out must be a {out_dtype} tensor of shape {tuple(result.shape)}, got "
+                         f"{tuple(out.shape)}")
+    return out.copy_(result)
+
+
+def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend, scales=None):
+    """Check everything, prepare the key if it is new (:func:`_prepare`), and run the call.
+    ``scales``: an fp8 call's (scale_a, scale_b, out_dtype), checked (:func:`overlap_scaled`)."""
+    entry, call = _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
+                           scales)
     if call is None:  # all_to_all: each call is laid out from its own splits
         return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
+    if scales:
+        return entry.prepared.run_scaled(a, b, scales[0], scales[1], call.out, op)
     return entry.prepared.run(a, b, call.out, op)
 
 
-def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend):
+def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
+             scales=None):
     """Check everything and prepare the key if it is new: (its entry, the checked call, or
     None for all_to_all).
 
@@ -282,13 +343,16 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
     group key (this rank's own strides, say) prepares without communicating, so ranks whose
     local keys differ never disagree on whether a call is a first call. all_to_all's key leaves
     out the rows and splits (each call's own): it is its group key, and each call cuts the
-    settled plan to its rows (:class:`AllToAllCall`)."""
+    settled plan to its rows (:class:`AllToAllCall`). ``scales``: as :func:`_first_call`'s."""
     try:
-        c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
+        c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits,
+                            scales[2] if scales else None)
     except (TypeError, ValueError) as e:
         if op.__class__ is str and op == "all_to_all":
             _tell_agreeing_peers(group, e)
         raise
+    if scales:
+        c["scale_a"], c["scale_b"] = scales[:2]
     a2a = c["op"] == "all_to_all"
     gkey = key if a2a else _group_key(c, a, op, plan, backend)  # all_to_all's key is shared
     with _prepare_lock:
@@ -309,26 +373,31 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
             else:
                 chosen, agreed = settled
                 spec = _spec_of(c, a, b)
-                reasons = chosen.unsupported_reasons(spec) + chosen.plan_reasons(agreed)
+                reasons = call_reasons(chosen, spec) + chosen.plan_reasons(agreed)
                 if reasons:  # a fact of this rank's own (b's layout, say) the choice cannot take
                     raise ValueError(f"backend {chosen.name!r}, which the ranks agreed on for this "
                                      f"call, cannot run it with this rank's arguments: "
                                      + "; ".join(reasons))
                 call = _call_of(c, a, b, op, agreed, out)
-            if a2a:
-                prepared = AllToAllCall(chosen, call)
-            elif call.plan.strategy == "sequential":
-                prepared = SequentialCall(call)
-            else:
-                prepared = chosen.prepare(call)
+            prepared = AllToAllCall(chosen, call) if a2a else _make_prepared(chosen, call)
             shape = call.out.shape if call.out is not None and not a2a else None
-            entry = _Prepared(prepared, call.plan, shape, a.dtype, a.device)
+            entry = _Prepared(prepared, call.plan, shape, call.plan.result_dtype, a.device)
             _prepared[key] = entry
             while len(_prepared) > MAX_PREPARED:
                 _prepared.pop(next(iter(_prepared)))
         elif not a2a:  # prepared meanwhile by another thread: this call's out still needs its checks
             call = _call_of(c, a, b, op, entry.plan, out)
     return entry, (None if a2a else call)
+
+
+def _make_prepared(chosen: Backend, call: OverlapCall):
+    """The prepared call of a new key: a "sequential" plan runs the plain path; an fp8 call
+    runs dequantized there and on a backend without native fp8."""
+    if call.scale_a is not None and (call.plan.strategy == "sequential" or not chosen.native_fp8):
+        return fp8.DequantizedCall(_make_prepared(chosen, fp8.dequantized_call(call)))
+    if call.plan.strategy == "sequential":
+        return SequentialCall(call)
+    return chosen.prepare(call)
 
 
 def _tell_agreeing_peers(group, error) -> None:
@@ -346,7 +415,8 @@ def _tell_agreeing_peers(group, error) -> None:
 def _group_key(c: dict, a, op, plan, backend) -> tuple:
     """The facts of a call every rank of its group shares (see :func:`_first_call`)."""
     kind = op if op.__class__ is str else type(op)
-    return (kind, c["group"], c["m"], c["n"], c["k"], a.dtype, a.device.type, plan, backend)
+    return (kind, c["group"], c["m"], c["n"], c["k"], a.dtype, c["out_dtype"], a.device.type,
+            plan, backend)
 
 
 _settled: dict = {}  # group key -> (backend, plan) the ranks agreed on
@@ -360,11 +430,12 @@ def _capturing(device: torch.device) -> bool:
 
 
 def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_splits=None,
-                    recv_splits=None) -> dict:
+                    recv_splits=None, out_dtype=None) -> dict:
     """Every check of a call that needs no backend and no device work (TypeError/ValueError
-    saying what is wrong); what they found: m, n, k, op, dtype, group, rank, world_size, send,
-    recv, rows (of the result; None when only the ranks' splits tell). Also what the torch
-    custom ops run before their fake kernels."""
+    saying what is wrong); what they found: m, n, k, op, dtype, out_dtype (an fp8 call's result
+    dtype, else None), group, rank, world_size, send, recv, rows (of the result; None when only
+    the ranks' splits tell). Also what the torch custom ops run before their fake kernels.
+    ``out_dtype`` is given for fp8 calls only (after fp8.check)."""
     _check_tensor("a", a)
     _check_tensor("b", b)
     (m, k), (kb, n) = a.shape, b.shape
@@ -372,11 +443,12 @@ def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_
         raise ValueError(f"a is [{m}, {k}] and b is [{kb}, {n}]: a.shape[1] must equal b.shape[0]")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-    if str(a.dtype).startswith("torch.float8"):
+    if str(a.dtype).startswith("torch.float8") and out_dtype is None:
         raise TypeError(f"{a.dtype} a and b need scale_a and scale_b (float32, 0-dim or [M, 1] "
                         "and 0-dim or [1, N]) and give out_dtype (bfloat16 by default): "
                         "fo.overlap(a, b, op, scale_a=..., scale_b=..., out_dtype=...)")
     dtype = dtype_name(a.dtype)
+    result_name = check_out_dtype(dtype, out_dtype)
     if a.device != b.device:
         raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
     op_name = _op_name(op)
@@ -391,20 +463,23 @@ def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_
         raise TypeError(f"plan must be a flashoverlap_core.Plan or None, got {type(plan).__name__}")
     rows = _output_rows(op_name, m, world, recv)
     if out is not None:
-        _check_out(out, (rows, n) if rows is not None else None, a, n)
-    return dict(m=m, n=n, k=k, op=op_name, dtype=dtype, group=group, rank=rank,
-                world_size=world, send=send, recv=recv, rows=rows)
+        _check_out(out, (rows, n) if rows is not None else None,
+                   DTYPES[result_name or dtype], a.device, n)
+    return dict(m=m, n=n, k=k, op=op_name, dtype=dtype, out_dtype=result_name, group=group,
+                rank=rank, world_size=world, send=send, recv=recv, rows=rows)
 
 
 def _spec_of(c: dict, a, b) -> OverlapSpec:
     return OverlapSpec(_result_rows(c["op"], c["m"], c["world_size"]), c["n"], c["k"], c["op"],
-                       c["world_size"], c["dtype"], a.device.type, b_layout(b), c["send"])
+                       c["world_size"], c["dtype"], a.device.type, b_layout(b), c["send"],
+                       c["out_dtype"])
 
 
 def _call_of(c: dict, a, b, op, plan: Plan, out) -> OverlapCall:
     if out is None and c["rows"] is not None:
-        out = torch.empty((c["rows"], c["n"]), dtype=a.dtype, device=a.device)
-    return OverlapCall(a, b, plan, op, c["group"], c["rank"], c["world_size"], out, c["recv"])
+        out = torch.empty((c["rows"], c["n"]), dtype=plan.result_dtype, device=a.device)
+    return OverlapCall(a, b, plan, op, c["group"], c["rank"], c["world_size"], out, c["recv"],
+                       c.get("scale_a"), c.get("scale_b"))
 
 
 def _plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:
@@ -415,7 +490,8 @@ def _plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:
         return _default_plan(spec, chosen, c["group"], transfer)
     rows = (plan.m, plan.send_splits) if c["op"] == "all_to_all" else (spec.m, c["send"])
     wrong = plan.mismatches(m=rows[0], n=spec.n, k=spec.k, op=c["op"], world_size=c["world_size"],
-                            dtype=c["dtype"], send_splits=rows[1])  # all_to_all: checked per call
+                            dtype=c["dtype"], send_splits=rows[1],  # all_to_all: checked per call
+                            out_dtype=c["out_dtype"])
     wrong += chosen.plan_reasons(plan)
     if wrong:
         raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
@@ -447,13 +523,13 @@ def _agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapC
         try:
             able = registry.able(selection, backend, plan_backend)
             # this rank's own facts (its splits, say) may rule out more than the selection did
-            fit = [x for x in able if not x.unsupported_reasons(spec)
+            fit = [x for x in able if not call_reasons(x, spec)
                    and (names is None or x.name in names)]
             if names is not None:
                 fit.sort(key=lambda x: names.index(x.name))
             if not fit:
-                why = "; ".join(f"{x.name}: {'; '.join(x.unsupported_reasons(spec))}"
-                                for x in able if x.unsupported_reasons(spec))
+                why = "; ".join(f"{x.name}: {'; '.join(call_reasons(x, spec))}"
+                                for x in able if call_reasons(x, spec))
                 raise registry.BackendError(
                     f"no backend{' of ' + str(names) if names else ''} can run this call with "
                     f"this rank's arguments{': ' + why if why else ''}")
@@ -547,7 +623,7 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
         plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
                     destination_group_sizes(grid, all_to_all_groups(spec.world_size, grid.num_tiles)),
                     sched, spec.send_splits,
-                    backend.name, grouping="destinations")
+                    backend.name, grouping="destinations", out_dtype=spec.out_dtype)
         reasons = backend.plan_reasons(plan)
         if reasons:
             raise ValueError(f"backend {backend.name!r} cannot run this plan: " + "; ".join(reasons))
@@ -555,14 +631,14 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
     if group_sizes is None:
         rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
         total = TileGrid(rows, spec.n, tile[0], tile[1], sched).num_tiles
-        itemsize = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+        itemsize = torch.empty((), dtype=moved_dtype(spec.op, spec.dtype, spec.out_dtype)).element_size()
         group_sizes = wave_group_sizes(
             total, wave, unit=group_unit(spec.op, spec.world_size, spec.n, tile),
             bytes_per_tile=transfer_bytes_per_tile(spec.op, spec.n, spec.k, tile, itemsize))
     elif isinstance(group_sizes, (str, bytes)) or not hasattr(group_sizes, "__iter__"):
         raise TypeError(f"group_sizes must be a sequence of ints, got {type(group_sizes).__name__}")
     plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
-                tuple(group_sizes), sched, spec.send_splits, backend.name)
+                tuple(group_sizes), sched, spec.send_splits, backend.name, out_dtype=spec.out_dtype)
     reasons = backend.plan_reasons(plan)
     if reasons:
         raise ValueError(f"backend {backend.name!r} cannot run this plan: " + "; ".join(reasons))
@@ -579,14 +655,15 @@ def _default_plan(spec: OverlapSpec, backend: Backend, group=None, transfer: str
 def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
          dtype=torch.bfloat16, tile=None, group_sizes=None, backend: str | None = None, *,
          send_splits=None, wave_size: int | None = None, schedule: Schedule | None = None,
-         b_layout: str = "col") -> Plan:
+         b_layout: str = "col", out_dtype=None) -> Plan:
     """Build an inspectable plan (``describe()``, ``to_json()``) to pass to :func:`overlap`.
 
     ``backend`` defaults to the explicit choice in ``FLASHOVERLAP_BACKEND``, else the best
     available accelerator backend, else the reference; its kernel decides the default tile,
     wave size and tile order. ``send_splits`` (rows per destination) is required for an
     ``all_to_all`` plan at world size > 1. For ``allgather``, ``m`` is the rows of the result
-    (world size x the rows of each rank's ``a``).
+    (world size x the rows of each rank's ``a``). fp8: ``dtype=torch.float8_e4m3fn`` with the
+    result's ``out_dtype`` (bfloat16 by default, or float16).
     """
     for name, value in (("M", m), ("N", n), ("K", k), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -601,8 +678,10 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     send, _ = _check_splits_use(op, world_size, m, send_splits, None)
     chosen = registry.get(backend) if backend is not None else registry.default_backend()
     device_type = chosen.device_type or "cpu"
-    spec = OverlapSpec(m, n, k, op, world_size, dtype_name(dtype), device_type, b_layout, send)
-    reasons = chosen.unsupported_reasons(spec)
+    name = dtype_name(dtype)
+    spec = OverlapSpec(m, n, k, op, world_size, name, device_type, b_layout, send,
+                       check_out_dtype(name, out_dtype))
+    reasons = call_reasons(chosen, spec)
     if reasons:
         raise ValueError(f"backend {chosen.name!r} cannot run this call: " + "; ".join(reasons))
     return make_plan(chosen, spec, tile, group_sizes, wave_size, schedule)
@@ -616,7 +695,8 @@ def backends() -> list[registry.BackendStatus]:
 
 def prepared_calls() -> list[dict]:
     """What each prepared call key runs, oldest first: ``op``, the shapes of ``a`` and ``b``
-    (this rank's), ``b_layout``, ``dtype``, ``device``, the plan's ``M``, ``N``, ``K`` and
+    (this rank's), ``b_layout``, ``dtype`` (of a and b), ``out_dtype`` (an fp8 call's result,
+    else None), ``device``, the plan's ``M``, ``N``, ``K`` and
     ``world_size``, the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan
     runs the device's matmul and torch.distributed, whatever backend made it) and ``groups``,
     and ``runner``, the type name of the prepared call. Read from the call path's table, which
@@ -632,7 +712,7 @@ def prepared_calls() -> list[dict]:
         b_view = SimpleNamespace(shape=b_shape, stride=b_strides.__getitem__)
         found.append({
             "op": p.op, "a": list(a_shape), "b": list(b_shape),
-            "b_layout": b_layout(b_view), "dtype": dtype_name(entry.dtype),
+            "b_layout": b_layout(b_view), "dtype": p.dtype, "out_dtype": p.out_dtype,
             "device": str(entry.device), "M": None if p.op == "all_to_all" else p.m,
             "N": p.n, "K": p.k,
             "world_size": p.world_size,
@@ -642,5 +722,5 @@ def prepared_calls() -> list[dict]:
 
 
 __all__ = ["PreparedCall", "backends", "check_arguments", "forget_prepared", "keyed_table",
-           "make_plan", "overlap", "plan", "prepared_call", "prepared_calls", "remember",
-           "set_plan_lookup"]
+           "make_plan", "overlap", "overlap_scaled", "plan", "prepared_call", "prepared_calls",
+           "remember", "set_plan_lookup"]

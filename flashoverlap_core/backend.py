@@ -38,6 +38,15 @@ class OverlapSpec:
     device_type: str
     b_layout: str = "row"  # "row" (contiguous [K, N]), "col" ([N, K] transposed) or "strided"
     send_splits: tuple[int, ...] | None = None
+    out_dtype: str | None = None  # fp8 calls (dtype "float8_e4m3fn"): the result's dtype
+
+    @property
+    def fp8(self) -> bool:
+        return self.out_dtype is not None
+
+    def dequantized(self) -> "OverlapSpec":
+        """The float32 call an fp8 call runs as on a backend without native fp8."""
+        return dataclasses.replace(self, dtype="float32", out_dtype=None)
 
 
 @dataclass
@@ -53,6 +62,10 @@ class OverlapCall:
     world_size: int
     out: torch.Tensor
     recv_splits: tuple[int, ...] | None = None
+    # fp8 calls: float32 scales, 0-dim or [M, 1] (scale_a) and 0-dim or [1, N] (scale_b);
+    # out is in the plan's out_dtype
+    scale_a: torch.Tensor | None = None
+    scale_b: torch.Tensor | None = None
 
 
 class PreparedCall:
@@ -68,7 +81,8 @@ class PreparedCall:
         # pool, a tensor that no graph output owns). Subclasses read the tensors from
         # ``template`` in their own __init__ (the argument), before it returns.
         self.backend = backend
-        self.template = dataclasses.replace(template, a=None, b=None, out=None)
+        self.template = dataclasses.replace(template, a=None, b=None, out=None, scale_a=None,
+                                            scale_b=None)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         return self.backend.run(self._call(a, b, out, op))
@@ -87,6 +101,12 @@ class PreparedCall:
         t = self.template
         return OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits)
 
+    def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
+        """An fp8 call of this key (backends with ``native_fp8``): ``run`` with its scales."""
+        t = self.template
+        return self.backend.run(OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out,
+                                            t.recv_splits, scale_a, scale_b))
+
 
 class Backend(abc.ABC):
     """Base class of every backend. Subclasses set ``name`` and ``device_type``."""
@@ -94,6 +114,11 @@ class Backend(abc.ABC):
     name: str = ""
     device_type: str | None = None  # None: runs on any torch device
     priority: int = 0  # auto-selection prefers higher priorities for a device type
+    # fp8 calls (spec.dtype "float8_e4m3fn", spec.out_dtype): True, the backend runs them
+    # itself (OverlapCall.scale_a/scale_b, PreparedCall.run_scaled) and declines what it cannot
+    # in unsupported_reasons; False, the core runs them on it dequantized, as float32 calls
+    # (call_reasons asks it about that float32 call)
+    native_fp8: bool = False
 
     def probe(self) -> str | None:
         """``None`` when usable here, else why not. Must not create a device context."""
@@ -175,3 +200,13 @@ class Backend(abc.ABC):
             f"backend {self.name!r} cannot trace a call: it does not implement Backend.trace(), "
             "which the tuner and `flashoverlap trace` need (they run on backends that do, e.g. "
             "'reference')")
+
+
+def call_reasons(backend: Backend, spec: OverlapSpec) -> list[str]:
+    """Why ``backend`` cannot run ``spec`` (empty: it can). An fp8 call on a backend without
+    native fp8 is the float32 call it runs as (the core dequantizes the inputs)."""
+    if spec.fp8 and not backend.native_fp8:
+        reasons = backend.unsupported_reasons(spec.dequantized())
+        return [f"{r} (no native fp8 on {backend.name!r}: an fp8 call runs dequantized, as a "
+                "float32 call)" for r in reasons]
+    return backend.unsupported_reasons(spec)

@@ -10,23 +10,32 @@
 * ``out_dtype`` is bfloat16 (the default) or float16;
 * every op; inference only: an fp8 input or scale that requires grad is a TypeError.
 
-No backend has an fp8 signaling GEMM yet, so the call is dequantized (the inputs times their
-scales, in float32) and runs as a float32 overlapped call on the backend chosen for that
-(reference or decomposition), then rounded to ``out_dtype``.
+An fp8 call is a call kind of its own (``api.overlap_scaled``): its spec has dtype
+``float8_e4m3fn`` and the ``out_dtype``, its plan the ``out_dtype`` too, and it carries its
+scales. A backend with ``native_fp8`` (an fp8 signaling GEMM) runs it; on any other backend, and for a
+"sequential" plan, it runs dequantized (:class:`DequantizedCall`: the inputs times their scales
+in float32, the float32 call, the result rounded to ``out_dtype``). all_to_all always runs
+dequantized: its per-call rows and splits path carries no scales.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from .backend import OverlapCall
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
+INFERENCE_ONLY = ("fp8 calls are for inference: no autograd through them (call under "
+                  "torch.no_grad(), or with inputs that do not require grad)")
 
 
 def is_fp8(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
 
 
-def check(a, b, scale_a, scale_b, out_dtype, plan) -> torch.dtype:
+def check(a, b, scale_a, scale_b, out_dtype) -> torch.dtype:
     """The fp8 call's own checks (TypeError/ValueError, no device work); the output dtype."""
     if not (is_fp8(a) and is_fp8(b)):
         got = [getattr(t, "dtype", type(t).__name__) for t in (a, b)]
@@ -54,14 +63,35 @@ def check(a, b, scale_a, scale_b, out_dtype, plan) -> torch.dtype:
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     if any(t.requires_grad for t in (a, b, scale_a, scale_b)) and torch.is_grad_enabled():
-        raise TypeError("fp8 calls are for inference: no autograd through them (call under "
-                        "torch.no_grad(), or with inputs that do not require grad)")
-    if plan is not None:
-        raise ValueError("an fp8 call takes no plan= yet: it runs dequantized, as a float32 "
-                         "call with the plan its backend makes")
+        raise TypeError(INFERENCE_ONLY)
     return out_dtype
 
 
 def dequantized(a, b, scale_a, scale_b) -> tuple[torch.Tensor, torch.Tensor]:
     """(a * scale_a, b * scale_b) in float32; b keeps its column-major layout."""
     return a.float() * scale_a, (b.t().float() * scale_b.t()).t()
+
+
+def dequantized_call(call: OverlapCall) -> OverlapCall:
+    """The float32 call an fp8 call runs as (its example tensors, the plan's float32 twin)."""
+    a, b = dequantized(call.a, call.b, call.scale_a, call.scale_b)
+    out = (None if call.out is None
+           else torch.empty(call.out.shape, dtype=torch.float32, device=call.out.device))
+    return dataclasses.replace(call, a=a, b=b, plan=call.plan.dequantized(), out=out,
+                               scale_a=None, scale_b=None)
+
+
+class DequantizedCall:
+    """The prepared calls of an fp8 key that run dequantized: each call's inputs times their
+    scales in float32, then ``inner`` (the prepared float32 call: a backend's, or the
+    sequential path), its result rounded into ``out``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.backend = getattr(inner, "backend", None)
+
+    def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
+        a32, b32 = dequantized(a, b, scale_a, scale_b)
+        result = self.inner.run(a32, b32, torch.empty(out.shape, dtype=torch.float32,
+                                                      device=out.device), op)
+        return out.copy_(result)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -49,6 +49,11 @@ knows only how many rows a source sends it knows what each of that source's grou
 (:func:`destination_chunks`): the rule every rank computes alike, with no exchange, whatever
 the ranks' rows and splits. Groups may then be empty, and G is the same on every rank."""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# fp8 (float8_e4m3fn a and b with float32 scales, flashoverlap_core/fp8.py): the result is in
+# one of OUT_DTYPES, the plan's out_dtype
+FP8_DTYPES = tuple(n for n in ("float8_e4m3fn",) if hasattr(torch, n))
+DTYPES.update({n: getattr(torch, n) for n in FP8_DTYPES})
+OUT_DTYPES = ("bfloat16", "float16")
 FORMAT = "flashoverlap.plan/1"
 ALL_TO_ALL_GROUPS = 4  # G of an all_to_all plan without group_sizes (the same on every rank)
 
@@ -127,6 +132,25 @@ def group_unit(op: str, world_size: int, n: int, tile: tuple[int, int]) -> int:
     return 1
 
 
+def moved_dtype(op: str, dtype: str, out_dtype: str | None) -> torch.dtype:
+    """What the collective moves: the rows of a for allgather, else the result (an fp8 call's
+    result is out_dtype)."""
+    return DTYPES[dtype if op == GATHER_OP or out_dtype is None else out_dtype]
+
+
+def check_out_dtype(dtype: str, out_dtype) -> str | None:
+    """An fp8 dtype's result dtype (bfloat16 when None); None for other dtypes, which take
+    none."""
+    if dtype not in FP8_DTYPES:
+        if out_dtype is not None:
+            raise ValueError(f"out_dtype is for fp8 ({', '.join(FP8_DTYPES)}) plans, not {dtype}")
+        return None
+    out = "bfloat16" if out_dtype is None else dtype_name(out_dtype)
+    if out not in OUT_DTYPES:
+        raise ValueError(f"an fp8 plan's out_dtype must be one of {OUT_DTYPES}, got {out!r}")
+    return out
+
+
 def transfer_bytes_per_tile(op: str, n: int, k: int, tile: tuple[int, int], itemsize: int) -> int:
     """About how many bytes of the group's transfer each tile accounts for: its output, or for
     allgather its share of the rows of a that its band brings (BM x K over the column tiles)."""
@@ -173,6 +197,7 @@ class Plan:
     backend: str | None = None
     strategy: str = "overlap"  # one of STRATEGIES
     grouping: str = "waves"  # one of GROUPINGS
+    out_dtype: str | None = None  # fp8 plans: the result's dtype (OUT_DTYPES; bfloat16 if None)
 
     def __post_init__(self):
         # all_to_all: a rank may have no rows to send (expert parallelism)
@@ -183,7 +208,7 @@ class Plan:
         _check_int("wave_size", self.wave_size, 1)
         if self.op not in PLAN_OPS:
             raise ValueError(f"plan op must be one of {PLAN_OPS}, got {self.op!r}")
-        dtype_name(self.dtype)
+        object.__setattr__(self, "out_dtype", check_out_dtype(dtype_name(self.dtype), self.out_dtype))
         if not isinstance(self.tile, tuple) or len(self.tile) != 2:
             raise TypeError(f"tile must be a pair (BM, BN) of ints, got {self.tile!r}")
         _check_int("tile BM", self.tile[0], 1)
@@ -246,7 +271,23 @@ class Plan:
     # ---- derived layout -------------------------------------------------------------------
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype of a and b."""
         return DTYPES[self.dtype]
+
+    @property
+    def result_dtype(self) -> torch.dtype:
+        """The dtype of c = a @ b and of the packed output (an fp8 plan's out_dtype)."""
+        return DTYPES[self.out_dtype or self.dtype]
+
+    @property
+    def moved_dtype(self) -> torch.dtype:
+        """What the collective moves (a's rows for allgather, else the result)."""
+        return moved_dtype(self.op, self.dtype, self.out_dtype)
+
+    def dequantized(self) -> "Plan":
+        """This fp8 plan for the float32 call it runs as where no fp8 kernel runs it (the same
+        tiles, order and groups)."""
+        return _dequantized_plan(self)
 
     @property
     def block_rows(self) -> tuple[int, ...]:
@@ -434,12 +475,14 @@ class Plan:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     # ---- checking against a call ----------------------------------------------------------
-    def mismatches(self, *, m, n, k, op, world_size, dtype, send_splits=None) -> list[str]:
+    def mismatches(self, *, m, n, k, op, world_size, dtype, send_splits=None,
+                   out_dtype=None) -> list[str]:
         """What about a call this plan does not fit (empty when it fits)."""
         want = {"M": m, "N": n, "K": k, "op": op, "world_size": world_size,
-                "dtype": dtype_name(dtype)}
+                "dtype": dtype_name(dtype),
+                "out_dtype": dtype_name(out_dtype) if out_dtype is not None else None}
         have = {"M": self.m, "N": self.n, "K": self.k, "op": self.op,
-                "world_size": self.world_size, "dtype": self.dtype}
+                "world_size": self.world_size, "dtype": self.dtype, "out_dtype": self.out_dtype}
         if op == "all_to_all":
             want["send_splits"] = tuple(send_splits) if send_splits is not None else None
             have["send_splits"] = self.send_splits
@@ -457,7 +500,7 @@ class Plan:
             "group_sizes": list(self.group_sizes),
             "send_splits": list(self.send_splits) if self.send_splits is not None else None,
             "backend": self.backend, "strategy": self.strategy, "grouping": self.grouping,
-        }
+        } | ({"out_dtype": self.out_dtype} if self.out_dtype is not None else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -470,7 +513,7 @@ class Plan:
                 schedule=Schedule(**d["schedule"]), group_sizes=tuple(d["group_sizes"]),
                 send_splits=tuple(d["send_splits"]) if d.get("send_splits") is not None else None,
                 backend=d.get("backend"), strategy=d.get("strategy", "overlap"),
-                grouping=d.get("grouping", "waves"))
+                grouping=d.get("grouping", "waves"), out_dtype=d.get("out_dtype"))
         except KeyError as e:
             raise ValueError(f"plan JSON lacks field {e}") from None
 
@@ -488,9 +531,10 @@ class Plan:
                 f"tile {bm}x{bn}, {self.num_tiles} tiles")
 
     def describe(self) -> str:
-        itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
+        itemsize = torch.tensor([], dtype=self.moved_dtype).element_size()
+        dtypes = self.dtype + (f" -> {self.out_dtype}" if self.out_dtype else "")
         lines = [
-            f"Plan {self.op} of [{self.m}x{self.k}] @ [{self.k}x{self.n}] {self.dtype}, "
+            f"Plan {self.op} of [{self.m}x{self.k}] @ [{self.k}x{self.n}] {dtypes}, "
             f"world size {self.world_size}, backend {self.backend or 'any'}",
             f"  grid: {self.describe_grid()}; schedule raster={self.schedule.raster} "
             f"swizzle={self.schedule.swizzle}",
@@ -526,3 +570,10 @@ class Plan:
         return (f"Plan(op={self.op!r}, M={self.m}, N={self.n}, K={self.k}, W={self.world_size}, "
                 f"dtype={self.dtype}, tile={self.tile}, groups={list(self.group_sizes)}"
                 f"{'' if self.strategy == 'overlap' else f', strategy={self.strategy!r}'})")
+
+
+@lru_cache(maxsize=64)
+def _dequantized_plan(plan: Plan) -> Plan:
+    if plan.out_dtype is None:
+        return plan
+    return replace(plan, dtype="float32", out_dtype=None)

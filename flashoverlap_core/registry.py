@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from .backend import Backend, OverlapSpec
+from .backend import Backend, OverlapSpec, call_reasons
 
 log = logging.getLogger("flashoverlap")
 
@@ -186,7 +186,7 @@ def able(spec: OverlapSpec, name: str | None = None, plan_backend: str | None = 
     choice = explicit_choice(name, plan_backend)
     if choice is not None:
         backend = get(choice[0])
-        reasons = _device_reasons(backend, spec) + backend.unsupported_reasons(spec)
+        reasons = _device_reasons(backend, spec) + call_reasons(backend, spec)
         if reasons:
             raise BackendError(f"backend {backend.name!r} ({choice[1]}) cannot run this call: "
                                f"{'; '.join(reasons)}. Known backends:\n{_listing()}")
@@ -195,7 +195,7 @@ def able(spec: OverlapSpec, name: str | None = None, plan_backend: str | None = 
     rejected, fit, passed_over = [], [], []
     for candidate in candidates(spec.device_type):
         reason = _probe(candidate)
-        reasons = [reason] if reason else candidate.unsupported_reasons(spec)
+        reasons = [reason] if reason else call_reasons(candidate, spec)
         if not reasons:
             fit.append(candidate)
             continue

@@ -58,24 +58,35 @@ def overlap(a, b, op="allreduce", group=None, *, plan: Plan | None = None, out=N
 
 def _overlap_fp8(a, b, op, group, plan, out, send_splits, recv_splits, backend, scale_a,
                  scale_b, out_dtype):
-    """The fp8 call: dequantized, run as a float32 overlapped call, rounded to out_dtype."""
-    out_dtype = fp8.check(a, b, scale_a, scale_b, out_dtype, plan)
-    if out is not None and (not isinstance(out, _Tensor) or out.dtype != out_dtype):
-        raise ValueError(f"out must be a {out_dtype} tensor, got {_describe(out)}")
-    a32, b32 = fp8.dequantized(a, b, scale_a, scale_b)
-    try:
-        result = overlap(a32, b32, op, group, send_splits=send_splits, recv_splits=recv_splits,
-                         backend=backend)
-    except registry.BackendError as e:
-        raise registry.BackendError(
-            f"{e}\n(an fp8 call runs dequantized, as a float32 call: no backend has an fp8 "
-            "signaling GEMM yet, so it needs one that takes float32, e.g. 'decomposition' or "
-            "'reference')") from None
-    result = result.to(out_dtype)
+    """The fp8 call (api.overlap_scaled); under torch.compile, on fake tensors or with a
+    scale that requires grad, the fp8 custom ops (all_to_all: dequantized, the float32 op)."""
+    if not _is_compiling() and all(_direct(t) for t in (a, b, scale_a, scale_b)):
+        return api.overlap_scaled(a, b, op, group, scale_a=scale_a, scale_b=scale_b,
+                                  out_dtype=out_dtype, plan=plan, out=out,
+                                  send_splits=send_splits, recv_splits=recv_splits,
+                                  backend=backend)
+    out_dtype = fp8.check(a, b, scale_a, scale_b, out_dtype)  # inference only: TypeError
+    if callable(op) and not isinstance(op, str):
+        raise TypeError("a callable op is eager-only: it cannot run under torch.compile, on "
+                        "meta or fake tensors, or on tensors that require grad")
+    if not _is_compiling():
+        api.check_arguments(a, b, op, group, plan, out, send_splits, recv_splits, out_dtype)
+    if op == "all_to_all":  # dequantized on every backend (api.overlap_scaled)
+        a32, b32 = fp8.dequantized(a, b, scale_a, scale_b)
+        result = _through_custom_op(a32, b32, op, group, plan.dequantized() if plan else None,
+                                    None, send_splits, recv_splits, backend).to(out_dtype)
+    elif not isinstance(op, str) or op not in FP8_OPS:
+        raise ValueError(f"op must be one of {STRING_OPS} or a callable op(region, index), "
+                         f"got {op!r}")
+    else:
+        name = group_name(group)
+        size = dist.get_world_size(group) if name else 1
+        result = FP8_OPS[op](a, b, scale_a, scale_b, name, size, out_dtype,
+                             plan=_plan_text(plan) if plan is not None else None, backend=backend)
     if out is None:
         return result
-    if out.shape != result.shape:
-        raise ValueError(f"out must be a {out_dtype} tensor of shape {tuple(result.shape)}, "
+    if not isinstance(out, _Tensor) or out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"out must be a {result.dtype} tensor of shape {tuple(result.shape)}, "
                          f"got {_describe(out)}")
     return out.copy_(result)
 
@@ -379,6 +390,44 @@ _BACKWARDS = {"allreduce": _backward_allreduce, "reduce_scatter": _backward_redu
               "allgather": _backward_allgather, "all_to_all": _backward_all_to_all}
 for _op, _custom in CUSTOM_OPS.items():
     _custom.register_autograd(_BACKWARDS[_op], setup_context=_setup_context)
+
+
+# ---- fp8 (flashoverlap_core/fp8.py): allreduce, reduce_scatter and allgather --------------------
+# Inference only: no gradient flows through them (a backward raises, saying so).
+_FP8_SCHEMA = ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, str group_name, "
+               "int group_size, ScalarType out_dtype, *, str? plan=None, str? backend=None) -> Tensor")
+
+
+def _fp8_real_kernel(op: str):
+    def run(a, b, scale_a, scale_b, group_name, group_size, out_dtype, *, plan=None, backend=None):
+        _check_group_size(group_name, group_size)
+        return api.overlap_scaled(a, b, op, resolve_group(group_name), scale_a=scale_a,
+                                  scale_b=scale_b, out_dtype=out_dtype,
+                                  plan=_plan_from_text(plan) if plan is not None else None,
+                                  backend=backend)
+    run.__name__ = f"{op}_fp8"
+    return run
+
+
+def _fp8_fake_kernel(op: str):
+    def fake(a, b, scale_a, scale_b, group_name, group_size, out_dtype, *, plan=None, backend=None):
+        return a.new_empty((result_rows(op, a, b, group_size), b.shape[1]), dtype=out_dtype)
+    return fake
+
+
+def _fp8_backward(ctx, grad):
+    raise TypeError(fp8.INFERENCE_ONLY)
+
+
+def _define_fp8(op: str):
+    custom = torch.library.custom_op(f"{NAMESPACE}::{op}_fp8", _fp8_real_kernel(op),
+                                     mutates_args=(), schema=_FP8_SCHEMA, tags=_TAGS)
+    custom.register_fake(_fp8_fake_kernel(op))
+    custom.register_autograd(_fp8_backward, setup_context=lambda ctx, inputs, output: None)
+    return custom
+
+
+FP8_OPS = {op: _define_fp8(op) for op in ("allreduce", "reduce_scatter", "allgather")}
 
 
 # ---- overlap + residual add + RMSNorm (flashoverlap_core/add_rmsnorm.py) ------------------------

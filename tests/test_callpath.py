@@ -208,7 +208,7 @@ def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
                         lambda *a, **k: made.append(a) or real_empty_strided(*a, **k))
     calls = fo.prepared_calls()
     assert made == []
-    same = {"dtype": "float32", "device": "cpu", "world_size": 1, "K": 9}
+    same = {"dtype": "float32", "out_dtype": None, "device": "cpu", "world_size": 1, "K": 9}
     assert calls == [
         {"op": "allreduce", "a": [6, 9], "b": [9, 11], "b_layout": "col", "M": 6, "N": 11,
          "backend": "reference", "strategy": "overlap", "groups": 2, "runner": "PreparedCall",

@@ -202,6 +202,26 @@ def test_bench_variants_map_to_builds():
         gemm.parse_variant("wide-tma", 90)
 
 
+def test_bench_fp8_variants_and_summary():
+    gemm = _bench_gemm()
+    product = gemm.Variant("product", 90, None)
+    cfg = gemm.variant_config(kernels, product, "float8_e4m3fn", (2, 1), (128, 256))
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_etma4"
+    split = gemm.Variant("splitacc", 90, (128, 128), schedule="cooperative", fast_accum=False)
+    cfg = gemm.variant_config(kernels, split, "float8_e4m3fn", (2, 1))
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x128x128_c2x1_cooperative_splitacc_etma"
+    assert gemm.variant_config(kernels, product, "bfloat16", (2, 1), (128, 256)) == kernels.gemm_config(
+        90, (128, 256), "bfloat16", True, (2, 1))  # 16-bit rows unchanged
+    rows = [{"scaling": sc, "warm_product_vs_scaled_mm": r, "warm_splitacc_vs_scaled_mm_split": r / 2,
+             "signal_overhead": 0.01, "rel_err": {"product": 3e-3}}
+            for sc, r in (("tensorwise", 0.9), ("tensorwise", 1.1), ("rowwise", 1.0), ("rowwise", 1.2))]
+    out = gemm.fp8_summary(rows, [product, split])
+    assert (out["min_vs_scaled_mm"], out["median_vs_scaled_mm"]) == (0.9, 1.05)
+    assert (out["min_vs_scaled_mm_rowwise"], out["median_vs_scaled_mm_tensorwise"]) == (1.0, 1.0)
+    assert out["splitacc_min_vs_scaled_mm_split"] == 0.45
+    assert out["max_rel_err"] == {"product": 3e-3} and out["rows"] == 4
+
+
 def test_bench_fixed_cost_fit_recovers_the_intercept():
     gemm = _bench_gemm()
     rows = [{"K": k, "waves": {"product": 8}, "warm_x_ms": (50 + 0.25 * k) / 1e3} for k in (256, 1024, 4096)]

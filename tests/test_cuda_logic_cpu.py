@@ -248,3 +248,93 @@ def test_the_call_kinds_sit_over_one_module_of_device_state_without_a_circle():
     for kind in ("signal_call", "gather"):
         assert "device_state" in imported(kind) and "backend" not in imported(kind), kind
     assert {"signal_call", "gather", "device_state"} <= imported("backend")
+
+
+# ---- fp8 (issue 23) ---------------------------------------------------------------------------
+def fp8_spec(**kw):
+    return spec(**{"dtype": "float8_e4m3fn", "out_dtype": "bfloat16", **kw})
+
+
+def test_fp8_runs_natively_on_sm90_only(backend, arch):
+    assert backend.native_fp8
+    for op in ("allreduce", "reduce_scatter", "custom"):
+        for out in kernels.DTYPES:
+            reasons = backend.unsupported_reasons(fp8_spec(op=op, out_dtype=out, world_size=2))
+            if arch == 90:
+                assert reasons == []
+            else:
+                [reason] = reasons
+                assert "sm_90a" in reason and f"{ENV_ARCH}=80" in reason and "sm_89" in reason
+
+
+def test_fp8_ops_without_a_scaled_path_are_declined_saying_where_they_run(backend):
+    for op in ("allgather", "all_to_all"):
+        reasons = backend.unsupported_reasons(fp8_spec(op=op, world_size=2))
+        assert any(f"fp8 {op}" in r and "'decomposition'" in r for r in reasons), reasons
+    assert any("column-major" in r for r in backend.unsupported_reasons(fp8_spec(b_layout="row")))
+
+
+def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
+    monkeypatch.setenv(ENV_ARCH, "90")
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    for tile, kernel in kernels.FP8_CONFIGS[90].items():
+        for out in ("bfloat16", "float16"):
+            cfg = kernels.gemm_config(90, tile, "float8_e4m3fn", True, kernel.cluster, out_dtype=out)
+            assert (cfg.dtype, cfg.out_dtype, cfg.tile_k, cfg.fast_accum) == (
+                "e4m3", build.DTYPE_ALIASES[out], 128, True)
+            assert not cfg.problems()
+    names = {build.config_name(c) for c in kernels.all_configs([90]) if c.dtype == "e4m3"}
+    assert names == {"sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_etma4",
+                     "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_etma4",
+                     "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_etma",
+                     "sm90_e4m3_bf16_bcol_128x128x128_c1x1_pingpong_etma",
+                     "sm90_e4m3_fp16_bcol_128x256x128_c2x1_cooperative_etma4",
+                     "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_etma4",
+                     "sm90_e4m3_fp16_bcol_128x128x128_c2x1_pingpong_etma",
+                     "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma"}
+    assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    (dict(dtype="e4m3", tile_k=128, arch=80, cluster_m=1, schedule="multistage"), "e4m3 needs sm90"),
+    (dict(dtype="e4m3", tile_k=128, b_col_major=False), "e4m3 b must be column-major"),
+    (dict(dtype="e4m3", tile_k=48), "multiple of 32"),
+    (dict(dtype="e4m3", tile_k=128, out_dtype="e4m3"), "e4m3 out_dtype must be one of"),
+    (dict(out_dtype="fp16"), "out_dtype is for e4m3 builds"),
+    (dict(fast_accum=False), "fast_accum applies to e4m3 builds"),
+])
+def test_invalid_fp8_configurations_say_what_is_wrong(fields, complaint):
+    with pytest.raises(ValueError, match="invalid GEMM config") as refused:
+        build.GemmConfig(**fields)
+    assert complaint in str(refused.value)
+
+
+def test_fp8_config_names_and_defines():
+    fast = build.GemmConfig(tile_k=128, dtype="float8_e4m3fn", out_dtype="float16")
+    assert build.config_name(fast) == "sm90_e4m3_fp16_bcol_128x256x128_c2x1_cooperative"
+    assert {"-DFO_DTYPE=2", "-DFO_OUT_DTYPE=1", "-DFO_FP8_FAST_ACCUM=1"} <= set(build.gemm_defines(fast))
+    split = replace_config(fast, fast_accum=False, out_dtype="bf16")
+    assert build.config_name(split) == "sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_splitacc"
+    assert {"-DFO_OUT_DTYPE=0", "-DFO_FP8_FAST_ACCUM=0"} <= set(build.gemm_defines(split))
+    # 16-bit builds keep their flags (and so their cached objects' names and digests)
+    assert not any(d.startswith(("-DFO_OUT_DTYPE", "-DFO_FP8")) for d in build.gemm_defines(build.GemmConfig()))
+    assert build.GemmConfig(dtype="fp16").out_dtype == "fp16"
+    assert build.GemmConfig(tile_k=128, dtype="e4m3").out_dtype == "bf16"  # the API's default
+    assert any(c.dtype == "e4m3" for c in build.CHECK_CONFIGS)
+    assert any(c.dtype == "e4m3" for c in build.SELFTEST_CONFIGS)
+
+
+def replace_config(cfg, **kw):
+    from dataclasses import replace
+    return replace(cfg, **kw)
+
+
+def test_fp8_scales_as_the_kernel_reads_them():
+    from flashoverlap_backends.cuda.device_state import gemm_scales, kernel_scale
+
+    column = torch.rand(6, 3)[:, 1:2]  # [6, 1], stride 3: copied
+    assert kernel_scale(column) is not column and kernel_scale(column).stride(0) == 1
+    for t in (torch.rand(()), torch.rand(6, 1), torch.rand(1, 5), torch.rand(5, 2)[:1, :1]):
+        assert kernel_scale(t) is t
+    s = gemm_scales(torch.rand(6, 1), torch.rand(()))
+    assert (s.a_per_row, s.b_per_col) == (1, 0) and s.a and s.b

@@ -41,7 +41,7 @@ from flashoverlap_core.tiles import Schedule
 
 from . import all_to_all, kernels, nccl
 from .device_state import (ENV_ARCH, ENV_RESERVED_SMS, PlanTables, aligned_rows, b_col_major,
-                           outside_graph_pools, reserved_sms)
+                           gemm_scales, kernel_scale, outside_graph_pools, reserved_sms)
 from .gather import CudaGatherCall
 from .signal_call import CudaCall
 
@@ -54,6 +54,7 @@ class CudaBackend(Backend):
     name = "cuda"
     device_type = "cuda"
     priority = 100
+    native_fp8 = True  # sm_90a: the e4m3 signaling GEMM (fp8_reasons says what it declines)
 
     MAX_PLANS = 64  # device tables kept for this many recent (plan, device) pairs
 
@@ -96,6 +97,8 @@ class CudaBackend(Backend):
 
     # ---- capabilities ------------------------------------------------------------------------
     def unsupported_reasons(self, spec: OverlapSpec) -> list[str]:
+        if spec.fp8:
+            return self.fp8_reasons(spec)
         reasons = []
         if spec.dtype not in kernels.DTYPES:
             reasons.append(f"the signaling GEMM takes {sorted(kernels.DTYPES)}, not {spec.dtype} "
@@ -106,6 +109,30 @@ class CudaBackend(Backend):
             major, minor = torch.cuda.get_device_capability()
             if major < 8:
                 reasons.append(f"compute capability {major}.{minor} < 8.0 (needs Ampere or newer)")
+        return reasons
+
+    def fp8_reasons(self, spec: OverlapSpec) -> list[str]:
+        """What the fp8 signaling GEMM declines: anything but sm_90, fp8 dtypes it has no build
+        for, and the ops whose call paths carry no scales yet (those run dequantized)."""
+        reasons = []
+        if spec.dtype not in kernels.FP8_DTYPES or spec.out_dtype not in kernels.DTYPES:
+            reasons.append(f"the fp8 signaling GEMM takes {list(kernels.FP8_DTYPES)} a and b with "
+                           f"a {list(kernels.DTYPES)} result, not {spec.dtype} -> {spec.out_dtype}")
+        if spec.op in ("all_to_all", "allgather"):
+            reasons.append(f"fp8 {spec.op} has no signaling GEMM path on cuda yet (allreduce, "
+                           "reduce_scatter and callable ops do); it runs dequantized on "
+                           "'decomposition'")
+        if spec.b_layout != "col":
+            reasons.append("fp8 b must be column-major [K, N] (weight.t()), as the e4m3 tensor "
+                           "cores read both operands K-major")
+        forced = os.environ.get(ENV_ARCH)
+        if forced or (spec.device_type == "cuda" and torch.cuda.is_available()):
+            if self._arch() != 90:
+                why = (f"{ENV_ARCH}={forced}" if forced else
+                       "this GPU is sm_%d%d" % torch.cuda.get_device_capability())
+                reasons.append(f"fp8 needs sm_90a's e4m3 tensor cores (wgmma); {why} runs the "
+                               "sm_80 kernels, which take bf16 and fp16 only (Ada's sm_89 fp8 "
+                               "is not built)")
         return reasons
 
     def _arch(self) -> int:
@@ -177,17 +204,20 @@ class CudaBackend(Backend):
             fits = tables.cluster_fits[cluster] = kernels.cluster_fits(tables.items_host, cluster)
         if not fits:
             cluster = (1, 1)
-        return kernels.gemm_library(kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster)), col, arch
+        config = kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster,
+                                    out_dtype=plan.out_dtype)
+        return kernels.gemm_library(config), col, arch
 
     def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
                     signal: bool = True, monitor: torch.Tensor | None = None,
                     stream: torch.cuda.Stream | None = None,
-                    counters: torch.Tensor | None = None) -> PlanTables:
+                    counters: torch.Tensor | None = None, scales=None) -> PlanTables:
         """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
 
         ``signal=False`` runs the same kernel with no counters (for measuring what signaling
         costs); ``counters`` default to the plan's benchmark counters (``tables.counters``);
-        ``monitor`` (uint64 [T, 2]) records each tile's completion.
+        ``monitor`` (uint64 [T, 2]) records each tile's completion; ``scales``: an fp8 plan's
+        (scale_a, scale_b), float32, 0-dim or [M, 1] and 0-dim or [1, N].
         """
         tables = self.plan_tables(plan, a.device)
         gemm, col, arch = self.gemm_for(plan, tables, b)
@@ -196,12 +226,16 @@ class CudaBackend(Backend):
         workspace = self._workspace(gemm, plan, k, a.device)
         stream = stream or torch.cuda.current_stream(a.device)
         counters = counters if counters is not None else tables.counters
-        gemm.run(a_op.data_ptr(), b_op.data_ptr(), packed.data_ptr(), blocks, rows, plan.n,
-                 k, a_op.stride(0), b_op.stride(0), tables.items.data_ptr(),
-                 tables.item_group.data_ptr(), plan.num_tiles,
-                 counters.data_ptr() if signal else None, plan.wave_size,
-                 monitor.data_ptr() if monitor is not None else None,
-                 workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
+        args = (packed.data_ptr(), blocks, rows, plan.n, k, a_op.stride(0), b_op.stride(0),
+                tables.items.data_ptr(), tables.item_group.data_ptr(), plan.num_tiles,
+                counters.data_ptr() if signal else None, plan.wave_size,
+                monitor.data_ptr() if monitor is not None else None,
+                workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
+        if gemm.fp8:
+            scale_a, scale_b = (kernel_scale(t) for t in scales)
+            gemm.run_scaled(a_op.data_ptr(), b_op.data_ptr(), gemm_scales(scale_a, scale_b), *args)
+        else:
+            gemm.run(a_op.data_ptr(), b_op.data_ptr(), *args)
         return tables
 
     @staticmethod
@@ -249,7 +283,10 @@ class CudaBackend(Backend):
 
     def run(self, call: OverlapCall) -> torch.Tensor:
         """One call without a kept preparation (``fo.overlap`` prepares once per key)."""
-        return self.prepare(call).run(call.a, call.b, call.out, call.op)
+        prepared = self.prepare(call)
+        if call.scale_a is not None:
+            return prepared.run_scaled(call.a, call.b, call.scale_a, call.scale_b, call.out, call.op)
+        return prepared.run(call.a, call.b, call.out, call.op)
 
     def warm_up(self, key) -> bool:
         """Whether a call of this (library, group, op, dtype) must run with host syncs first

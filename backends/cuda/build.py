@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-DTYPES = {"bf16": 0, "fp16": 1}  # name in a config -> FO_DTYPE
-DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": "fp16"}
+DTYPES = {"bf16": 0, "fp16": 1, "e4m3": 2}  # name in a config -> FO_DTYPE (of a and b)
+OUT_DTYPES = {"bf16": 0, "fp16": 1}  # -> FO_OUT_DTYPE (of the packed output)
+FP8_DTYPES = ("e4m3",)  # scaled builds (fo_gemm_run_scaled); sm90 only
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": "fp16",
+                 "float8_e4m3fn": "e4m3", "e4m3": "e4m3"}
 SCHEDULES = {90: {"cooperative": 0, "pingpong": 1}, 80: {"multistage": 2}}
 # Epilogues per architecture -> FO_EPILOGUE (csrc/cuda/gemm_sm90.cu and gemm_sm80.cu say what
 # each does). "none" skips full tiles' stores: an upper bound for measurements, wrong output.
@@ -53,16 +56,24 @@ class GemmConfig:
     tile_k: int = 64
     cluster_m: int = 2
     cluster_n: int = 1
-    dtype: str = "bf16"  # of a, b and the output ("bf16"/"bfloat16", "fp16"/"float16"); fp32 accumulation
+    dtype: str = "bf16"  # of a and b ("bf16"/"bfloat16", "fp16"/"float16", "e4m3"/"float8_e4m3fn");
+    # fp32 accumulation
     b_col_major: bool = True  # b is [N, K] row-major (weight.t() of an nn.Linear)
     schedule: str = "cooperative"  # sm90: cooperative | pingpong; sm80: multistage
     stages: int = 0  # mainloop pipeline stages; 0: as many as fit (sm90), 4 (sm80)
     epilogue: str = "direct"  # how tiles leave the math threads (EPILOGUES)
     epi_slots: int = 0  # sm90 tma: 64-column shared-memory slots (0: 2)
     blocks: bool = False  # destination blocks of unequal rows too (all_to_all's per-call layout)
+    out_dtype: str = ""  # of the output: e4m3 builds "bf16" (default) or "fp16"; else dtype's
+    fast_accum: bool = True  # e4m3: accumulate in the tensor cores throughout (CUTLASS's
+    # FP8FastAccum), or (False) promote into fp32 registers every 4 MMAs ("splitacc")
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        out = DTYPE_ALIASES.get(self.out_dtype, self.out_dtype)
+        if not out:
+            out = "bf16" if self.dtype in FP8_DTYPES else self.dtype
+        object.__setattr__(self, "out_dtype", out)
         problems = self.problems()
         if problems:
             raise ValueError(f"invalid GEMM config {self}: " + "; ".join(problems))
@@ -73,6 +84,7 @@ class GemmConfig:
             return [f"arch must be one of {sorted(SCHEDULES)}, got {self.arch!r}"]
         if self.dtype not in DTYPES:
             out.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        out += self._fp8_problems()
         if self.schedule not in SCHEDULES[self.arch]:
             out.append(f"schedule for sm{self.arch} must be one of {sorted(SCHEDULES[self.arch])}, "
                        f"got {self.schedule!r}")
@@ -111,6 +123,24 @@ class GemmConfig:
                 out.append("sm80 has no clusters: cluster must be 1x1")
         return out
 
+    def _fp8_problems(self) -> list[str]:
+        if self.dtype not in FP8_DTYPES:
+            out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
+            if self.dtype in DTYPES and self.out_dtype != self.dtype:
+                out.append(f"a {self.dtype} build writes {self.dtype}, got out_dtype "
+                           f"{self.out_dtype!r} (out_dtype is for e4m3 builds)")
+            return out
+        out = []
+        if self.out_dtype not in OUT_DTYPES:
+            out.append(f"e4m3 out_dtype must be one of {sorted(OUT_DTYPES)}, got {self.out_dtype!r}")
+        if self.arch != 90:
+            out.append("e4m3 needs sm90 (fp8 wgmma); sm80 kernels take bf16 and fp16")
+        if not self.b_col_major:
+            out.append("e4m3 b must be column-major (fp8 wgmma reads both operands K-major)")
+        if self.tile_k % 32:
+            out.append(f"e4m3 tile_k must be a multiple of 32 (one fp8 wgmma), got {self.tile_k}")
+        return out
+
     @property
     def tile(self) -> tuple[int, int]:
         return (self.tile_m, self.tile_n)
@@ -132,10 +162,14 @@ def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True,
 
 def config_name(config: GemmConfig) -> str:
     """A file-name-safe name that identifies the configuration, e.g.
-    ``sm90_bf16_bcol_128x256x64_c2x1_cooperative``."""
+    ``sm90_bf16_bcol_128x256x64_c2x1_cooperative``, ``sm90_e4m3_bf16_bcol_...`` (e4m3 a and b,
+    bf16 out; ``_splitacc`` without fast accumulation)."""
     layout = "bcol" if config.b_col_major else "brow"
-    name = (f"sm{config.arch}_{config.dtype}_{layout}_{config.tile_m}x{config.tile_n}x{config.tile_k}"
+    dtypes = config.dtype + (f"_{config.out_dtype}" if config.dtype in FP8_DTYPES else "")
+    name = (f"sm{config.arch}_{dtypes}_{layout}_{config.tile_m}x{config.tile_n}x{config.tile_k}"
             f"_c{config.cluster_m}x{config.cluster_n}_{config.schedule}")
+    if not config.fast_accum:
+        name += "_splitacc"
     if config.stages:
         name += f"_s{config.stages}"
     if config.epilogue != "direct":
@@ -252,7 +286,9 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         f"-DFO_SCHEDULE={SCHEDULES[config.arch][config.schedule]}", f"-DFO_STAGES={config.stages}",
         f"-DFO_EPILOGUE={EPILOGUES[config.arch][config.epilogue]}",
     ] + ([f"-DFO_EPI_SLOTS={config.epi_slots}"] if config.epi_slots else []) + (
-        ["-DFO_BLOCKS=1"] if config.blocks else [])
+        ["-DFO_BLOCKS=1"] if config.blocks else []) + (
+        [f"-DFO_OUT_DTYPE={OUT_DTYPES[config.out_dtype]}",
+         f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else [])
 
 
 def _gemm_job(config: GemmConfig) -> tuple[str, list[str], str, bool]:
@@ -388,12 +424,14 @@ CHECK_CONFIGS = (
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, dtype="fp16", b_col_major=False,
                schedule="pingpong", epilogue="tma"),
     GemmConfig(tile_n=128, schedule="pingpong", epilogue="vec16"),
+    GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="tma", epi_slots=4),
     default_config(80),
     default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128.
-SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"))
+SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"),
+                    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4))
 
 
 def selftest_job(config: GemmConfig):

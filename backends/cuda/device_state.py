@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kernels
+from .runtime import GemmScales
 
 ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
 ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
@@ -128,6 +129,20 @@ def _current_stream_getter():
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def kernel_scale(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 scale as the kernel reads it: one float, or consecutive floats (a [M, 1] or
+    [1, N] view with another stride is copied)."""
+    if t.dim() == 0 or t.numel() == 1 or t.stride(0 if t.shape[1] == 1 else 1) == 1:
+        return t
+    return t.contiguous()
+
+
+def gemm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor) -> GemmScales:
+    """fo_gemm_scales of kernel_scale'd scales (row-wise: [M, 1]; column-wise: [1, N])."""
+    return GemmScales(scale_a.data_ptr(), scale_b.data_ptr(), int(scale_a.dim() == 2),
+                      int(scale_b.dim() == 2))
 
 
 def b_col_major(b: torch.Tensor) -> bool:

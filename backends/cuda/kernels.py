@@ -14,6 +14,7 @@ from . import build
 from .runtime import WAIT_MODES, GemmLibrary, RuntimeLibrary
 
 DTYPES = ("bfloat16", "float16")  # what the kernels take (build.GemmConfig accepts these names)
+FP8_DTYPES = ("float8_e4m3fn",)  # scaled kernels (sm90), bf16 or fp16 out (FP8_CONFIGS)
 ENV_EPILOGUE = "FLASHOVERLAP_CUDA_EPILOGUE"
 
 
@@ -39,6 +40,14 @@ CONFIGS = {
          (128, 128): Kernel(64, (2, 1), "pingpong", "tma")},
     80: {(128, 128): Kernel(32, (1, 1), "multistage", "staged"),
          (128, 256): Kernel(32, (1, 1), "multistage", "staged")},
+}
+# fp8 (e4m3 a and b, sm90 only): K tiles of 128 (128 bytes: one 128-byte swizzle row), the
+# same tiles, clusters, schedules and epilogues as the 16-bit kernels, so a plan picks its tile
+# the same way; fast accumulation (CUTLASS's FP8FastAccum, what vLLM and TransformerEngine's
+# forward GEMMs use). Not measured yet on a GPU.
+FP8_CONFIGS = {
+    90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma", tma_slots=4),
+         (128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
@@ -127,23 +136,27 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 
 
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
-                blocks: bool = False) -> build.GemmConfig:
-    """The build that runs ``tile``; ``blocks``: one that also takes destination blocks of
-    unequal rows (all_to_all's per-call layout; other calls keep the plain build, whose
-    producer warps do not pay for that branch)."""
-    kernel = CONFIGS[arch][tuple(tile)]
+                blocks: bool = False, out_dtype: str | None = None) -> build.GemmConfig:
+    """The build of ``tile`` on ``arch`` for a and b in ``dtype``; fp8 (FP8_DTYPES) with the
+    result in ``out_dtype``. ``blocks``: one that also takes destination blocks of unequal rows
+    (all_to_all's per-call layout; other calls keep the plain build, whose producer warps do
+    not pay for that branch)."""
+    table = FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
+    kernel = table[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
     slots = kernel.tma_slots if epilogue == "tma" else 0
     return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=kernel.tile_k,
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                             b_col_major=b_col_major, schedule=kernel.schedule,
-                            epilogue=epilogue, epi_slots=slots, blocks=blocks)
+                            epilogue=epilogue, epi_slots=slots, blocks=blocks,
+                            out_dtype=out_dtype or "")
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
-    (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster; and
-    all_to_all's (its default tile, 1x1, unequal blocks)."""
+    (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster;
+    all_to_all's (its default tile, 1x1, unequal blocks); on sm90 also fp8 (b column-major)
+    with either output dtype."""
     out = []
     for arch in archs:
         for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
@@ -153,6 +166,10 @@ def all_configs(archs) -> list[build.GemmConfig]:
                     out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
                     if tile == DEFAULT_TILE[arch]:
                         out.append(gemm_config(arch, tile, dtype, col, blocks=True))
+            for dtype in FP8_DTYPES if arch in FP8_CONFIGS else ():
+                for result in DTYPES:
+                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result)
+                            for c in clusters]
     return out
 
 

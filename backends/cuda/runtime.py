@@ -9,13 +9,14 @@ import ctypes
 from ctypes import POINTER, c_float, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 
 ABI_VERSION = 1
+FP8_DTYPE_CODE = 2  # fo_gemm_config.dtype of an e4m3 build (FO_DTYPE_E4M3)
 WAIT_MODES = {"stream_wait_value": 0, "spin_kernel": 1}
 
 
 class GemmDescription(ctypes.Structure):
     _fields_ = [(name, c_int) for name in (
         "abi_version", "arch", "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "dtype",
-        "b_col_major", "cta_multiple")]
+        "b_col_major", "cta_multiple", "schedule", "stages", "out_dtype", "fast_accum")]
 
 
 class CallDescription(ctypes.Structure):
@@ -34,7 +35,16 @@ class CallDescription(ctypes.Structure):
         ("block_offsets", POINTER(c_void_p)), ("block_num_tiles", POINTER(c_int32)),
         ("ldo", c_int64), ("elem_size", c_int), ("comm_stream", c_void_p),
         ("gemm_set_node", c_void_p), ("use_graph", c_int),
+        # fp8 (null / 0 for 16-bit calls)
+        ("gemm_run_scaled", c_void_p), ("gemm_set_node_scaled", c_void_p),
+        ("scale_a_per_row", c_int), ("scale_b_per_col", c_int),
     ]
+
+
+class GemmScales(ctypes.Structure):
+    """fo_gemm_scales: the float32 scales of an e4m3 GEMM (see flashoverlap_cuda.h)."""
+
+    _fields_ = [("a", c_void_p), ("b", c_void_p), ("a_per_row", c_int), ("b_per_col", c_int)]
 
 
 class GatherDescription(ctypes.Structure):
@@ -121,6 +131,14 @@ class GemmLibrary(_Library):
         self.description = lib.fo_gemm_describe().contents
         self.run_address = ctypes.cast(lib.fo_gemm_run, c_void_p).value  # for fo_call_desc
         self.set_node_address = ctypes.cast(lib.fo_gemm_set_node, c_void_p).value
+        # fp8 (e4m3 builds): the same calls with the scales
+        lib.fo_gemm_run_scaled.argtypes = [
+            c_void_p, c_void_p, POINTER(GemmScales), c_void_p, c_int, c_int, c_int, c_int, c_int64,
+            c_int64, c_void_p, c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p]
+        lib.fo_gemm_run_scaled.restype = c_int
+        self.run_scaled_address = ctypes.cast(lib.fo_gemm_run_scaled, c_void_p).value
+        self.set_node_scaled_address = ctypes.cast(lib.fo_gemm_set_node_scaled, c_void_p).value
+        self.fp8 = self.description.dtype == FP8_DTYPE_CODE
         if self.description.abi_version != ABI_VERSION:
             raise KernelError(f"{path} has ABI version {self.description.abi_version}, "
                               f"expected {ABI_VERSION}: rebuild it (flashoverlap build)")
@@ -138,6 +156,14 @@ class GemmLibrary(_Library):
         self.check(self.lib.fo_gemm_run(
             a, b, packed, blocks, block_rows, n, k, lda, ldb, items, item_group, num_items,
             counters, ctas, monitor, workspace, stream), "fo_gemm_run")
+
+    def run_scaled(self, a, b, scales: GemmScales, packed, blocks, block_rows, n, k, lda, ldb,
+                   items, item_group, num_items, counters, ctas, monitor, workspace, stream) -> None:
+        """fo_gemm_run_scaled: an e4m3 build's run, with its scales."""
+        self.check(self.lib.fo_gemm_run_scaled(
+            a, b, ctypes.byref(scales), packed, blocks, block_rows, n, k, lda, ldb, items,
+            item_group, num_items, counters, ctas, monitor, workspace, stream),
+            "fo_gemm_run_scaled")
 
     def run_ex(self, a, b, out, blocks, block_rows, n, k, lda, ldb, ldo, items, item_group,
                item_wait, flags, num_flags, num_items, counters, ctas, monitor, workspace,
@@ -195,6 +221,10 @@ class RuntimeLibrary(_Library):
         lib.fo_call_graph_state.argtypes = [c_void_p]
         lib.fo_call_graph_state.restype = c_int
         self.call_run = lib.fo_call_run  # the per-call entry point, bound once
+        lib.fo_call_run_scaled.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                           c_void_p, c_void_p, c_void_p, c_int]
+        lib.fo_call_run_scaled.restype = c_int
+        self.call_run_scaled = lib.fo_call_run_scaled  # fp8 calls'
         lib.fo_a2a_create.argtypes = [POINTER(A2aDescription), POINTER(c_void_p)]
         lib.fo_a2a_create.restype = c_int
         lib.fo_a2a_set_buffers.argtypes = [c_void_p, POINTER(A2aBuffers)]
@@ -329,5 +359,5 @@ class RuntimeLibrary(_Library):
                                             stream), "fo_unpack_tiles")
 
 
-__all__ = ["A2aBuffers", "A2aDescription", "CallDescription", "GatherDescription", "GemmLibrary", "RuntimeLibrary", "KernelError", "WAIT_MODES",
+__all__ = ["A2aBuffers", "A2aDescription", "CallDescription", "GatherDescription", "GemmLibrary", "GemmScales", "RuntimeLibrary", "KernelError", "WAIT_MODES",
            "c_uint64"]

@@ -19,7 +19,8 @@ from flashoverlap_core.reorder import add_rmsnorm
 from . import kernels, nccl
 from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_operand
 from .device_state import (ALIGN_BYTES, COLLECTIVES, NCCL_DTYPES, StreamState, _current_device,
-                           _current_stream_getter, outside_graph_pools, replay_graphs, wait_mode)
+                           _current_stream_getter, kernel_scale, outside_graph_pools,
+                           replay_graphs, wait_mode)
 from .runtime import WAIT_MODES, CallDescription
 
 if TYPE_CHECKING:
@@ -59,8 +60,15 @@ class CudaCall(PreparedCall):
         self.comm = nccl.communicator(group, device) if group is not None and not self.python_path else None
         self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
                          plan.dtype)
+        # fp8: per call, scale_a and scale_b go to fo_call_run_scaled as they are when the key's
+        # strides let the kernel read them in place (kernel_scale), else as copies
+        self.scaled = call.scale_a is not None
+        self.template_scales = (call.scale_a.dim(), call.scale_b.dim()) if self.scaled else None
+        self.scales_direct = self.scaled and all(
+            kernel_scale(t) is t for t in (call.scale_a, call.scale_b))
+        self.call_run_scaled = self.runtime.call_run_scaled
         self._states: dict[int, StreamState] = {}
-        first = StreamState(plan, device, plan.torch_dtype, None)
+        first = StreamState(plan, device, plan.result_dtype, None)
         self._states[self.current_stream(self.index) if stream is None else stream] = first
         with torch.cuda.device(device):
             # The layouts of the regions and of the post-reorder, from the first call: with a
@@ -118,7 +126,7 @@ class CudaCall(PreparedCall):
         desc.wait_mode = WAIT_MODES[self.wait]
         desc.collective = COLLECTIVES[self.kind] if self.comm is not None else 0
         desc.nccl_comm = self.comm
-        desc.nccl_dtype = NCCL_DTYPES[plan.dtype]
+        desc.nccl_dtype = NCCL_DTYPES[plan.out_dtype or plan.dtype]
         desc.num_steps, desc.per_step = self.num_steps, self.per_step
         desc.steps = (c_int64 * max(1, len(self.steps)))(*self.steps)
         desc.num_blocks = len(self.blocks)
@@ -130,6 +138,11 @@ class CudaCall(PreparedCall):
         desc.comm_stream = state.comm.cuda_stream
         desc.gemm_set_node = self.gemm.set_node_address
         desc.use_graph = int(self.use_graph)
+        if self.scaled:
+            t = self.template_scales
+            desc.gemm_run_scaled = self.gemm.run_scaled_address
+            desc.gemm_set_node_scaled = self.gemm.set_node_scaled_address
+            desc.scale_a_per_row, desc.scale_b_per_col = int(t[0] == 2), int(t[1] == 2)
         state.runtime = self.runtime
         state.handle = self.runtime.call_create(desc)
         if self.norm is not None:
@@ -147,7 +160,7 @@ class CudaCall(PreparedCall):
             plan = self.template.plan
             current = torch.cuda.current_stream(self.device)
             state = outside_graph_pools(
-                lambda: StreamState(plan, self.device, plan.torch_dtype, self.staging_numel),
+                lambda: StreamState(plan, self.device, plan.result_dtype, self.staging_numel),
                 current)
             if not self.python_path:
                 self._make_native(state)
@@ -188,19 +201,42 @@ class CudaCall(PreparedCall):
             self._raise(err)
         return out
 
-    def _run(self, a, b, out, op):
+    def run_scaled(self, a, b, scale_a, scale_b, out, op):
+        """An fp8 call: ``run`` with this call's scales (the same steady state, where the
+        scales can be read in place)."""
+        steady = self._steady(a, b) if self.scales_direct else None
+        if steady is None:
+            return self._run(a, b, out, op, (scale_a, scale_b))
+        state, stream = steady
+        err = self.call_run_scaled(state.handle, a.data_ptr(), self.lda, b.data_ptr(), self.ldb,
+                                   scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr(), stream, 0)
+        if err:
+            self._raise(err)
+        return out
+
+    def _run(self, a, b, out, op, scales=None):
         """Every other case: another device current, a first call, copied operands, the
-        python path."""
+        python path. ``scales``: an fp8 call's (scale_a, scale_b)."""
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
-                return self._run(a, b, out, op)
+                return self._run(a, b, out, op, scales)
         if self.python_path:
             t = self.template
-            call = OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits)
+            call = OverlapCall(a, b, t.plan, op, t.group, t.rank, t.world_size, out, t.recv_splits,
+                               *(scales or (None, None)))
             self.run_python(call, self.state())
             return call.out
-        self._run_native(a, b, lambda handle, a_ptr, lda, b_ptr, ldb, stream, warm: self.call_run(
-            handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream, warm))
+        if scales is None:
+            self._run_native(a, b, lambda handle, a_ptr, lda, b_ptr, ldb, stream, warm:
+                             self.call_run(handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), stream,
+                                           warm))
+            return out
+        # the scales as the kernel reads them (float32, contiguous, on this device); a copy
+        # is queued before the call, and the caching allocator orders its reuse after it
+        scale_a, scale_b = (kernel_scale(x) for x in scales)
+        self._run_native(a, b, lambda handle, a_ptr, lda, b_ptr, ldb, stream, warm:
+                         self.call_run_scaled(handle, a_ptr, lda, b_ptr, ldb, scale_a.data_ptr(),
+                                              scale_b.data_ptr(), out.data_ptr(), stream, warm))
         return out
 
     def run_add_rmsnorm(self, a, b, op, residual, weight, eps):
@@ -271,7 +307,8 @@ class CudaCall(PreparedCall):
             comm.wait_stream(compute)
             stamp("launch", compute)
             self.backend.launch_gemm(plan, call.a, call.b, state.packed, monitor=monitor,
-                                     stream=compute, counters=state.counters)
+                                     stream=compute, counters=state.counters,
+                                     scales=(call.scale_a, call.scale_b))
             stamp("gemm_end", compute)
             first = self.backend.warm_up(self.warm_key)
             if first:  # load every kernel of the call on an idle device (see module doc)

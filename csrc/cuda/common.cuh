@@ -46,7 +46,8 @@ inline cudaError_t check_gemm_args(const void* a, const void* b, const void* pac
                                    int block_rows, int N, int K, int64_t lda, int64_t ldb,
                                    bool b_col_major, const void* items, const void* item_group,
                                    int num_items, int num_ctas,
-                                   int cta_multiple) {
+                                   int cta_multiple, int elem_bytes = 2) {
+  const int align = 16 / elem_bytes;  // elements in 16 bytes (TMA, cp.async vectors)
   if (L < 1 || block_rows < 1 || N < 1 || K < 1)
     return fail(cudaErrorInvalidValue, "fo_gemm_run: L=%d, block_rows=%d, N=%d, K=%d must all be >= 1",
                 L, block_rows, N, K);
@@ -66,14 +67,14 @@ inline cudaError_t check_gemm_args(const void* a, const void* b, const void* pac
                 "fo_gemm_run: a and b must be 16-byte aligned (a=%p, b=%p); copy them to fresh "
                 "tensors", a, b);
   const int64_t b_row = b_col_major ? K : N;  // elements in one stored row of b
-  if (lda < K || lda % 8)
+  if (lda < K || lda % align)
     return fail(cudaErrorInvalidValue,
-                "fo_gemm_run: lda=%lld must be >= K=%d and a multiple of 8 elements (16 bytes); "
-                "pad a's rows (K) to a multiple of 8", (long long)lda, K);
-  if (ldb < b_row || ldb % 8)
+                "fo_gemm_run: lda=%lld must be >= K=%d and a multiple of %d elements (16 bytes); "
+                "pad a's rows (K) to a multiple of %d", (long long)lda, K, align, align);
+  if (ldb < b_row || ldb % align)
     return fail(cudaErrorInvalidValue,
-                "fo_gemm_run: ldb=%lld must be >= %lld and a multiple of 8 elements (16 bytes); "
-                "pad b's rows to a multiple of 8", (long long)ldb, (long long)b_row);
+                "fo_gemm_run: ldb=%lld must be >= %lld and a multiple of %d elements (16 bytes); "
+                "pad b's rows to a multiple of %d", (long long)ldb, (long long)b_row, align, align);
   return cudaSuccess;
 }
 

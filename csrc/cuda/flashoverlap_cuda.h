@@ -54,7 +54,15 @@ typedef struct {
   int cta_multiple;  // the grid size must be a multiple of this (cluster size)
   int schedule;      // 0 = sm90 cooperative, 1 = sm90 pingpong, 2 = sm80 multistage
   int stages;        // shared-memory pipeline stages of the mainloop
+  // Appended (issue 23): dtype 2 = float8 e4m3 A and B (FO_DTYPE_E4M3), scaled by
+  // fo_gemm_run_scaled; out_dtype is the packed output's (0 = bf16, 1 = fp16; the input dtype
+  // for 16-bit builds); fast_accum: e4m3 builds that accumulate in the tensor cores' own
+  // accumulators throughout (1) or promote them into fp32 registers every 4 MMAs (0).
+  int out_dtype;
+  int fast_accum;
 } fo_gemm_config;
+
+#define FO_DTYPE_E4M3 2
 
 #define FO_CUDA_ABI_VERSION 1
 
@@ -101,6 +109,38 @@ FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L
                                   const int32_t* item_wait, const uint32_t* arrive_flags,
                                   int num_flags, int num_items, int32_t* counters, int num_ctas,
                                   uint64_t* monitor, void* workspace, cudaStream_t stream);
+
+// ---- fp8 (e4m3) builds: the scaled signaling GEMM -----------------------------------------
+// A library with dtype FO_DTYPE_E4M3 takes a and b in float8 e4m3 (both K-major: b is [N, K]
+// row-major, b_col_major = 1), accumulates in fp32 and writes out_dtype:
+//   packed tile element (r, c) = (sum_k a[r, k] b[c, k]) * scale_a[a_per_row ? r : 0]
+//                                                         * scale_b[b_per_col ? c : 0]
+// (r: the row of a, c: the column of the result; the scales are float32 in device memory, read
+// by the kernel, so they may change between launches and graph replays). Rows of a need a row
+// stride (lda) that is a multiple of 16 elements (16 bytes), like ldb. Such a library answers
+// fo_gemm_run, fo_gemm_run_ex and fo_gemm_run_blocks with cudaErrorInvalidValue (they carry no
+// scales), and a 16-bit library answers the _scaled functions so.
+typedef struct {
+  const float* a;  // scale_a: 1 float, or one per row of a (a_per_row = 1)
+  const float* b;  // scale_b: 1 float, or one per column of the result (b_per_col = 1)
+  int a_per_row;
+  int b_per_col;
+} fo_gemm_scales;
+
+// fo_gemm_run with the scales of an e4m3 build.
+FO_API cudaError_t fo_gemm_run_scaled(const void* a, const void* b, const fo_gemm_scales* scales,
+                                      void* packed, int L, int block_rows, int N, int K,
+                                      int64_t lda, int64_t ldb, const int64_t* items,
+                                      const int32_t* item_group, int num_items, int32_t* counters,
+                                      int num_ctas, uint64_t* monitor, void* workspace,
+                                      cudaStream_t stream);
+// fo_gemm_set_node for a captured fo_gemm_run_scaled (new operands or scales).
+FO_API cudaError_t fo_gemm_set_node_scaled(cudaGraphExec_t exec, cudaGraphNode_t node,
+                                           const void* a, const void* b,
+                                           const fo_gemm_scales* scales, void* packed, int L,
+                                           int block_rows, int N, int K, int64_t lda, int64_t ldb,
+                                           const int64_t* items, const int32_t* item_group,
+                                           int num_items, int32_t* counters, int num_ctas);
 
 // Device-side wait: `stream` waits until *counter >= value.
 //   mode 0: cuStreamWaitValue32 (GEQ), through the driver entry point
@@ -184,6 +224,13 @@ typedef struct {
   // a node update when a, b or out moved, instead of a launch per kernel, wait and collective.
   void* gemm_set_node;
   int use_graph;
+  // fp8 (issue 23; null for 16-bit calls): the e4m3 GEMM library's fo_gemm_run_scaled and
+  // fo_gemm_set_node_scaled, and how its scales are laid out; every call then goes through
+  // fo_call_run_scaled with its scale_a and scale_b (a graph's GEMM node is re-pointed when
+  // they move, like a and b).
+  void* gemm_run_scaled;
+  void* gemm_set_node_scaled;
+  int scale_a_per_row, scale_b_per_col;
 } fo_call_desc;
 
 FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);
@@ -192,6 +239,11 @@ FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);
 // a and b as fo_gemm_run takes them (lda, ldb: elements between their stored rows).
 FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const void* b,
                                int64_t ldb, void* out, cudaStream_t stream, int warm);
+// fo_call_run of a call whose descriptor has gemm_run_scaled (fp8): scale_a and scale_b are
+// float32 device pointers laid out as the descriptor says.
+FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda, const void* b,
+                                      int64_t ldb, const float* scale_a, const float* scale_b,
+                                      void* out, cudaStream_t stream, int warm);
 FO_API void fo_call_destroy(fo_call* call);
 // How the call runs now: 0 launch by launch, 1 replaying its graph, -1 its graph could not be
 // made (then it runs launch by launch; fo_last_error said why when it failed).

@@ -6,7 +6,11 @@
 
 // Configuration macros shared by every GEMM source (the tile shapes are per source).
 #ifndef FO_DTYPE
-#define FO_DTYPE 0  // 0: bf16, 1: fp16 (a, b and the packed output; fp32 accumulation)
+#define FO_DTYPE 0  // 0: bf16, 1: fp16 (a, b and the packed output; fp32 accumulation),
+                    // 2: float8 e4m3 a and b (FO_DTYPE_E4M3; sm90 only), output FO_OUT_DTYPE
+#endif
+#ifndef FO_OUT_DTYPE
+#define FO_OUT_DTYPE (FO_DTYPE == FO_DTYPE_E4M3 ? 0 : FO_DTYPE)  // the packed output: 0 bf16, 1 fp16
 #endif
 #ifndef FO_B_COL_MAJOR
 #define FO_B_COL_MAJOR 1  // 1: b is [N, K] row-major (weight.t()); 0: [K, N] row-major
@@ -44,6 +48,8 @@ struct Args {
   const int32_t* block_starts = nullptr;
   int rows = 0;
   int64_t packed_numel = 0;
+  // fo_gemm_run_scaled and fo_gemm_set_node_scaled only (e4m3 builds): null = not scaled.
+  const fo_gemm_scales* scales = nullptr;
 
   int M() const { return block_starts ? rows : L * block_rows; }
 
@@ -63,6 +69,38 @@ cudaError_t launch(const Args& args, cudaStream_t stream);
 // Points a captured launch of this kernel (a kernel node of an instantiated graph) at new
 // arguments: the same launch as `launch`, written into the node instead of a stream.
 cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node);
+
+// Bytes of one element of a and b (the alignment checks count elements).
+inline int input_bytes() { return config().dtype == FO_DTYPE_E4M3 ? 1 : 2; }
+
+// An e4m3 build runs only with scales, a 16-bit build only without.
+inline cudaError_t check_scales(const Args& args) {
+  const bool e4m3 = config().dtype == FO_DTYPE_E4M3;
+  if (e4m3 && !args.scales)
+    return fail(cudaErrorInvalidValue,
+                "this GEMM library is built for float8 e4m3 a and b: call fo_gemm_run_scaled "
+                "(or fo_gemm_set_node_scaled) with scale_a and scale_b");
+  if (!e4m3 && args.scales)
+    return fail(cudaErrorInvalidValue,
+                "scales apply to float8 e4m3 builds; this GEMM library takes 16-bit a and b "
+                "(fo_gemm_run)");
+  if (e4m3 && (!args.scales->a || !args.scales->b ||
+               (reinterpret_cast<uintptr_t>(args.scales->a) & 3) ||
+               (reinterpret_cast<uintptr_t>(args.scales->b) & 3)))
+    return fail(cudaErrorInvalidValue,
+                "fo_gemm_run_scaled: scale_a=%p and scale_b=%p must be non-null, 4-byte aligned "
+                "float32 pointers", args.scales->a, args.scales->b);
+  return cudaSuccess;
+}
+
+// The checks every launch shares beyond check_gemm_args, then the launch.
+inline cudaError_t checked_launch(const Args& args, cudaError_t err, cudaStream_t stream) {
+  if (err == cudaSuccess) err = check_scales(args);
+  if (err == cudaSuccess) err = check_limits(args);
+  if (err != cudaSuccess || args.num_items == 0) return err;
+  err = load_kernel();
+  return err == cudaSuccess ? launch(args, stream) : err;
+}
 
 }  // namespace fo::gemm
 
@@ -95,7 +133,7 @@ FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L
   const fo_gemm_config& c = fo::gemm::config();
   cudaError_t err = fo::check_gemm_args(a, b, out, L, block_rows, N, K, lda, ldb, c.b_col_major,
                                         items, item_group, num_items, num_ctas,
-                                        c.cta_multiple);
+                                        c.cta_multiple, fo::gemm::input_bytes());
   if (err == cudaSuccess && ldo != 0 && ldo < N)
     err = fo::fail(cudaErrorInvalidValue, "fo_gemm_run_ex: ldo=%lld must be 0 (packed) or >= N=%d",
                    (long long)ldo, N);
@@ -107,10 +145,7 @@ FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L
   const fo::gemm::Args args{a, b, out, L, block_rows, N, K, lda, ldb,
                             items, item_group, num_items, counters, num_ctas, monitor,
                             ldo, item_wait, arrive_flags, num_flags};
-  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
-  if (err != cudaSuccess || num_items == 0) return err;
-  err = fo::gemm::load_kernel();
-  return err == cudaSuccess ? fo::gemm::launch(args, stream) : err;
+  return fo::gemm::checked_launch(args, err, stream);
 }
 
 FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L, int block_rows,
@@ -121,6 +156,25 @@ FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L
   return fo_gemm_run_ex(a, b, packed, L, block_rows, N, K, lda, ldb, 0, items, item_group,
                         nullptr, nullptr, 0, num_items, counters, num_ctas, monitor, workspace,
                         stream);
+}
+
+FO_API cudaError_t fo_gemm_run_scaled(const void* a, const void* b, const fo_gemm_scales* scales,
+                                      void* packed, int L, int block_rows, int N, int K,
+                                      int64_t lda, int64_t ldb, const int64_t* items,
+                                      const int32_t* item_group, int num_items, int32_t* counters,
+                                      int num_ctas, uint64_t* monitor, void* workspace,
+                                      cudaStream_t stream) {
+  (void)workspace;
+  const fo_gemm_config& c = fo::gemm::config();
+  cudaError_t err = fo::check_gemm_args(a, b, packed, L, block_rows, N, K, lda, ldb, c.b_col_major,
+                                        items, item_group, num_items, num_ctas, c.cta_multiple,
+                                        fo::gemm::input_bytes());
+  if (err == cudaSuccess && !scales)
+    err = fo::fail(cudaErrorInvalidValue, "fo_gemm_run_scaled: scales is null");
+  fo::gemm::Args args{a, b, packed, L, block_rows, N, K, lda, ldb, items, item_group, num_items,
+                      counters, num_ctas, monitor, 0, nullptr, nullptr, 0};
+  args.scales = scales;
+  return fo::gemm::checked_launch(args, err, stream);
 }
 
 // The signaling GEMM over destination blocks of unequal rows (all_to_all, whose rows and splits
@@ -147,7 +201,8 @@ FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed
                     "only; unequal ones need a build with FO_BLOCKS=1");
   const fo_gemm_config& c = fo::gemm::config();
   cudaError_t err = fo::check_gemm_args(a, b, packed, 1, M, N, K, lda, ldb, c.b_col_major, items,
-                                        item_group, num_items, num_ctas, c.cta_multiple);
+                                        item_group, num_items, num_ctas, c.cta_multiple,
+                                        fo::gemm::input_bytes());
   if (err == cudaSuccess && packed_numel < int64_t(M) * N)
     err = fo::fail(cudaErrorInvalidValue,
                    "fo_gemm_run_blocks: packed_numel=%lld < M * N = %lld", (long long)packed_numel,
@@ -155,30 +210,39 @@ FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed
   fo::gemm::Args args{a, b, packed, L, 0, N, K, lda, ldb, items, item_group, num_items, counters,
                       num_ctas, nullptr, 0, nullptr, nullptr, 0};
   args.block_starts = block_starts, args.rows = M, args.packed_numel = packed_numel;
-  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
-  if (err != cudaSuccess) return err;
-  err = fo::gemm::load_kernel();
-  return err == cudaSuccess ? fo::gemm::launch(args, stream) : err;
+  return fo::gemm::checked_launch(args, err, stream);
 }
 
 // A graph's captured launch of this GEMM (fo_gemm_run inside stream capture) re-pointed at new
 // operands and tables, checked as fo_gemm_run checks them: a prepared call replays its captured
 // graph and only updates this node when a or b moved (overlap_call.cuh).
+FO_API cudaError_t fo_gemm_set_node_scaled(cudaGraphExec_t exec, cudaGraphNode_t node,
+                                           const void* a, const void* b,
+                                           const fo_gemm_scales* scales, void* packed, int L,
+                                           int block_rows, int N, int K, int64_t lda, int64_t ldb,
+                                           const int64_t* items, const int32_t* item_group,
+                                           int num_items, int32_t* counters, int num_ctas) {
+  const fo_gemm_config& c = fo::gemm::config();
+  if (!exec || !node) return fo::fail(cudaErrorInvalidValue, "fo_gemm_set_node: null graph or node");
+  cudaError_t err = fo::check_gemm_args(a, b, packed, L, block_rows, N, K, lda, ldb, c.b_col_major,
+                                        items, item_group, num_items, num_ctas,
+                                        c.cta_multiple, fo::gemm::input_bytes());
+  fo::gemm::Args args{a, b, packed, L, block_rows, N, K, lda, ldb,
+                      items, item_group, num_items, counters, num_ctas, nullptr,
+                      0, nullptr, nullptr, 0};
+  args.scales = scales;
+  if (err == cudaSuccess) err = fo::gemm::check_scales(args);
+  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
+  return err == cudaSuccess ? fo::gemm::set_node(args, exec, node) : err;
+}
+
 FO_API cudaError_t fo_gemm_set_node(cudaGraphExec_t exec, cudaGraphNode_t node, const void* a,
                                     const void* b, void* packed, int L, int block_rows, int N,
                                     int K, int64_t lda, int64_t ldb, const int64_t* items,
                                     const int32_t* item_group, int num_items, int32_t* counters,
                                     int num_ctas) {
-  const fo_gemm_config& c = fo::gemm::config();
-  if (!exec || !node) return fo::fail(cudaErrorInvalidValue, "fo_gemm_set_node: null graph or node");
-  cudaError_t err = fo::check_gemm_args(a, b, packed, L, block_rows, N, K, lda, ldb, c.b_col_major,
-                                        items, item_group, num_items, num_ctas,
-                                        c.cta_multiple);
-  const fo::gemm::Args args{a, b, packed, L, block_rows, N, K, lda, ldb,
-                            items, item_group, num_items, counters, num_ctas, nullptr,
-                            0, nullptr, nullptr, 0};
-  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
-  return err == cudaSuccess ? fo::gemm::set_node(args, exec, node) : err;
+  return fo_gemm_set_node_scaled(exec, node, a, b, nullptr, packed, L, block_rows, N, K, lda, ldb,
+                                 items, item_group, num_items, counters, num_ctas);
 }
 
 FO_API const char* fo_last_error(void) { return fo::last_error_text().c_str(); }

@@ -52,6 +52,7 @@ constexpr int kWarpsM = kBM / 64, kWarpsN = kBN / 64;
 constexpr int kThreads = 32 * kWarpsM * kWarpsN;
 
 using Element = cute::conditional_t<FO_DTYPE == 0, cutlass::bfloat16_t, cutlass::half_t>;
+static_assert(FO_DTYPE == 0 || FO_DTYPE == 1, "sm80 builds take bf16 or fp16 (no fp8 tensor cores)");
 using MmaOp = cute::conditional_t<FO_DTYPE == 0, SM80_16x8x16_F32BF16BF16F32_TN, SM80_16x8x16_F32F16F16F32_TN>;
 using TileShape = Shape<Int<kBM>, Int<kBN>, Int<kBK>>;
 using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarpsM>, Int<kWarpsN>, _1>>,
@@ -215,7 +216,8 @@ using namespace fo::sm80;
 
 const fo_gemm_config& config() {
   static const fo_gemm_config c = {
-      FO_CUDA_ABI_VERSION, 80, kBM, kBN, kBK, 1, 1, FO_DTYPE, FO_B_COL_MAJOR, 1, 2, kStages};
+      FO_CUDA_ABI_VERSION, 80, kBM, kBN, kBK, 1, 1, FO_DTYPE, FO_B_COL_MAJOR, 1, 2, kStages,
+      FO_DTYPE, 0};
   return c;
 }
 

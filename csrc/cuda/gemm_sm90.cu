@@ -34,8 +34,18 @@
 //   3 none    direct, but full tiles are not stored at all: an upper bound for measurements
 //             only (the output is wrong by design).
 //
+// fp8 (FO_DTYPE 2, fo_gemm_run_scaled): a and b in float8 e4m3, both K-major; the math threads
+// multiply each accumulator by its row's scale_a and its column's scale_b before any epilogue
+// path sees it, so every epilogue stores scaled values in FO_OUT_DTYPE. Tensor-wise scales
+// (both 1 float) are one product kept in a register; otherwise the tile's kBM row scales and
+// kBN column scales (a tensor-wise one repeated) are copied into shared memory with cp.async
+// before the tile's mainloop, which hides their latency, and read back in its epilogue.
+//
 // One configuration per compilation, chosen with -D macros (defaults in brackets):
-//   FO_TILE_M/N/K [128/256/64], FO_CLUSTER_M/N [2/1], FO_DTYPE [0 = bf16, 1 = fp16],
+//   FO_TILE_M/N/K [128/256/64], FO_CLUSTER_M/N [2/1], FO_DTYPE [0 = bf16, 1 = fp16, 2 = e4m3],
+//   FO_OUT_DTYPE [bf16 for e4m3, else FO_DTYPE], FO_FP8_FAST_ACCUM [1] (e4m3: 1 accumulates in
+//   the tensor cores' accumulators throughout, CUTLASS's FP8FastAccum schedules; 0 promotes them
+//   into fp32 registers every 4 MMAs, which needs twice the accumulator registers),
 //   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
 //   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: 64-column shared-memory slots).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
@@ -79,6 +89,9 @@
 #ifndef FO_EPI_SLOTS
 #define FO_EPI_SLOTS 2
 #endif
+#ifndef FO_FP8_FAST_ACCUM
+#define FO_FP8_FAST_ACCUM 1
+#endif
 
 namespace fo::sm90 {
 using namespace cute;
@@ -101,11 +114,26 @@ constexpr int kSlots = kTmaStore ? (FO_EPI_SLOTS < kColBlocks ? FO_EPI_SLOTS : k
 static_assert(!kTmaStore || FO_EPI_SLOTS >= 1, "FO_EPI_SLOTS must be >= 1");
 constexpr int kSlotBytes = kBM * 128;  // kBM rows of 64 16-bit values
 
-using Element = cute::conditional_t<FO_DTYPE == 0, cutlass::bfloat16_t, cutlass::half_t>;
+constexpr bool kFp8 = FO_DTYPE == FO_DTYPE_E4M3;
+static_assert(FO_DTYPE >= 0 && FO_DTYPE <= 2, "FO_DTYPE: 0 bf16, 1 fp16, 2 e4m3");
+static_assert(FO_OUT_DTYPE == 0 || FO_OUT_DTYPE == 1, "FO_OUT_DTYPE: 0 bf16, 1 fp16");
+static_assert(kFp8 || FO_OUT_DTYPE == FO_DTYPE, "16-bit builds write their input dtype");
+static_assert(!kFp8 || FO_B_COL_MAJOR, "fp8 wgmma reads both operands K-major: b must be [N, K]");
+// Element: the packed output (and, for 16-bit builds, a and b); ElementIn: a and b.
+using Element = cute::conditional_t<FO_OUT_DTYPE == 0, cutlass::bfloat16_t, cutlass::half_t>;
+using ElementIn = cute::conditional_t<kFp8, cutlass::float_e4m3_t, Element>;
+constexpr int kAlignIn = 16 / int(sizeof(ElementIn));  // elements per 16 bytes (TMA)
 using TileShape = Shape<Int<kBM>, Int<kBN>, Int<kBK>>;
 using ClusterShape = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
-using KernelSchedule = cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                           cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+// e4m3 with fast accumulation: CUTLASS's FP8FastAccum schedules (the plain mainloop); without,
+// the plain schedule names make the collective builder take its FP8 mainloop, which promotes.
+constexpr bool kFastAccum = kFp8 && FO_FP8_FAST_ACCUM;
+using KernelSchedule = cute::conditional_t<
+    kPingpong,
+    cute::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                        cutlass::gemm::KernelTmaWarpSpecializedPingpong>,
+    cute::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                        cutlass::gemm::KernelTmaWarpSpecializedCooperative>>;
 using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cute::conditional_t<FO_B_COL_MAJOR, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 
@@ -125,17 +153,56 @@ struct alignas(1024) EpiSlots {
 struct EpiNone {};
 using EpiStorage = cute::conditional_t<kTmaStore, EpiSlots, EpiNone>;
 
+// fp8: the scales of one tile (rows past the tile's end, columns past N: zero), staged for its
+// epilogue; two per math group, by the parity of the group's tile count (see stage_scales).
+constexpr int kMathGroups = kPingpong ? 2 : 1;  // groups of math threads that share a tile
+struct TileScales {
+  float rows[kBM];
+  float cols[kBN];
+};
+static_assert(sizeof(TileScales) == (kBM + kBN) * sizeof(float), "rows then columns, unpadded");
+struct alignas(16) ScaleStorage {
+  TileScales tile[kMathGroups][2];
+};
+
+// Entry i of a tile's TileScales (rows, then columns, as one array): what stage_scales copies
+// there. A tensor-wise scale is repeated; rows past the tile's end, columns past N and a
+// cluster's filler item get zeros (copy = false: nothing is read).
+struct ScaleCopy {
+  int64_t src;  // element of scale_a (i < kBM) or scale_b
+  bool copy;
+};
+__host__ __device__ inline ScaleCopy scale_copy(const fo_gemm_scales& sc, const WorkTile& w, int i) {
+  const bool row = i < kBM;
+  const int at = row ? i : i - kBM;
+  const bool in = w.valid && at < (row ? w.rows : w.cols);
+  const bool per = row ? sc.a_per_row : sc.b_per_col;
+  return ScaleCopy{in && per ? int64_t(row ? w.row0 : w.col0) + at : 0, in};
+}
+// The epilogue's shared memory: the tma slots, and for fp8 the scales (a specialisation, so
+// that 16-bit builds keep their layout and size).
+template <bool Scales>
+struct EpiShared {
+  EpiStorage slots;
+};
+template <>
+struct EpiShared<true> {
+  EpiStorage slots;
+  ScaleStorage scales;
+};
+
 constexpr int kCarveout = int(sizeof(typename MathOrderBarrier::SharedStorage) +
                               sizeof(typename EpiPipeline::SharedStorage)) + 32 +
-                          (kTmaStore ? int(sizeof(EpiSlots)) + 1024 : 0);
+                          (kTmaStore ? int(sizeof(EpiSlots)) + 1024 : 0) +
+                          (kFp8 ? int(sizeof(ScaleStorage)) + 16 : 0);
 
 using Stages = cute::conditional_t<FO_STAGES == 0,
                                    cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
                                    cutlass::gemm::collective::StageCount<FO_STAGES>>;
 
 using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8,
-    float, TileShape, ClusterShape, Stages, KernelSchedule>::CollectiveOp;
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA, kAlignIn, ElementIn,
+    LayoutB, kAlignIn, float, TileShape, ClusterShape, Stages, KernelSchedule>::CollectiveOp;
 using TiledMma = typename Mainloop::TiledMma;
 using MainloopPipeline = typename Mainloop::MainloopPipeline;
 using PipelineState = typename Mainloop::PipelineState;
@@ -159,6 +226,12 @@ struct FragWord {
   __host__ __device__ constexpr int operator()(int m, int h, int j) const {
     return 2 * h + 4 * j + m * (kBN / 2);
   }
+  // The tile row and column of value v (0, 1) of word(m, h, j) of lane `lane`, given the first
+  // row of the lane's warp in row block m: what the self-test checks and the fp8 scaling uses.
+  __host__ __device__ static constexpr int row(int row_base, int h, int lane) {
+    return row_base + 8 * h + lane / 4;
+  }
+  __host__ __device__ static constexpr int col(int j, int v, int lane) { return 8 * j + 2 * (lane % 4) + v; }
 };
 
 // Byte offset, within a slot, of 16-bit column `col` (0..63) of `row`, given the slot's shared
@@ -195,12 +268,13 @@ struct Params {
   const int32_t* item_wait;       // allgather: the arrival flag of each item (null: no waits)
   const uint32_t* arrive_flags;
   int num_flags;
+  fo_gemm_scales scales;          // fp8 builds: scale_a and scale_b (flashoverlap_cuda.h)
 };
 
 struct SharedStorage {
   struct alignas(kTmaStore ? 1024 : 128) Tensors {
     typename Mainloop::TensorStorage mainloop;
-    EpiStorage epi;
+    EpiShared<kFp8> epi;
   } tensors;
   struct alignas(16) Pipelines {
     alignas(16) typename Mainloop::PipelineStorage mainloop;
@@ -307,6 +381,73 @@ __device__ inline void epilogue(const Params& p, const WorkTile& w, const Acc& a
     epi.producer_commit(state);
     ++state;
   }
+}
+
+// ---- fp8: scales ------------------------------------------------------------------------------
+__device__ inline void cp_async_f32(uint32_t smem, const float* src, bool copy) {
+  // src-size 0: nothing is read, the 4 bytes are zero-filled
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(src),
+               "r"(copy ? 4 : 0)
+               : "memory");
+}
+
+// Math thread t of a tile's kTileThreads, before the tile's mainloop: copies the tile's row
+// scales (scale_a) and column scales (scale_b) into `s` with cp.async (scale_copy), which the
+// mainloop hides.
+__device__ inline void stage_scales(const fo_gemm_scales& sc, const WorkTile& w, TileScales& s, int t) {
+  constexpr int kPerThread = (kBM + kBN + kTileThreads - 1) / kTileThreads;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = t + k * kTileThreads;
+    if (i >= kBM + kBN) break;
+    const ScaleCopy c = scale_copy(sc, w, i);
+    cp_async_f32(cute::cast_smem_ptr_to_uint(reinterpret_cast<float*>(&s) + i),
+                 (i < kBM ? sc.a : sc.b) + c.src, c.copy);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// After the tile's mainloop: this thread's copies have landed, then every math thread of the
+// tile has passed here (named barrier `group`), so each sees every copy. Two buffers per group
+// alternate by tile: a thread that stages tile t + 2 has passed tile t + 1's barrier, which
+// every thread reaches only after reading tile t's scales.
+__device__ inline void await_scales(int group) {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  cutlass::arch::NamedBarrier::sync(kTileThreads, group);
+}
+
+// Multiplies each accumulator by the scales of its row and column (FragWord's layout).
+template <class Acc>
+__device__ inline void apply_scales(Acc& acc, const TileScales& s, const int (&row_base)[kMmaM], int lane) {
+  constexpr FragWord word{};
+#pragma unroll
+  for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float ra = s.rows[FragWord::row(row_base[m], h, lane)];
+#pragma unroll
+      for (int j = 0; j < kBN / 8; ++j) {
+        const float2 cb = *reinterpret_cast<const float2*>(&s.cols[FragWord::col(j, 0, lane)]);
+        const int i = word(m, h, j);
+        acc(i) = acc(i) * cb.x * ra;
+        acc(i + 1) = acc(i + 1) * cb.y * ra;
+      }
+    }
+  }
+}
+
+// This math group's scale buffer for its tile of the given parity (a template, so that 16-bit
+// builds, whose shared memory has none, never name it).
+template <class Epi>
+__device__ inline TileScales* scale_buffer(Epi& epi, int group, int parity) {
+  if constexpr (kFp8) return &epi.scales.tile[group][parity];
+  else return nullptr;
+}
+
+template <class Acc>
+__device__ inline void apply_scale(Acc& acc, float scale) {
+#pragma unroll
+  for (int i = 0; i < int(size(acc)); ++i) acc(i) *= scale;
 }
 
 __device__ inline void tma_store_2d(const void* map, uint32_t smem, int col, int row) {
@@ -428,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
   ep.dst_blockid = rank;
   EpiPipeline epi(ss.pipelines.epi, ep);
   uint32_t slots = 0;  // shared address of the tma epilogue's first slot
-  if constexpr (kTmaStore) slots = cute::cast_smem_ptr_to_uint(&ss.tensors.epi);
+  if constexpr (kTmaStore) slots = cute::cast_smem_ptr_to_uint(&ss.tensors.epi.slots);
 
   // Barrier initialisation must be visible to every CTA of the cluster before use.
   if constexpr (kClusterSize > 1) {
@@ -523,6 +664,16 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) row_base[m] = get<0>(coord(FragWord{}(m, 0, 0))) - (lane >> 2);
 
+    // fp8: tensor-wise scales (both one float) are one product; otherwise per tile in shared
+    // memory, buffer tile_count % 2 of this group's pair (a uniform branch per tile).
+    [[maybe_unused]] const bool per_element = kFp8 && (p.scales.a_per_row || p.scales.b_per_col);
+    [[maybe_unused]] const int scale_group = kPingpong ? math_group : 0;
+    [[maybe_unused]] float tensor_scale = 1.0f;
+    if constexpr (kFp8) {
+      if (!per_element) tensor_scale = p.scales.a[0] * p.scales.b[0];
+    }
+    [[maybe_unused]] int tile_count = 0;
+
     PipelineState read_state;
     auto epi_state = cutlass::make_producer_start_state<EpiPipeline>();
     int64_t base = first_base, step = round_stride;
@@ -536,12 +687,25 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
     }
     for (; base < p.table.num_items; base += step) {
       const WorkTile w = stored_item(p.table, base, rank);
+      TileScales* scales = nullptr;
+      if constexpr (kFp8) {
+        scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
+        if (per_element) stage_scales(p.scales, w, *scales, math_thread);
+      }
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       if constexpr (kPingpong) math_order.wait();
       mainloop.mma(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop, p.mainloop);
       if constexpr (kPingpong) math_order.arrive();
       mainloop.mma_tail(pipeline, read_state, k_tiles);
       read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
+      if constexpr (kFp8) {
+        if (per_element) {
+          await_scales(scale_group);
+          apply_scales(acc, *scales, row_base, lane);
+        } else {
+          apply_scale(acc, tensor_scale);
+        }
+      }
 
       if constexpr (kPingpong) math_order.wait();
       epilogue(p, w, acc, coord, epi, epi_state, slots, row_base, lane);
@@ -584,8 +748,8 @@ inline typename Mainloop::Params mainloop_params(const void* a, const void* b, i
 #else
   StrideB dB = make_stride(Int<1>{}, ldb, int64_t(K) * ldb);  // b: [K, N], N contiguous
 #endif
-  typename Mainloop::Arguments args{static_cast<const Element*>(a), dA,
-                                    static_cast<const Element*>(b), dB};
+  typename Mainloop::Arguments args{static_cast<const ElementIn*>(a), dA,
+                                    static_cast<const ElementIn*>(b), dB};
   cache.mainloop = Mainloop::to_underlying_arguments(make_shape(M, N, K, 1), args, nullptr);
   cache.a = a, cache.b = b, cache.M = M, cache.N = N, cache.K = K, cache.lda = lda, cache.ldb = ldb;
   cache.valid = true;
@@ -619,7 +783,7 @@ inline cudaError_t cached_store_map(StoreMapCache& cache, void* base, int rank,
       const cuuint32_t box[3] = {64, cuuint32_t(kBM), 1};
       const cuuint32_t element_strides[3] = {1, 1, 1};
       CUresult r = cutlass::call_cuTensorMapEncodeTiled(
-          &cache.map, FO_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+          &cache.map, FO_OUT_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
           rank, base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -673,7 +837,8 @@ using namespace fo::sm90;
 const fo_gemm_config& config() {
   static const fo_gemm_config c = {
       FO_CUDA_ABI_VERSION, 90, kBM, kBN, kBK, kClusterM, kClusterN, FO_DTYPE, FO_B_COL_MAJOR,
-      kClusterSize, FO_SCHEDULE, int(Mainloop::DispatchPolicy::Stages)};
+      kClusterSize, FO_SCHEDULE, int(Mainloop::DispatchPolicy::Stages), FO_OUT_DTYPE,
+      kFastAccum ? 1 : 0};
   return c;
 }
 
@@ -715,6 +880,7 @@ static cudaError_t kernel_params(const Args& args, Params* params) {
   params->item_wait = args.item_wait;
   params->arrive_flags = args.arrive_flags;
   params->num_flags = args.num_flags;
+  if (args.scales) params->scales = *args.scales;
   if constexpr (kTmaStore) {
     bool usable = false;
     cudaError_t err = args.ldo

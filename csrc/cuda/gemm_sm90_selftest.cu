@@ -9,8 +9,12 @@
 //      TMA store with the 128-byte swizzle (16-byte chunk ^= address bits 7..9), for a
 //      1024-byte aligned slot and a merely 128-byte aligned one: every element lands at its
 //      place in the tile's packed slot;
+//      (FragWord::row and ::col, which the fp8 scaling uses, say the same);
 //   3. vec16: quad_transpose's butterfly (quad_send_index) gives each lane 16 contiguous bytes
-//      at the column store_full_tile_vec16 writes them to.
+//      at the column store_full_tile_vec16 writes them to;
+//   4. fp8 builds: what stage_scales copies (scale_copy), read back as apply_scales reads it,
+//      multiplies every accumulator of a full, partial or filler tile by scale_a of its row
+//      times scale_b of its column (each per row/column or tensor-wise), and by 0 outside.
 // Build: nvcc <flags of build.py> -DFO_LAYOUT_SELFTEST [config -D macros] gemm_sm90_selftest.cu
 // -o selftest && ./selftest  (prints "ok ..." and exits 0, or lists the first mismatches).
 #define FO_LAYOUT_SELFTEST 1
@@ -72,6 +76,9 @@ void check_fragment(const Coords& c) {
             const int r = c.row[t * c.per_thread + i], col = c.col[t * c.per_thread + i];
             expect(r == rb + 8 * h + lane / 4, "fragment row", t, i, r);
             expect(col == 8 * j + 2 * (lane % 4) + v, "fragment column", t, i, col);
+            // what the fp8 scaling reads for this accumulator (apply_scales)
+            expect(FragWord::row(rb, h, lane) == r && FragWord::col(j, v, lane) == col,
+                   "FragWord::row/col", t, i, r);
             if (r >= 0 && r < kBM && col >= 0 && col < kBN) seen[r * kBN + col]++;
           }
     }
@@ -151,6 +158,45 @@ void check_vec16(const Coords& c) {
   }
 }
 
+void check_scales(const Coords& c) {
+  if constexpr (kFp8) {
+    std::vector<float> sa(4096), sb(4096);  // distinct values: a wrong index shows
+    for (size_t i = 0; i < sa.size(); ++i) sa[i] = 1.0f + float(i), sb[i] = 1.0f / (3.0f + float(i));
+    struct Case { int row0, rows, col0, cols; bool valid; };
+    const Case cases[] = {{0, kBM, 0, kBN, true}, {300, 17, 2 * kBN, 40, true},
+                          {5, kBM, kBN, kBN - 8, true}, {7, 1, 0, 1, true}, {0, kBM, 0, kBN, false}};
+    for (const Case& k : cases)
+      for (int a_per_row = 0; a_per_row < 2; ++a_per_row)
+        for (int b_per_col = 0; b_per_col < 2; ++b_per_col) {
+          const fo_gemm_scales sc{sa.data(), sb.data(), a_per_row, b_per_col};
+          fo::WorkTile w{};
+          w.row0 = k.row0, w.rows = k.rows, w.col0 = k.col0, w.cols = k.cols, w.valid = k.valid;
+          std::vector<float> staged(kBM + kBN);
+          for (int i = 0; i < kBM + kBN; ++i) {
+            const ScaleCopy copy = scale_copy(sc, w, i);
+            staged[i] = copy.copy ? (i < kBM ? sa : sb)[copy.src] : 0.0f;
+          }
+          for (int t = 0; t < kTileThreads; ++t) {
+            const int lane = t % 32;
+            for (int m = 0; m < kMmaM; ++m)
+              for (int h = 0; h < 2; ++h)
+                for (int j = 0; j < kBN / 8; ++j)
+                  for (int v = 0; v < 2; ++v) {
+                    const int r = FragWord::row(row_base_of(c, t, m), h, lane);
+                    const int col = FragWord::col(j, v, lane);
+                    const float got = staged[r] * staged[kBM + col];
+                    const bool inside = k.valid && r < k.rows && col < k.cols;
+                    const float want = inside ? sa[a_per_row ? k.row0 + r : 0] *
+                                                    sb[b_per_col ? k.col0 + col : 0]
+                                              : 0.0f;
+                    expect(got == want, "fp8 scale of an accumulator", r, col,
+                           a_per_row * 2 + b_per_col);
+                  }
+          }
+        }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -158,13 +204,15 @@ int main() {
   check_fragment(c);
   if (g_errors == 0) {
     check_vec16(c);
+    check_scales(c);
     if (kColBlocks > 0 && kBN % 64 == 0) {
       check_tma(c, 5 * 1024);        // 1024-byte aligned slot
       check_tma(c, 5 * 1024 + 384);  // only 128-byte aligned: the swizzle follows the address
     }
   }
-  std::printf("%s tile %dx%dx%d %s epilogue %d slots %d stages %d smem %d bytes\n",
-              g_errors ? "FAILED" : "ok", kBM, kBN, kBK, kPingpong ? "pingpong" : "cooperative",
-              kEpilogue, kSlots, int(Mainloop::DispatchPolicy::Stages), kSmemBytes);
+  std::printf("%s tile %dx%dx%d %s %s epilogue %d slots %d stages %d smem %d bytes\n",
+              g_errors ? "FAILED" : "ok", kBM, kBN, kBK, kFp8 ? "e4m3" : "16-bit",
+              kPingpong ? "pingpong" : "cooperative", kEpilogue, kSlots,
+              int(Mainloop::DispatchPolicy::Stages), kSmemBytes);
   return g_errors ? 1 : 0;
 }

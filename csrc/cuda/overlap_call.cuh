@@ -23,6 +23,7 @@ struct fo_call_graph {
   int64_t lda = 0, ldb = 0;
   void* out = nullptr;
   fo::runtime::NormLaunch norm_launch;
+  fo_gemm_scales scales = {};  // fp8: what the GEMM node's scales point at
   int state = 0;  // 0 none yet, 1 replaying, -1 could not be made
 };
 
@@ -42,6 +43,7 @@ struct fo_call {
   fo::runtime::NormRows norm_rows{};
   int norm_dtype = -1;  // -1: not set
   fo_call_graph norm_graph;
+  fo_gemm_scales scales = {};          // fp8: this call's scales (fo_call_run_scaled)
 };
 
 namespace fo::runtime {
@@ -52,6 +54,14 @@ using GemmRun = cudaError_t (*)(const void*, const void*, void*, int, int, int, 
 using GemmSetNode = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*, const void*,
                                     void*, int, int, int, int, int64_t, int64_t, const int64_t*,
                                     const int32_t*, int, int32_t*, int);
+using GemmRunScaled = cudaError_t (*)(const void*, const void*, const fo_gemm_scales*, void*, int,
+                                      int, int, int, int64_t, int64_t, const int64_t*,
+                                      const int32_t*, int, int32_t*, int, uint64_t*, void*,
+                                      cudaStream_t);
+using GemmSetNodeScaled = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*,
+                                          const void*, const fo_gemm_scales*, void*, int, int, int,
+                                          int, int64_t, int64_t, const int64_t*, const int32_t*,
+                                          int, int32_t*, int);
 
 inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
@@ -75,6 +85,9 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
     return fail(cudaErrorInvalidValue, "fo_call_create: only all_to_all has per_step > 1");
   if (d.use_graph && !d.gemm_set_node)
     return fail(cudaErrorInvalidValue, "fo_call_create: use_graph needs gemm_set_node");
+  if (d.gemm_run_scaled && d.use_graph && !d.gemm_set_node_scaled)
+    return fail(cudaErrorInvalidValue, "fo_call_create: use_graph with gemm_run_scaled needs "
+                "gemm_set_node_scaled");
   if (d.wait_mode != 0 && d.wait_mode != 1)
     return fail(cudaErrorInvalidValue, "fo_call_create: wait_mode %d is not 0 or 1", d.wait_mode);
   if (d.elem_size != 2 && d.elem_size != 4)
@@ -255,9 +268,13 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
     FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
   }
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
-  cudaError_t err = reinterpret_cast<GemmRun>(d.gemm_run)(
-      op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb, d.items, d.item_group,
-      d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
+  cudaError_t err = d.gemm_run_scaled
+      ? reinterpret_cast<GemmRunScaled>(d.gemm_run_scaled)(
+            op.a, op.b, &c.scales, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb, d.items,
+            d.item_group, d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream)
+      : reinterpret_cast<GemmRun>(d.gemm_run)(
+            op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb, d.items,
+            d.item_group, d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
   if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
     return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
   if (g) {
@@ -313,7 +330,7 @@ inline cudaError_t build_graph(fo_call& c, const GemmOperands& op, const Phase& 
     if (g.graph) cudaGraphDestroy(g.graph);
     return err;
   }
-  g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb, g.state = 1;
+  g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb, g.scales = c.scales, g.state = 1;
   phase.remember(g);
   Phase::graph(c) = std::move(g);
   return cudaSuccess;
@@ -325,13 +342,18 @@ template <class Phase>
 inline cudaError_t update_graph(fo_call& c, fo_call_graph& g, const GemmOperands& op,
                                 const Phase& phase, bool* rebuild) {
   const fo_call_desc& d = c.d;
-  if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb) {
-    cudaError_t err = reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
-        g.exec, g.gemm, op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb,
-        d.items, d.item_group, d.num_items, d.counters, d.num_ctas);
+  const bool scales_moved = c.scales.a != g.scales.a || c.scales.b != g.scales.b;
+  if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb || scales_moved) {
+    cudaError_t err = d.gemm_run_scaled
+        ? reinterpret_cast<GemmSetNodeScaled>(d.gemm_set_node_scaled)(
+              g.exec, g.gemm, op.a, op.b, &c.scales, d.packed, d.L, d.block_rows, d.N, d.K,
+              op.lda, op.ldb, d.items, d.item_group, d.num_items, d.counters, d.num_ctas)
+        : reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
+              g.exec, g.gemm, op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb,
+              d.items, d.item_group, d.num_items, d.counters, d.num_ctas);
     if (err != cudaSuccess)
       return fail(err, "re-pointing the graph's GEMM at new operands (cudaError %d)", int(err));
-    g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb;
+    g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb, g.scales = c.scales;
   }
   return phase.update(c, g, rebuild);
 }
@@ -436,6 +458,17 @@ FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const 
                                fo::runtime::UnpackPhase{out}, stream, warm != 0);
 }
 
+FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda, const void* b,
+                                      int64_t ldb, const float* scale_a, const float* scale_b,
+                                      void* out, cudaStream_t stream, int warm) {
+  if (!call || !call->d.gemm_run_scaled || !scale_a || !scale_b)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_call_run_scaled: needs a call made with gemm_run_scaled, and scale_a and "
+                    "scale_b (got call=%p, scale_a=%p, scale_b=%p)", call, scale_a, scale_b);
+  call->scales = fo_gemm_scales{scale_a, scale_b, call->d.scale_a_per_row, call->d.scale_b_per_col};
+  return fo_call_run(call, a, lda, b, ldb, out, stream, warm);
+}
+
 FO_API int fo_call_graph_state(const fo_call* call) { return call ? call->g.state : 0; }
 
 FO_API cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_offsets, int rows,
@@ -467,6 +500,9 @@ FO_API cudaError_t fo_call_run_add_rmsnorm(fo_call* call, const void* a, int64_t
   if (call->norm_dtype < 0)
     return fo::fail(cudaErrorInvalidValue,
                     "fo_call_run_add_rmsnorm: the call has no band table (fo_call_set_add_rmsnorm)");
+  if (call->d.gemm_run_scaled)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_call_run_add_rmsnorm: an fp8 call (gemm_run_scaled) has no fused norm");
   NormPhase phase;
   const NormIo io{residual, ld_residual, weight, normed, residual_out, ld_out, eps};
   cudaError_t err = NormLaunch::make(call->norm_rows, call->norm_dtype, io, weight_dtype,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashoverlap_core.fp8 import FP8_DTYPES
+from flashoverlap_core.plan import FP8_DTYPES as FP8_DTYPE_NAMES
 from flashoverlap_core.tools.ranks import RankError, RankTimeout
 
 from .cases import COLLECTIVES, SHAPES, seed_of
@@ -17,6 +18,7 @@ from .plugin import settings
 
 OUT = ("bfloat16", "float16")
 RTOL = {"bfloat16": 2e-2, "float16": 4e-3}  # of the largest |reference|
+FP8_DTYPE_NAME = FP8_DTYPE_NAMES[0] if FP8_DTYPE_NAMES else None
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ def run_fp8_case(target, case: Fp8Case, seed: int) -> list[str]:
         kwargs = {"send_splits": splits,
                   "recv_splits": [inputs(case, seed, src)[4][rank] for src in range(case.world_size)]}
     out_dtype = getattr(torch, case.out_dtype)
+    rows = {"allreduce": case.m, "reduce_scatter": case.m // case.world_size,
+            "allgather": case.m * case.world_size}.get(case.op)
+    if rows is not None:  # poisoned: an element never written shows as NaN
+        kwargs["out"] = torch.full((rows, case.n), float("nan"), dtype=out_dtype, device=device)
     got = fo.overlap(a.to(device), b.t().to(device).t(), case.op, scale_a=sa.to(device),
                      scale_b=sb.to(device), out_dtype=out_dtype, backend=target.backend_name,
                      **kwargs)
@@ -113,18 +119,29 @@ def run_fp8_case(target, case: Fp8Case, seed: int) -> list[str]:
     return [wrong] if wrong else []
 
 
-def test_fp8_on_ranks(fp8_case, fo_pools, fo_backend, fo_target, fo_settings):
+def fp8_reasons(backend, case: Fp8Case, seed: int, device_type: str) -> list[str]:
+    """Why ``backend`` declines the case: asked of the fp8 call (a backend without native fp8
+    is asked of the float32 call it runs as); all_to_all always runs dequantized."""
+    import dataclasses
+
+    from flashoverlap_core.backend import call_reasons
+
     from .cases import Case
     from .runner import spec_of
 
-    # no backend has an fp8 GEMM yet: the call runs dequantized, as this float32 call
-    dequantized = Case(fp8_case.op, fp8_case.world_size, "float32", fp8_case.m, fp8_case.n,
-                       fp8_case.k, (1, 1), "col", "auto", splits="send")
-    reasons = fo_backend.unsupported_reasons(spec_of(dequantized, fo_settings.seed, 0,
-                                                     fo_target.device_type))
+    as_float32 = Case(case.op, case.world_size, "float32", case.m, case.n, case.k, (1, 1), "col",
+                      "auto", splits="send")
+    spec = spec_of(as_float32, seed, 0, device_type)
+    if case.op == "all_to_all":
+        return call_reasons(backend, spec)
+    return call_reasons(backend, dataclasses.replace(spec, dtype=FP8_DTYPE_NAME,
+                                                     out_dtype=case.out_dtype))
+
+
+def test_fp8_on_ranks(fp8_case, fo_pools, fo_backend, fo_target, fo_settings):
+    reasons = fp8_reasons(fo_backend, fp8_case, fo_settings.seed, fo_target.device_type)
     if reasons:
-        pytest.skip(f"backend {fo_backend.name!r} does not take {fp8_case.id} dequantized "
-                    "(a float32 call): " + "; ".join(reasons))
+        pytest.skip(f"backend {fo_backend.name!r} declines {fp8_case.id}: " + "; ".join(reasons))
     try:
         results = fo_pools.run(fp8_case.world_size, run_fp8_case, fp8_case, fo_settings.seed)
     except (RankError, RankTimeout) as e:

@@ -20,18 +20,19 @@ import shlex
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .. import registry
-from ..api import overlap
-from ..backend import OverlapSpec
+from ..api import overlap, overlap_scaled
+from ..backend import OverlapSpec, call_reasons
 from ..collectives import all_gather_single, reduce_scatter_single, resolve_group
 from ..devices import current_device, device_name
 from ..grouping import equal_splits
-from ..plan import DTYPES
+from ..plan import DTYPES, FP8_DTYPES
 from ..tuning.measure import timed
 from .args import at_least, choices_arg, shapes_arg
 from .hardware import Hardware, pick_hardware
@@ -45,13 +46,17 @@ ACCELERATOR_SHAPES = "4096x8192x3584,8192x8192x3584,8192x8192x8192"
 OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
 SEED = 1234
 ROUNDING_UNITS = 4  # output-dtype epsilons (times the largest |value|) always allowed
+FP8_OUT = torch.bfloat16  # fp8 runs: e4m3 a and b with row-wise scales, bf16 out
+FP8_TORCH = tuple(getattr(torch, name) for name in FP8_DTYPES)
 LEGEND = (
     "baseline: a @ b, then torch.distributed's collective on the whole output, one after the "
     "other (allgather: the all-gather of a, then the GEMM); overlapped: fo.overlap(a, b, op), the same result with each wave group's "
     "collective started as soon as the GEMM has written the group; speedup = baseline / "
     "overlapped (medians, slowest rank). max error: the largest difference between the two "
     "results; bound: what it may be (twice the baseline's own error against float64, plus "
-    f"{ROUNDING_UNITS} units of rounding of the output dtype).")
+    f"{ROUNDING_UNITS} units of rounding of the output dtype). fp8 (float8_e4m3fn): a @ b is "
+    "torch._scaled_mm with the same row-wise scales and a bf16 result (the dequantized "
+    "product where the device has no _scaled_mm).")
 HOST_NOTE = (
     "On CPU ranks this run checks that the results agree; it does not measure overlap: the "
     "GEMM and gloo's collective share the same cores, and the reference backend computes tile "
@@ -76,7 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "each rank's rows of a)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="input and output dtype (default: float32 on the CPU, bfloat16 "
-                        "on accelerators)")
+                        "on accelerators); float8_e4m3fn: e4m3 a and b with row-wise float32 "
+                        "scales, bf16 out, against torch._scaled_mm (where the device has "
+                        "none, the dequantized product) then the collective")
     parser.add_argument("--iters", type=at_least(1), help="timed iterations (default: 5 on "
                         "the CPU, 20 on accelerators)")
     parser.add_argument("--warmup", type=at_least(0), default=2,
@@ -91,15 +98,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 # What runs on every rank
 # ---------------------------------------------------------------------------------------------
-def plain(op: str, a, b):
+def matmul(a, b, scales=None):
+    """a @ b; fp8 (``scales`` = (scale_a, scale_b)): the scaled GEMM in FP8_OUT, with
+    torch._scaled_mm where the device takes it, else the dequantized product."""
+    if scales is None:
+        return a @ b
+    sa, sb = scales
+    if scaled_mm_runs(a.device.type):
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=FP8_OUT,
+                                use_fast_accum=True)
+    return ((a.float() * sa) @ (b.float() * sb)).to(FP8_OUT)
+
+
+@lru_cache(maxsize=None)
+def scaled_mm_runs(device_type: str) -> bool:
+    """Whether torch._scaled_mm runs a row-wise scaled e4m3 GEMM on this device type (tried
+    once on 16 x 16 x 16)."""
+    device = current_device(device_type)
+    f8 = FP8_TORCH[0]
+    a = torch.ones(16, 16, device=device).to(f8)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=FP8_OUT)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def gather_rows(t):
+    """Every rank's rows of ``t``, in rank order (fp8 as bytes)."""
+    world = dist.get_world_size()
+    flat = t.contiguous()
+    raw = flat.view(torch.uint8) if flat.dtype in FP8_TORCH else flat
+    out = raw.new_empty(raw.shape[0] * world, *raw.shape[1:])
+    all_gather_single(out, raw)
+    return out.view(t.dtype) if raw is not flat else out
+
+
+def plain(op: str, a, b, scales=None):
     """The baseline: the GEMM, then torch.distributed's collective on its whole output (for
     allgather the other way round: the all-gather of a, then the GEMM)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if op == "allgather":
-        gathered = a.new_empty(a.shape[0] * world, a.shape[1])
-        all_gather_single(gathered, a.contiguous())
-        return gathered @ b
-    c = a @ b
+        if scales is not None and scales[0].dim():  # row-wise: this rank's rows' scales too
+            scales = (gather_rows(scales[0]), scales[1])
+        return matmul(gather_rows(a), b, scales)
+    c = matmul(a, b, scales)
     if op == "allreduce":
         dist.all_reduce(c)
         return c
@@ -113,13 +157,31 @@ def plain(op: str, a, b):
     return out
 
 
-def overlapped(op: str, a, b, backend: str):
-    if op != "all_to_all":
-        return overlap(a, b, op, backend=backend)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    splits = equal_splits(a.shape[0], world)
-    return overlap(a, b, op, backend=backend, send_splits=splits,
-                   recv_splits=[splits[rank]] * world)
+def overlapped(op: str, a, b, backend: str, scales=None):
+    kwargs = {}
+    if op == "all_to_all":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        splits = equal_splits(a.shape[0], world)
+        kwargs = {"send_splits": splits, "recv_splits": [splits[rank]] * world}
+    if scales is None:
+        return overlap(a, b, op, backend=backend, **kwargs)
+    return overlap_scaled(a, b, op, scale_a=scales[0], scale_b=scales[1], out_dtype=FP8_OUT,
+                          backend=backend, **kwargs)
+
+
+def inputs(shape, dtype: str, device, gen):
+    """This rank's a, b (an nn.Linear weight's transpose) and, for fp8, row-wise scales."""
+    m, n, k = shape
+    if dtype not in FP8_DTYPES:
+        torch_dtype = getattr(torch, dtype)
+        a = torch.randn(m, k, generator=gen, device=device, dtype=torch_dtype)
+        return a, (torch.randn(n, k, generator=gen, device=device, dtype=torch_dtype) / k ** 0.5).t(), None
+    f8 = getattr(torch, dtype)
+    a = torch.randn(m, k, generator=gen, device=device).to(f8)
+    b = torch.randn(n, k, generator=gen, device=device).to(f8).t()
+    sa = torch.rand(m, 1, generator=gen, device=device) + 0.5
+    sb = (torch.rand(1, n, generator=gen, device=device) + 0.5) / k ** 0.5
+    return a, b, (sa, sb)
 
 
 def max_abs(t) -> float:
@@ -138,21 +200,25 @@ def run_case(shape: tuple[int, int, int], op: str, dtype: str, backend: str, dev
              warmup: int, iters: int) -> dict:
     """On every rank: inputs from a per-rank seed, ``b`` as an nn.Linear weight's transpose;
     the float64 reference, then both timings, then the errors of this rank's results."""
-    m, n, k = shape
-    device, torch_dtype = current_device(device_type), getattr(torch, dtype)
+    device = current_device(device_type)
     group = resolve_group(None)[0]
     gen = torch.Generator(device=device).manual_seed(SEED + dist.get_rank())
-    a = torch.randn(m, k, generator=gen, device=device, dtype=torch_dtype)
-    b = (torch.randn(n, k, generator=gen, device=device, dtype=torch_dtype) / k ** 0.5).t()
-    expected = plain(op, a.double(), b.double())
-    base_times = timed(lambda: plain(op, a, b), device, group, iters, warmup)
-    over_times = timed(lambda: overlapped(op, a, b, backend), device, group, iters, warmup)
-    base, got = plain(op, a, b).double(), overlapped(op, a, b, backend).double()
+    a, b, scales = inputs(shape, dtype, device, gen)
+    if scales is None:
+        expected = plain(op, a.double(), b.double())
+        out_dtype = a.dtype
+    else:  # float64 of the dequantized inputs (allgather gathers its scaled rows)
+        expected = plain(op, a.double() * scales[0].double(), b.double() * scales[1].double())
+        out_dtype = FP8_OUT
+    base_times = timed(lambda: plain(op, a, b, scales), device, group, iters, warmup)
+    over_times = timed(lambda: overlapped(op, a, b, backend, scales), device, group, iters, warmup)
+    base = plain(op, a, b, scales).double()
+    got = overlapped(op, a, b, backend, scales).double()
     if got.shape != base.shape:
         raise ValueError(f"overlapped result has shape {tuple(got.shape)}, "
                          f"the plain one {tuple(base.shape)}")
     return {"baseline_s": base_times, "overlapped_s": over_times, "error": max_abs(got - base),
-            "bound": agreement_bound(base, expected, torch_dtype)}
+            "bound": agreement_bound(base, expected, out_dtype)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,9 +269,11 @@ def _skip_reason(hw: Hardware, shape, op: str, dtype: str) -> str:
     if op == "reduce_scatter" and m % world:
         return f"reduce_scatter needs M divisible by the world size {world}"
     send = tuple(equal_splits(m, world)) if op == "all_to_all" else None
-    spec = OverlapSpec(m * world if op == "allgather" else m, n, k, op, world, dtype,
-                       hw.device_type, "col", send)
-    reasons = registry.get(hw.target).unsupported_reasons(spec)
+    fp8 = dtype in FP8_DTYPES and op != "all_to_all"  # an fp8 all_to_all runs as float32
+    spec = OverlapSpec(m * world if op == "allgather" else m, n, k, op, world,
+                       "float32" if dtype in FP8_DTYPES and not fp8 else dtype,
+                       hw.device_type, "col", send, "bfloat16" if fp8 else None)
+    reasons = call_reasons(registry.get(hw.target), spec)
     return f"backend {hw.backend!r} declines it: " + "; ".join(reasons) if reasons else ""
 
 

@@ -336,7 +336,7 @@ class GatherModel:
     def for_plan(cls, plan, timing: GemmTiming, cost: CostCurve,
                  contention: Contention = Contention(), post_s: float = 0.0) -> "GatherModel":
         """The model of an allgather ``plan``'s grid (its grouping does not matter)."""
-        itemsize = torch.empty((), dtype=plan.torch_dtype).element_size()
+        itemsize = torch.empty((), dtype=plan.moved_dtype).element_size()
         unit = group_unit(plan.op, plan.world_size, plan.n, plan.tile)
         rows = np.minimum(np.arange(plan.num_tiles + 1) / unit * plan.tile[0], plan.shard_rows)
         gathered = (rows * plan.k * itemsize * plan.world_size).astype(np.int64)
@@ -392,7 +392,7 @@ class GatherModel:
 
 def prefix_bytes(plan) -> np.ndarray:
     """Bytes of the first t tiles of ``plan``'s execution order, t = 0..T."""
-    itemsize = torch.empty((), dtype=plan.torch_dtype).element_size()
+    itemsize = torch.empty((), dtype=plan.moved_dtype).element_size()
     numel = np.fromiter((t.numel for t in plan.grid.execution_order), dtype=np.int64)
     return np.concatenate([[0], np.cumsum(numel)]) * itemsize
 

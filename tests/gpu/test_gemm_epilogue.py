@@ -1,8 +1,11 @@
 """GPU tests of the signaling GEMM's epilogues, through the kernel libraries' C ABI.
 
 Every configuration of CONFIGS (sm90 cooperative and pingpong with the direct and the tma
-epilogue, bf16 and fp16, b column- and row-major, clusters 2x1 / 1x2 / 1x1; sm80 direct and
-staged, run on the GPU at hand; and all_to_all's builds for unequal blocks, on equal ones here) against a float64 reference, on item tables built here rather
+epilogue, bf16 and fp16, b column- and row-major, clusters 2x1 / 1x2 / 1x1; fp8: e4m3 a and b
+with tensor-wise and row/column-wise scales, bf16 and fp16 out, fast and promoted accumulation,
+through fo_gemm_run_scaled; sm80 direct and staged, run on the GPU at hand; and all_to_all's
+builds for unequal blocks, on equal ones here) against a float64 reference (of the dequantized
+inputs for fp8), on item tables built here rather
 than by the plan: tiles placed at chosen packed offsets with poisoned gaps, so that every path is
 taken on purpose (full tiles at offsets that are multiples of BN, of 8 but not BN, and odd;
 partial tiles; several destination blocks whose rows are not multiples of BM; a K tail with NaN
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from flashoverlap_backends.cuda import build, kernels
 from flashoverlap_backends.cuda.build import GemmConfig
+from flashoverlap_backends.cuda.device_state import gemm_scales
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -53,6 +57,11 @@ SM90 = [
     GemmConfig(epilogue="direct", **PP),
     GemmConfig(epilogue="vec16", **COOP),
     GemmConfig(epilogue="tma", epi_slots=4, cluster_m=1, blocks=True, **COOP),  # all_to_all's
+    # fp8 (issue 23): the product's builds, the direct path everywhere, promoted accumulation
+    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4, **COOP),
+    GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="tma", **PP),
+    GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="direct", cluster_m=1, **COOP),
+    GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma", fast_accum=False),
 ]
 SM80 = [
     build.default_config(80, epilogue="staged"),
@@ -63,10 +72,14 @@ SM80 = [
 CONFIGS = (SM90 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
            else []) + SM80
 # FO_GEMM_TEST_CONFIGS=sm90,estaged: only the configurations whose name contains one of these
-# (and only those are built).
-_WANTED = [w for w in os.environ.get("FO_GEMM_TEST_CONFIGS", "").split(",") if w]
-CONFIGS = [c for c in CONFIGS if not _WANTED or any(w in build.config_name(c) for w in _WANTED)]
-DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (and only those are built); an entry -NAME leaves out those whose name contains NAME
+# (FO_GEMM_TEST_CONFIGS=-e4m3: the 16-bit ones).
+_SELECTION = [w for w in os.environ.get("FO_GEMM_TEST_CONFIGS", "").split(",") if w]
+_WANTED = [w for w in _SELECTION if not w.startswith("-")]
+_UNWANTED = [w[1:] for w in _SELECTION if w.startswith("-")]
+CONFIGS = [c for c in CONFIGS if (not _WANTED or any(w in build.config_name(c) for w in _WANTED))
+           and not any(w in build.config_name(c) for w in _UNWANTED)]
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}
 
 
 @pytest.fixture(scope="module")
@@ -146,40 +159,59 @@ class Layout:
         return tiles
 
 
-def _operands(cfg, m, n, k, gen):
-    """a [m, k] with a NaN-poisoned row padding (lda > k where k % 8), b in the config's
-    layout, and the float64 reference."""
+@dataclass
+class Operands:
+    a: torch.Tensor
+    lda: int
+    b: torch.Tensor
+    ldb: int
+    ref: torch.Tensor  # float64 (of the dequantized inputs for fp8)
+    scales: tuple | None = None  # fp8: (scale_a, scale_b), float32
+
+
+def _operands(cfg, m, n, k, gen, rowwise: bool = True):
+    """a [m, k] with a NaN-poisoned row padding (lda > k where k % 16 bytes), b in the config's
+    layout, and the float64 reference; fp8: e4m3 with row-wise (or tensor-wise) scales."""
     dt = DTYPE[cfg.dtype]
-    lda = -(-k // 8) * 8 + (8 if k % 8 == 0 and k > 8 else 0)
+    align = 16 // torch.empty((), dtype=dt).element_size()
+    lda = -(-k // align) * align + (align if k % align == 0 and k > align else 0)
     a = torch.full((m, lda), float("nan"), dtype=dt, device="cuda")
     a[:, :k] = torch.randn(m, k, device="cuda", generator=gen).to(dt)
     if cfg.b_col_major:
-        ldb = -(-k // 8) * 8
+        ldb = -(-k // align) * align
         b = torch.full((n, ldb), float("nan"), dtype=dt, device="cuda")
         b[:, :k] = torch.randn(n, k, device="cuda", generator=gen).to(dt)
         b_mat = b[:, :k].t()
     else:
-        ldb = -(-n // 8) * 8
+        ldb = -(-n // align) * align
         b = torch.full((k, ldb), float("nan"), dtype=dt, device="cuda")
         b[:, :n] = torch.randn(k, n, device="cuda", generator=gen).to(dt)
         b_mat = b[:, :n]
-    ref = a[:, :k].double() @ b_mat.double()
-    return a, lda, b, ldb, ref
+    if cfg.dtype not in build.FP8_DTYPES:
+        return Operands(a, lda, b, ldb, a[:, :k].double() @ b_mat.double())
+    sizes = ((m, 1), (1, n)) if rowwise else ((), ())
+    sa, sb = (torch.rand(size, device="cuda", generator=gen) + 0.25 for size in sizes)
+    ref = (a[:, :k].double() * sa.double()) @ (b_mat.double() * sb.double())
+    return Operands(a, lda, b, ldb, ref, (sa, sb))
 
 
-def _run(lib, cfg, layout, a, lda, b, ldb, k, packed, counters, ctas, stream=None):
+def _run(lib, cfg, layout, ops: Operands, k, packed, counters, ctas, stream=None):
     items = layout.items.cuda()
     group = layout.group.cuda()
-    lib.run(a.data_ptr(), b.data_ptr(), packed.data_ptr(), layout.L, layout.block_rows, layout.n,
-            k, lda, ldb, items.data_ptr(), group.data_ptr(), len(layout.tiles),
+    args = (packed.data_ptr(), layout.L, layout.block_rows, layout.n, k, ops.lda, ops.ldb,
+            items.data_ptr(), group.data_ptr(), len(layout.tiles),
             counters.data_ptr() if counters is not None else None, ctas, None, None,
             (stream or torch.cuda.current_stream()).cuda_stream)
+    if ops.scales is not None:
+        lib.run_scaled(ops.a.data_ptr(), ops.b.data_ptr(), gemm_scales(*ops.scales), *args)
+    else:
+        lib.run(ops.a.data_ptr(), ops.b.data_ptr(), *args)
     return items, group  # kept alive until the caller synchronizes
 
 
 def _check_packed(cfg, layout, packed, ref):
     """Every tile equals the reference within the dtype's tolerance; every gap is still NaN."""
-    tol = 2e-2 if cfg.dtype == "bf16" else 4e-3
+    tol = 2e-2 if cfg.out_dtype == "bf16" else 4e-3
     written = torch.zeros(layout.numel, dtype=torch.bool, device="cuda")
     worst = 0.0
     for l, mb, nb, off, rows, cols in layout.tiles:
@@ -213,21 +245,21 @@ def test_every_path_against_float64(cfg, libraries):
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
     ran = 0
     half = max(cfg.cta_multiple, ctas // 2 // cfg.cta_multiple * cfg.cta_multiple)
-    for L, block_rows, n, k in _cases(cfg):
+    for case_index, (L, block_rows, n, k) in enumerate(_cases(cfg)):
         layout = Layout(cfg, L, block_rows, n)
         if not layout.fits:
             continue  # the backend runs the 1x1 build for such an order
-        a, lda, b, ldb, ref = _operands(cfg, L * block_rows, n, k, gen)
+        ops = _operands(cfg, L * block_rows, n, k, gen, rowwise=case_index % 2 == 0)
         for counters_on, grid in ((True, ctas), (False, half)):
             case = (f"{_name(cfg)}: {L} block(s) x {block_rows} rows, N={n}, K={k}, "
                     f"{len(layout.tiles)} tiles, grid {grid}, counters {'on' if counters_on else 'off'}")
-            packed = torch.full((layout.numel,), float("nan"), dtype=DTYPE[cfg.dtype], device="cuda")
+            packed = torch.full((layout.numel,), float("nan"), dtype=DTYPE[cfg.out_dtype], device="cuda")
             counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda") if counters_on else None
             try:
-                keep = _run(lib, cfg, layout, a, lda, b, ldb, k, packed, counters, grid)
+                keep = _run(lib, cfg, layout, ops, k, packed, counters, grid)
                 torch.cuda.synchronize()
                 del keep
-                _check_packed(cfg, layout, packed, ref)
+                _check_packed(cfg, layout, packed, ops.ref)
             except (AssertionError, RuntimeError) as e:
                 raise AssertionError(f"{case}: {e}") from e
             if counters is not None:
@@ -243,14 +275,14 @@ def test_unaligned_packed_buffer_takes_the_checked_path(cfg, libraries):
     ctas = lib.max_ctas(torch.cuda.current_device()) // cfg.cta_multiple * cfg.cta_multiple
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
     layout = Layout(cfg, 1, 512, 1024, gaps=())
-    a, lda, b, ldb, ref = _operands(cfg, 512, 1024, 256, gen)
-    store = torch.full((layout.numel + 1,), float("nan"), dtype=DTYPE[cfg.dtype], device="cuda")
+    ops = _operands(cfg, 512, 1024, 256, gen)
+    store = torch.full((layout.numel + 1,), float("nan"), dtype=DTYPE[cfg.out_dtype], device="cuda")
     packed = store[1:]  # 2 bytes past an aligned allocation
     counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda")
-    keep = _run(lib, cfg, layout, a, lda, b, ldb, 256, packed, counters, ctas)
+    keep = _run(lib, cfg, layout, ops, 256, packed, counters, ctas)
     torch.cuda.synchronize()
     del keep
-    _check_packed(cfg, layout, packed, ref)
+    _check_packed(cfg, layout, packed, ops.ref)
     assert counters.tolist() == layout.sizes
 
 
@@ -265,8 +297,8 @@ def test_counter_release_orders_the_data(cfg, mode, libraries, runtime):
     m = n = 4096
     k = 2048
     layout = Layout(cfg, 1, m, n, gaps=(0,), groups=8)
-    a, lda, b, ldb, _ = _operands(cfg, m, n, k, gen)
-    dt = DTYPE[cfg.dtype]
+    ops = _operands(cfg, m, n, k, gen)
+    dt = DTYPE[cfg.out_dtype]
     packed = torch.empty(layout.numel, dtype=dt, device="cuda")
     snap = torch.empty_like(packed)
     counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda")
@@ -287,7 +319,7 @@ def test_counter_release_orders_the_data(cfg, mode, libraries, runtime):
         snap.fill_(0)
         runtime.reset_counters(counters.data_ptr(), len(layout.sizes), torch.cuda.current_stream().cuda_stream)
         comm.wait_stream(torch.cuda.current_stream())
-        keep = _run(lib, cfg, layout, a, lda, b, ldb, k, packed, counters, ctas)  # before the waits
+        keep = _run(lib, cfg, layout, ops, k, packed, counters, ctas)  # before the waits
         with torch.cuda.stream(comm):
             for g, (lo, hi) in enumerate(spans):
                 runtime.wait_counter(counters.data_ptr() + 4 * g, layout.sizes[g], mode, comm.cuda_stream)
@@ -300,7 +332,8 @@ def test_counter_release_orders_the_data(cfg, mode, libraries, runtime):
     assert bad == 0, f"{_name(cfg)} ({mode}): {bad} of {runs} runs saw a region before its data"
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.epilogue in ("tma", "staged")][:3], ids=_name)
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.epilogue in ("tma", "staged")
+                                 and c.dtype not in build.FP8_DTYPES][:3], ids=_name)
 def test_graph_replay_with_new_inputs(cfg, libraries):
     """One launch captured in a CUDA graph (the TMA store map is a kernel parameter) and
     replayed with fresh inputs copied in: every replay exact."""
@@ -308,8 +341,9 @@ def test_graph_replay_with_new_inputs(cfg, libraries):
     ctas = lib.max_ctas(torch.cuda.current_device()) // cfg.cta_multiple * cfg.cta_multiple
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
     layout = Layout(cfg, 1, 1024, 1024, gaps=())
-    a, lda, b, ldb, _ = _operands(cfg, 1024, 1024, 512, gen)
-    packed = torch.full((layout.numel,), float("nan"), dtype=DTYPE[cfg.dtype], device="cuda")
+    ops = _operands(cfg, 1024, 1024, 512, gen)
+    a, lda, b, ldb = ops.a, ops.lda, ops.b, ops.ldb
+    packed = torch.full((layout.numel,), float("nan"), dtype=DTYPE[cfg.out_dtype], device="cuda")
     counters = torch.zeros(len(layout.sizes), dtype=torch.int32, device="cuda")
     items, group = layout.items.cuda(), layout.group.cuda()
     stream = torch.cuda.Stream()
@@ -327,9 +361,10 @@ def test_graph_replay_with_new_inputs(cfg, libraries):
     with torch.cuda.graph(graph, stream=stream):
         launch()
     for replay in range(3):
-        fresh_a, _, fresh_b, _, ref = _operands(cfg, 1024, 1024, 512, gen)
-        a.copy_(fresh_a)
-        b.copy_(fresh_b)
+        fresh = _operands(cfg, 1024, 1024, 512, gen)
+        ref = fresh.ref
+        a.copy_(fresh.a)
+        b.copy_(fresh.b)
         packed.fill_(float("nan"))
         counters.zero_()
         graph.replay()

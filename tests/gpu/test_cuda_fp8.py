@@ -1,0 +1,214 @@
+"""GPU tests of fp8 calls on the cuda backend (issue 23): float8_e4m3fn a and b with float32
+scales through fo.overlap, at world size 1, against float64 of the dequantized inputs.
+
+Fresh random inputs every run (the seed is in each failure's message), NaN-poisoned outputs,
+ragged shapes (partial tiles, K not a multiple of the 128-element K tile, K not a multiple of
+16: the rows are then copied to 16-byte strides), tensor-wise, row-wise and mixed scales, bf16
+and fp16 out, allreduce and reduce_scatter on a NCCL group of one rank, callable ops, graph
+replays with moving operands and scales, torch.compile, and what cuda declines (allgather,
+all_to_all, sm_80 kernels) running dequantized on 'decomposition'. The kernel-level paths
+(every epilogue, item tables with gaps, counters, release order) are in test_gemm_epilogue.py.
+Skips without a GPU (fails under FLASHOVERLAP_REQUIRE_HW=1).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import flashoverlap_core as fo
+from flashoverlap_core import api
+
+import test_cuda  # tests/gpu: its NCCL group of one rank
+
+pytestmark = pytest.mark.timeout(600)
+
+F8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def _reason() -> str | None:
+    status = {s.name: s for s in fo.backends()}.get("cuda")
+    if status is None:
+        return "the cuda backend is not installed"
+    if not status.available:
+        return f"cuda backend unavailable: {status.reason}"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "the fp8 signaling GEMM needs sm_90 (Hopper)"
+    return None
+
+
+REASON = _reason()
+if REASON and os.environ.get("FLASHOVERLAP_REQUIRE_HW") == "1":
+    raise RuntimeError(f"FLASHOVERLAP_REQUIRE_HW=1 but {REASON}")
+pytestmark = [pytestmark, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+nccl_group = test_cuda.nccl_group  # the fixture: a NCCL process group of one rank
+
+OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+SCALINGS = ("tensorwise", "rowwise", "mixed")  # mixed: row-wise a, tensor-wise b
+SHAPES = [(1, 1, 1), (7, 127, 33), (1000, 1000, 1000), (4097, 384, 72), (256, 8192, 64),
+          (777, 1234, 999), (3000, 2500, 320), (2048, 4096, 4096)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keys():
+    api.forget_prepared()
+    yield
+    api.forget_prepared()
+
+
+def _inputs(m, n, k, scaling, seed):
+    """e4m3 a [m, k], b = w.t() of an e4m3 [n, k] w, and the scales."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 2).to(F8)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 2).to(F8).t()
+    rows = (m, 1) if scaling in ("rowwise", "mixed") else ()
+    cols = (1, n) if scaling == "rowwise" else ()
+    sa = torch.rand(rows, device="cuda", generator=g) + 0.25
+    sb = torch.rand(cols, device="cuda", generator=g) + 0.25
+    return a, b, sa, sb
+
+
+def _reference(a, b, sa, sb):
+    return (a.double() * sa.double()) @ (b.double() * sb.double())
+
+
+def _check(got, a, b, sa, sb, out_dtype, what):
+    """Every element within the output's rounding plus an accumulation allowance of the
+    absolute products, and the whole within a normwise bound; nothing left unwritten."""
+    ref = _reference(a, b, sa, sb)
+    bound = (a.double().abs() * sa.double()) @ (b.double().abs() * sb.double())
+    assert got.dtype == out_dtype, f"{what}: result is {got.dtype}, expected {out_dtype}"
+    assert not torch.isnan(got).any(), f"{what}: elements never written (NaN)"
+    err = (got.double() - ref).abs()
+    eps = torch.finfo(out_dtype).eps
+    over = err > eps * ref.abs() + 2.0 ** -9 * bound + 1e-6
+    assert not over.any(), (f"{what}: {int(over.sum())} elements outside the bound, max err "
+                            f"{err.max().item():.4g}")
+    rel = (err.norm() / ref.norm().clamp(min=1e-30)).item()
+    assert rel < (1.5e-2 if out_dtype == torch.bfloat16 else 5e-3), f"{what}: normwise error {rel:.3g}"
+
+
+def _call(m, n, k, scaling, out_name, op="allreduce", group=None, **kw):
+    seed = random.randrange(2**31)
+    a, b, sa, sb = _inputs(m, n, k, scaling, seed)
+    out_dtype = OUT[out_name]
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)  # world size 1
+    got = fo.overlap(a, b, op, group, scale_a=sa, scale_b=sb, out_dtype=out_dtype, out=out,
+                     backend="cuda", **kw)
+    torch.cuda.synchronize()
+    assert got is out
+    _check(got, a, b, sa, sb, out_dtype, f"{op} {m}x{n}x{k} {scaling} {out_name}, seed {seed}")
+
+
+@pytest.mark.parametrize("out_name", sorted(OUT))
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_one_rank_matches_float64(shape, scaling, out_name):
+    _call(*shape, scaling, out_name)
+    assert fo.prepared_calls()[-1]["backend"] == "cuda"
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (4096, 4096, 1024), (300, 520, 72)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_collectives_on_a_nccl_group(op, shape, nccl_group):
+    for scaling, out_name in (("rowwise", "bfloat16"), ("tensorwise", "float16")):
+        for _ in range(3):  # the first call, then the captured graph's replays
+            _call(*shape, scaling, out_name, op=op, group=nccl_group)
+    call = fo.prepared_calls()[-1]
+    assert (call["backend"], call["runner"]) == ("cuda", "CudaCall"), call
+
+
+def test_fp8_explicit_plan_and_pingpong_tile():
+    plan = fo.plan(1000, 1000, 512, dtype=F8, out_dtype=torch.float16, tile=(128, 128),
+                   backend="cuda")
+    assert (plan.dtype, plan.out_dtype) == ("float8_e4m3fn", "float16")
+    fo.Plan.from_json(plan.to_json())  # round-trips
+    _call(1000, 1000, 512, "rowwise", "float16", plan=plan)
+    with pytest.raises(ValueError, match="out_dtype"):
+        _call(1000, 1000, 512, "rowwise", "bfloat16", plan=plan)
+
+
+def test_fp8_replays_follow_moving_operands_and_scales():
+    """A key's calls replay one captured graph: new a, b and scales (new addresses, and new
+    values at the same addresses) must each be what the next call computes."""
+    m, n, k = 1536, 1280, 768
+    a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+    for i in range(6):
+        if i % 2:  # new tensors: the graph's GEMM node is re-pointed
+            a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+        else:  # same tensors, new values: the kernel reads the scales at run time
+            sa.uniform_(0.25, 1.25)
+            sb.uniform_(0.25, 1.25)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, out=out, backend="cuda")
+        torch.cuda.synchronize()
+        _check(out, a, b, sa, sb, torch.bfloat16, f"call {i}")
+
+
+def test_fp8_strided_scales_and_unaligned_rows():
+    """A scale_a that is a column of a wider tensor (copied per call) and rows of a whose
+    stride is not 16 bytes (K = 72 + padding view): still exact."""
+    m, n, k = 640, 768, 72
+    seed = random.randrange(2**31)
+    a, b, _, sb = _inputs(m, n, k, "rowwise", seed)
+    wide = torch.rand(m, 3, device="cuda") + 0.25
+    sa = wide[:, 1:2]  # [m, 1], stride (3, 1)
+    store = torch.empty(m, k + 8, device="cuda", dtype=F8)
+    store[:, :k] = a
+    a_view = store[:, :k]  # row stride k + 8 = 80 bytes: 16-byte aligned rows
+    odd = torch.empty(m, k + 3, device="cuda", dtype=F8)
+    odd[:, :k] = a
+    for operand in (a_view, odd[:, :k]):  # the second is copied to 16-byte rows per call
+        for _ in range(2):
+            got = fo.overlap(operand, b, "allreduce", scale_a=sa, scale_b=sb, backend="cuda")
+            torch.cuda.synchronize()
+            _check(got, a, b, sa, sb, torch.bfloat16, f"strides {operand.stride()}, seed {seed}")
+
+
+def test_fp8_callable_op_sees_the_scaled_result():
+    m, n, k = 1024, 2048, 512
+    a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+    seen = []
+    got = fo.overlap(a, b, lambda region, i: seen.append(i), scale_a=sa, scale_b=sb,
+                     backend="cuda")
+    torch.cuda.synchronize()
+    assert seen == list(range(len(seen))) and seen
+    _check(got, a, b, sa, sb, torch.bfloat16, "callable op")
+
+
+def test_fp8_compiles_on_cuda():
+    m, n, k = 512, 768, 256
+    a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+    fn = torch.compile(lambda a, b, sa, sb: fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb,
+                                                       out_dtype=torch.float16), fullgraph=True)
+    with torch.no_grad():
+        got = fn(a, b, sa, sb)
+        torch.cuda.synchronize()
+    _check(got, a, b, sa, sb, torch.float16, "compiled")
+
+
+@pytest.mark.parametrize("op", ["allgather", "all_to_all"])
+def test_fp8_ops_cuda_declines_run_dequantized(op):
+    m, n, k = 512, 384, 256
+    a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+    with pytest.raises(fo.BackendError, match=f"fp8 {op}|float32"):
+        fo.overlap(a, b, op, scale_a=sa, scale_b=sb, backend="cuda")
+    got = fo.overlap(a, b, op, scale_a=sa, scale_b=sb)  # the automatic choice
+    torch.cuda.synchronize()
+    _check(got, a, b, sa, sb, torch.bfloat16, f"{op} dequantized")
+    assert fo.prepared_calls()[-1]["backend"] == "decomposition"
+
+
+def test_fp8_on_sm80_kernels_is_declined_with_the_reason(monkeypatch):
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_ARCH", "80")
+    a, b, sa, sb = _inputs(256, 256, 128, "tensorwise", random.randrange(2**31))
+    with pytest.raises(fo.BackendError, match="sm_90a"):
+        fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, backend="cuda")
+    got = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb)
+    torch.cuda.synchronize()
+    _check(got, a, b, sa, sb, torch.bfloat16, "sm80: dequantized")
+    assert fo.prepared_calls()[-1]["backend"] == "decomposition"
