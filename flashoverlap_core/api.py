@@ -62,11 +62,12 @@ def _check_tensor(name: str, t) -> None:
 
 def b_layout(b: torch.Tensor) -> str:
     """'row' for a contiguous [K, N] b, 'col' for the transpose of a contiguous [N, K]
-    (``weight.t()``), 'strided' otherwise."""
-    if b.stride(1) == 1 and b.stride(0) >= max(1, b.shape[1]):
-        return "row"
+    (``weight.t()``), 'strided' otherwise. A 1x1 b, which is both, is 'col' (what every
+    build takes, fp8's too)."""
     if b.stride(0) == 1 and b.stride(1) >= max(1, b.shape[0]):
         return "col"
+    if b.stride(1) == 1 and b.stride(0) >= max(1, b.shape[1]):
+        return "row"
     return "strided"
 
 

@@ -274,6 +274,24 @@ def test_fp8_ops_without_a_scaled_path_are_declined_saying_where_they_run(backen
     assert any("column-major" in r for r in backend.unsupported_reasons(fp8_spec(b_layout="row")))
 
 
+def test_a_one_by_one_b_is_column_major(backend):
+    """A 1x1 b is both layouts: it counts as weight.t() (every build takes it, fp8's too); the
+    H200 run of 1x1x1 fp8 calls found it declined as row-major."""
+    from flashoverlap_backends.cuda.device_state import b_col_major
+    from flashoverlap_core.api import b_layout
+
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        b = torch.zeros(1, 1, dtype=dtype)
+        assert b_layout(b) == "col" and b_col_major(b)
+        assert b_layout(b.t()) == "col" and b_col_major(b.t())
+    w = torch.zeros(5, 1)  # [N, K] with K = 1: b = w.t() is [1, N], strides (1, 1)
+    assert b_layout(w.t()) == "col" and b_col_major(w.t())
+    row = torch.zeros(1, 5)  # a contiguous [K, N] with K = 1
+    assert b_layout(row) == "row" and not b_col_major(row)
+    one = fp8_spec(m=1, n=1, k=1, b_layout=b_layout(torch.zeros(1, 1)))
+    assert not any("column-major" in r for r in backend.unsupported_reasons(one))
+
+
 def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
     monkeypatch.setenv(ENV_ARCH, "90")
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)

@@ -146,5 +146,6 @@ def gemm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor) -> GemmScales:
 
 
 def b_col_major(b: torch.Tensor) -> bool:
-    """True when b is the transpose of a row-major [N, K] (``weight.t()``)."""
-    return b.stride(0) == 1 and b.stride(1) != 1
+    """True when b is the transpose of a row-major [N, K] (``weight.t()``); a 1x1 b is both
+    (api.b_layout: 'col')."""
+    return b.stride(0) == 1 and (b.stride(1) != 1 or b.shape[0] <= 1)
