@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from . import fp8, registry
-from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall, call_reasons
+from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall, b_layout, call_reasons
 from .all_to_all import AllToAllCall
 from .collectives import SequentialCall, current_default_group, exchange_objects, resolve_group
 from .grouping import wave_group_sizes
@@ -58,17 +58,6 @@ def _check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor (or a DLPack array), got {type(t).__name__}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-
-
-def b_layout(b: torch.Tensor) -> str:
-    """'row' for a contiguous [K, N] b, 'col' for the transpose of a contiguous [N, K]
-    (``weight.t()``), 'strided' otherwise. A 1x1 b, which is both, is 'col' (what every
-    build takes, fp8's too)."""
-    if b.stride(0) == 1 and b.stride(1) >= max(1, b.shape[0]):
-        return "col"
-    if b.stride(1) == 1 and b.stride(0) >= max(1, b.shape[1]):
-        return "row"
-    return "strided"
 
 
 def _op_name(op) -> str:

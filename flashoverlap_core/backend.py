@@ -25,6 +25,17 @@ if TYPE_CHECKING:
     from .tile_trace import TileTrace
 
 
+def b_layout(b: torch.Tensor) -> str:
+    """'row' for a contiguous [K, N] b, 'col' for the transpose of a contiguous [N, K]
+    (``weight.t()``), 'strided' otherwise. A 1x1 b, which is both, is 'col' (what every
+    build takes, fp8's too)."""
+    if b.stride(0) == 1 and b.stride(1) >= max(1, b.shape[0]):
+        return "col"
+    if b.stride(1) == 1 and b.stride(0) >= max(1, b.shape[1]):
+        return "row"
+    return "strided"
+
+
 @dataclass(frozen=True)
 class OverlapSpec:
     """What a call asks for, known before any device work."""

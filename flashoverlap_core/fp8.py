@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from .backend import OverlapCall
+from .backend import OverlapCall, b_layout
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -44,7 +44,7 @@ def check(a, b, scale_a, scale_b, out_dtype) -> torch.dtype:
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (m, _), (_, n) = a.shape, b.shape
-    if not (b.stride(0) == 1 and b.stride(1) >= max(1, b.shape[0])):
+    if b_layout(b) != "col":
         raise ValueError("fp8 b must be column-major [K, N], as torch._scaled_mm takes it: "
                          f"weight.t() of a contiguous fp8 [N, K] weight; got strides {b.stride()}")
     for name, scale, shapes in (("scale_a", scale_a, ((), (m, 1))), ("scale_b", scale_b, ((), (1, n)))):
