@@ -31,8 +31,8 @@ from . import fp8, registry
 from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall, b_layout, call_reasons
 from .all_to_all import AllToAllCall
 from .collectives import SequentialCall, current_default_group, exchange_objects, resolve_group
-from .grouping import wave_group_sizes
-from .plan import (CUSTOM_OP, DTYPES, GATHER_OP, OPS, PLAN_OPS, Plan, _check_int,
+from .grouping import MAX_GROUPS, wave_group_sizes
+from .plan import (CUSTOM_OP, DTYPES, GATHER_OP, LAYOUTS, OPS, PLAN_OPS, Plan, _check_int,
                    all_to_all_groups, block_rows_for, check_out_dtype, check_splits,
                    destination_group_sizes, dtype_name, group_unit, moved_dtype,
                    transfer_bytes_per_tile)
@@ -597,8 +597,10 @@ def _check_same_plan(op: str, views) -> None:
 # ---- plans ---------------------------------------------------------------------------------------
 
 def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
-              wave_size=None, schedule=None) -> Plan:
-    """A plan for ``spec`` with ``backend``'s defaults for whatever is not given."""
+              wave_size=None, schedule=None, layout=None) -> Plan:
+    """A plan for ``spec`` with ``backend``'s defaults for whatever is not given. ``layout``:
+    None takes "rows" (groups of whole row bands, no post-reorder) wherever the backend runs it
+    and the groups allow it, else "tiles"; "rows" or "tiles" asks for that one."""
     tile = tile if tile is not None else backend.default_tile(spec)
     if isinstance(tile, (str, bytes)) or not hasattr(tile, "__len__"):
         raise TypeError(f"tile must be a pair (BM, BN) of ints, got {tile!r}")
@@ -606,29 +608,55 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
         raise ValueError(f"tile must be a pair (BM, BN), got {tile!r}")
     tile = (_check_int("tile BM", tile[0], 1), _check_int("tile BN", tile[1], 1))
     wave = _check_int("wave_size", wave_size if wave_size is not None else backend.wave_size(spec, tile), 1)
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    rows_ok = "rows" in backend.layouts(spec) and layout != "tiles" and spec.op != GATHER_OP
+    if layout == "rows" and not rows_ok and spec.op != GATHER_OP:
+        raise ValueError(f"backend {backend.name!r} runs {spec.op} plans in layout 'tiles' only")
     sched = schedule if schedule is not None else backend.schedule(spec)
+    rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
     if group_sizes is None and spec.op == "all_to_all":  # the rule every rank computes alike
-        grid = TileGrid(block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits),
-                        spec.n, tile[0], tile[1], sched)
-        plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
-                    destination_group_sizes(grid, all_to_all_groups(spec.world_size, grid.num_tiles)),
-                    sched, spec.send_splits,
-                    backend.name, grouping="destinations", out_dtype=spec.out_dtype)
-        reasons = backend.plan_reasons(plan)
-        if reasons:
-            raise ValueError(f"backend {backend.name!r} cannot run this plan: " + "; ".join(reasons))
-        return plan
+        chosen = "rows" if rows_ok else "tiles"
+        if schedule is None and chosen == "rows":  # strips of 2 bands: small blocks still split
+            sched = Schedule(sched.raster, min(sched.swizzle, 2))
+        grid = TileGrid(rows, spec.n, tile[0], tile[1], sched)
+        groups = all_to_all_groups(spec.world_size, grid.num_tiles)
+        return _checked(backend, Plan(
+            spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
+            destination_group_sizes(grid, groups, chosen), sched, spec.send_splits, backend.name,
+            grouping="destinations", out_dtype=spec.out_dtype, layout=chosen))
     if group_sizes is None:
-        rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
+        if rows_ok and schedule is None:
+            sched = _strips_for_groups(sched, rows, spec.n, tile, wave)
         total = TileGrid(rows, spec.n, tile[0], tile[1], sched).num_tiles
         itemsize = torch.empty((), dtype=moved_dtype(spec.op, spec.dtype, spec.out_dtype)).element_size()
         group_sizes = wave_group_sizes(
-            total, wave, unit=group_unit(spec.op, spec.world_size, spec.n, tile),
+            total, wave, unit=group_unit(spec.op, spec.world_size, spec.n, tile,
+                                         "rows" if rows_ok else "tiles", sched),
             bytes_per_tile=transfer_bytes_per_tile(spec.op, spec.n, spec.k, tile, itemsize))
     elif isinstance(group_sizes, (str, bytes)) or not hasattr(group_sizes, "__iter__"):
         raise TypeError(f"group_sizes must be a sequence of ints, got {type(group_sizes).__name__}")
     plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
-                tuple(group_sizes), sched, spec.send_splits, backend.name, out_dtype=spec.out_dtype)
+                tuple(group_sizes), sched, spec.send_splits, backend.name, out_dtype=spec.out_dtype,
+                layout=layout if layout == "rows" else None)
+    if rows_ok and plan.layout == "tiles" and plan.row_parts is not None:
+        plan = dataclasses.replace(plan, layout="rows")  # groups of whole bands: no post-reorder
+    return _checked(backend, plan)
+
+
+def _strips_for_groups(sched: Schedule, block_rows, n: int, tile, wave: int) -> Schedule:
+    """``sched`` with its swizzle halved (down to 2) until every block has a strip of bands
+    for each of the groups the default grouping makes (a "rows" plan's groups are whole
+    strips)."""
+    bands = -(-min(block_rows) // tile[0])
+    waves = -(-len(block_rows) * bands * -(-n // tile[1]) // wave)
+    swizzle, want = sched.swizzle, min(MAX_GROUPS, waves)
+    while swizzle > 2 and -(-bands // swizzle) < want:
+        swizzle //= 2
+    return sched if swizzle == sched.swizzle else Schedule(sched.raster, swizzle)
+
+
+def _checked(backend: Backend, plan: Plan) -> Plan:
     reasons = backend.plan_reasons(plan)
     if reasons:
         raise ValueError(f"backend {backend.name!r} cannot run this plan: " + "; ".join(reasons))
@@ -645,7 +673,7 @@ def _default_plan(spec: OverlapSpec, backend: Backend, group=None, transfer: str
 def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
          dtype=torch.bfloat16, tile=None, group_sizes=None, backend: str | None = None, *,
          send_splits=None, wave_size: int | None = None, schedule: Schedule | None = None,
-         b_layout: str = "col", out_dtype=None) -> Plan:
+         b_layout: str = "col", out_dtype=None, layout: str | None = None) -> Plan:
     """Build an inspectable plan (``describe()``, ``to_json()``) to pass to :func:`overlap`.
 
     ``backend`` defaults to the explicit choice in ``FLASHOVERLAP_BACKEND``, else the best
@@ -653,7 +681,10 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     wave size and tile order. ``send_splits`` (rows per destination) is required for an
     ``all_to_all`` plan at world size > 1. For ``allgather``, ``m`` is the rows of the result
     (world size x the rows of each rank's ``a``). fp8: ``dtype=torch.float8_e4m3fn`` with the
-    result's ``out_dtype`` (bfloat16 by default, or float16).
+    result's ``out_dtype`` (bfloat16 by default, or float16). ``layout``: "rows" (groups of
+    whole row bands, written and received in their final rows: no post-reorder), "tiles" (any
+    group sizes, a post-reorder after the collective), or None: "rows" wherever the backend runs
+    it and ``group_sizes`` are whole bands, else "tiles".
     """
     for name, value in (("M", m), ("N", n), ("K", k), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -674,7 +705,7 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     reasons = call_reasons(chosen, spec)
     if reasons:
         raise ValueError(f"backend {chosen.name!r} cannot run this call: " + "; ".join(reasons))
-    return make_plan(chosen, spec, tile, group_sizes, wave_size, schedule)
+    return make_plan(chosen, spec, tile, group_sizes, wave_size, schedule, layout)
 
 
 def backends() -> list[registry.BackendStatus]:

@@ -150,6 +150,12 @@ class Backend(abc.ABC):
         """The order in which this backend's kernel visits the tiles of one block."""
         return Schedule()
 
+    def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:
+        """The packed layouts (plan.LAYOUTS) this backend runs for ``spec``, preferred first:
+        "rows" (groups of whole row bands, nothing reordered after the collective) and
+        "tiles"."""
+        return ("rows", "tiles")
+
     def plan_reasons(self, plan) -> list[str]:
         """Why this backend cannot execute ``plan`` (a tile it has no kernel for, say)."""
         return []

@@ -3,7 +3,11 @@
 One :class:`RegionExchange` per call: ``start(g)`` hands group g's contiguous region to the
 collective of the caller's process group (whichever collective library it uses) as soon as the
 backend knows the group's tiles are in the packed buffer; ``wait()`` joins them; ``finish()``
-runs the post-communication reorder into the call's output. Collectives are launched with
+runs the post-communication reorder into the call's output. A "rows" plan has none: its
+allreduce works in place and its reduce_scatter receives into the output's rows (an
+all_to_all through torch.distributed lands each group in one buffer first, since
+``all_to_all_single`` takes one contiguous output, then moves each source's whole rows to
+their place). Collectives are launched with
 ``async_op=True`` on the current stream, so a backend that sets its communication stream
 current before ``start`` gets them ordered after its device-side wait.
 """
@@ -15,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import OverlapCall
-from .plan import destination_chunks
+from .plan import destination_chunks, layout_unit
 from .reorder import add_rmsnorm, block_tiles, stream_offsets, unpack_tiles
 from .tiles import RASTERS
 
@@ -96,6 +100,16 @@ class SequentialCall:
                            weight, eps)
 
 
+def packed_buffer(call: OverlapCall) -> torch.Tensor:
+    """Where a call's GEMM writes its packed tiles: for a "rows" allreduce or callable op, the
+    output itself (its groups are whole rows, transferred in place); else a buffer of its own."""
+    plan = call.plan
+    if plan.layout == "rows" and plan.op in ("allreduce", "custom") and call.out is not None:
+        return call.out.view(-1)
+    dtype = call.out.dtype if call.out is not None else call.a.dtype
+    return torch.empty(plan.packed_numel, dtype=dtype, device=call.a.device)
+
+
 INVALID = -1  # what a rank whose all_to_all arguments were invalid sends in the count exchange
 
 
@@ -120,12 +134,14 @@ def rows_from_ranks(send, group, device) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def chunk_numels(rows: int, n: int, tile: tuple[int, int], schedule, groups: int) -> tuple[int, ...]:
+def chunk_numels(rows: int, n: int, tile: tuple[int, int], schedule, groups: int,
+                 layout: str = "tiles") -> tuple[int, ...]:
     """Elements of each group's chunk of a destination block of ``rows`` rows
     (plan.destination_chunks over the block's tiles in schedule order)."""
     tiles = block_tiles(rows, n, tile, schedule)
+    unit = layout_unit(layout, n, tile, schedule)
     return tuple(sum(t.numel for t in tiles[lo:hi])
-                 for lo, hi in destination_chunks(len(tiles), groups))
+                 for lo, hi in destination_chunks(len(tiles), groups, unit))
 
 
 class RegionExchange:
@@ -139,7 +155,9 @@ class RegionExchange:
         self.kind = op if isinstance(op, str) else "custom"
         self.num_collectives = plan.num_groups
         if self.kind == "reduce_scatter" and call.group is not None:
-            self.staging = packed.new_empty(plan.m // call.world_size * plan.n)
+            # "rows": each group brings this rank's next whole rows, straight into the output
+            self.staging = call.out.view(-1) if plan.layout == "rows" else \
+                packed.new_empty(plan.m // call.world_size * plan.n)
             self.recv_offsets = self._offsets([r.dest_numels[call.rank] for r in plan.regions])
         elif self.kind == "all_to_all" and call.group is not None:
             if plan.grouping == "destinations":
@@ -168,7 +186,8 @@ class RegionExchange:
         if rows is None:
             rows = self._rows_from_ranks()
         groups = plan.num_groups
-        per_source = [chunk_numels(r, plan.n, plan.tile, plan.schedule, groups) for r in rows]
+        per_source = [chunk_numels(r, plan.n, plan.tile, plan.schedule, groups, plan.layout)
+                      for r in rows]
         self._received([list(c) for c in zip(*per_source)], groups, list(rows))
 
     def _rows_from_ranks(self) -> list[int]:
@@ -294,10 +313,33 @@ class RegionExchange:
             yield out[row:row + rows], tiles, offsets
             row += rows
 
+    def row_moves(self) -> list[tuple[int, int, int]]:
+        """A "rows" all_to_all: (staging offset, output offset, elements) of each source's
+        part of each group. What a source sends this rank comes group by group, each part its
+        next whole rows, so a part's place is the source's first row plus what came before."""
+        out, placed, n = [], [0] * len(self.recv_rows), self.plan.n
+        starts = self._offsets([r * n for r in self.recv_rows])
+        for g, counts in enumerate(self.recv_counts):
+            at = self.recv_offsets[g]
+            for s, count in enumerate(counts):
+                if count:
+                    out.append((at, starts[s] + placed[s], count))
+                at += count
+                placed[s] += count
+        return out
+
     def finish(self) -> torch.Tensor:
-        for rows_view, tiles, offsets in self.block_layouts():
-            unpack_tiles(self.staging, offsets, tiles, rows_view)
-        return self.call.out
+        out = self.call.out
+        if self.plan.layout != "rows":
+            for rows_view, tiles, offsets in self.block_layouts():
+                unpack_tiles(self.staging, offsets, tiles, rows_view)
+        elif self.kind == "all_to_all" and self.call.group is not None:
+            flat = out.view(-1)
+            for src, dst, count in self.row_moves():
+                flat[dst:dst + count].copy_(self.staging[src:src + count])
+        elif self.staging.data_ptr() != out.data_ptr():  # rows computed apart from out
+            out.view(-1).copy_(self.staging[:out.numel()])
+        return out
 
 
 # ---- the call as tables (for backends that issue it natively) ---------------------------------

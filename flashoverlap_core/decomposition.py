@@ -4,7 +4,8 @@ It is the baseline every signaling backend is measured against, and the fallback
 signaling kernel exists; it runs on any torch device. Per group g, in group order:
 
 1. compute stream: the group's tiles with the device's own matmul, stored in the packed layout
-   (one matmul per rectangle of alike tiles, then one strided copy into their packed slots);
+   (a "rows" plan: one matmul per destination part, straight into its rows; "tiles": one
+   matmul per rectangle of alike tiles, then one strided copy into their packed slots);
 2. compute stream: ``signal(g)``, an event recorded after those stores;
 3. communication stream: ``wait(g)`` (the device-side wait), then the group's collective
    through :class:`~flashoverlap_core.collectives.RegionExchange`;
@@ -251,11 +252,23 @@ def compute_rect(a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, r: Pack
     slots.copy_(value.view(r.bands, r.tile_rows, r.cols, r.tile_cols).transpose(1, 2))
 
 
+def compute_group(a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, plan: Plan, g: int) -> None:
+    """Group g's tiles of a @ b in their packed slots: a "rows" plan's parts are whole rows of
+    c (one matmul each), a "tiles" plan's are rectangles of alike tiles."""
+    if plan.layout == "rows":
+        for row0, row1, offset in plan.slabs[g]:
+            product_into(a[row0:row1], b, packed[offset:offset + (row1 - row0) * plan.n])
+        return
+    for r in packed_rects(plan)[g]:
+        compute_rect(a, b, packed, r)
+
+
 def rows_in_order(plan: Plan) -> bool:
     """Whether the packed buffer of ``plan`` is its row-major result, as the collective leaves
-    it: an allreduce or custom op (one block, reduced or transferred in place) with tiles that
-    span all N columns, whose schedule order is then the row order."""
-    return plan.op in ("allreduce", CUSTOM_OP) and plan.tile[1] >= plan.n
+    it: an allreduce or custom op (one block, reduced or transferred in place) whose groups
+    are whole rows ("rows" layout), or whose tiles span all N columns, whose schedule order is
+    then the row order."""
+    return plan.op in ("allreduce", CUSTOM_OP) and (plan.layout == "rows" or plan.tile[1] >= plan.n)
 
 
 class DecompositionBackend(Backend):
@@ -297,9 +310,8 @@ class DecompositionBackend(Backend):
             packed = torch.empty(plan.packed_numel, dtype=a.dtype, device=a.device)
         exchange = RegionExchange(call, packed)
         signals = self.signals(streams, call)
-        for g, rects in enumerate(packed_rects(plan)):
-            for r in rects:
-                compute_rect(a, b, packed, r)
+        for g in range(plan.num_groups):
+            compute_group(a, b, packed, plan, g)
             signals.signal(g)
             with streams.communicating():
                 signals.wait(g)

@@ -5,7 +5,8 @@ collective is always exposed. Equal groups of whole waves keep each collective a
 the computation it hides behind, and a few groups keep each collective large enough to run near
 its bandwidth. So: up to ``max_groups`` groups of whole waves, each at least
 ``min_group_bytes`` of output, group boundaries on multiples of ``unit`` tiles (the world size
-for reduce_scatter, so each group holds the same rows for every rank).
+for reduce_scatter, so each group holds the same rows for every rank; whole strips of row
+bands for a "rows" plan, whose last strip may be short).
 """
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ MIN_GROUP_BYTES = 1 << 20
 def wave_group_sizes(num_tiles: int, wave_size: int, *, unit: int = 1, bytes_per_tile: int = 0,
                      max_groups: int = MAX_GROUPS, min_group_bytes: int = MIN_GROUP_BYTES
                      ) -> tuple[int, ...]:
-    """Tiles per group: up to ``max_groups`` near-equal runs of whole waves."""
-    if num_tiles % unit:
-        raise ValueError(f"{num_tiles} tiles cannot be grouped in units of {unit}")
+    """Tiles per group: up to ``max_groups`` near-equal runs of whole waves, each ending on a
+    multiple of ``unit`` tiles or at the last tile."""
     waves = -(-num_tiles // wave_size)
     groups = min(max_groups, waves)
     if bytes_per_tile:

@@ -6,12 +6,18 @@ A plan is backend-neutral and inspectable. It fixes:
   destination blocks of ``reduce_scatter`` / ``all_to_all`` and the partial edge tiles;
 * the execution order (the kernel's tile order) and the wave size P (tiles finished at once);
 * ``group_sizes``: how many tiles, in execution order, each group holds;
-* the packed layout: group g occupies one contiguous *region*; inside it, the tiles are laid
-  out destination by destination, each destination's tiles in its block's schedule order, each
-  tile row-major at its real (possibly partial) size. So a region splits into one contiguous
-  part per destination, which is what ``reduce_scatter`` and ``all_to_all`` hand to the
-  collective, and the parts a rank receives, concatenated over groups, are its block's tiles in
-  schedule order: the post-communication reorder needs nothing but the block's shape.
+* the packed layout: group g occupies one contiguous *region*, which splits into one
+  contiguous part per destination block (what ``reduce_scatter`` and ``all_to_all`` hand to
+  the collective). Its ``layout`` says how a part holds its tiles:
+
+  - ``"rows"`` (the default wherever the groups allow it): every group is whole row bands of
+    each block, so a part is the group's rows of that block, row-major (row stride N). That is
+    the final layout: an allreduce works in place on the output, a reduce_scatter or all_to_all
+    receives straight into the output's rows, and nothing is reordered after the collective.
+  - ``"tiles"``: each tile row-major at its real (possibly partial) size, back to back in the
+    block's schedule order, for groups that cut bands. The parts a rank receives, concatenated
+    over groups, are its block's tiles in schedule order: the post-communication reorder needs
+    nothing but the block's shape.
 
 ``allgather`` turns this around: the collective feeds the GEMM instead of consuming it. Its
 blocks are the source ranks' shards (m = M/W rows each), and group g is a *chunk of the
@@ -48,6 +54,10 @@ order. "destinations" (all_to_all): group g takes from each destination block th
 knows only how many rows a source sends it knows what each of that source's groups brings
 (:func:`destination_chunks`): the rule every rank computes alike, with no exchange, whatever
 the ranks' rows and splits. Groups may then be empty, and G is the same on every rank."""
+LAYOUTS = ("rows", "tiles")
+"""How a plan's packed buffer holds its tiles (see the module docstring): "rows", each group's
+part for a destination is whole rows of that destination's block, row-major (no post-reorder);
+"tiles", tile after tile (any group sizes; a post-reorder restores the rows)."""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # fp8 (float8_e4m3fn a and b with float32 scales, flashoverlap_core/fp8.py): the result is in
 # one of OUT_DTYPES, the plan's out_dtype
@@ -65,10 +75,25 @@ def all_to_all_groups(world_size: int, tiles: int, groups: int = ALL_TO_ALL_GROU
     return groups if world_size > 1 else max(1, min(groups, tiles))
 
 
-def destination_chunks(tiles: int, groups: int) -> list[tuple[int, int]]:
+def destination_chunks(tiles: int, groups: int, unit: int = 1) -> list[tuple[int, int]]:
     """The tiles [lo, hi) of a destination block of ``tiles`` tiles that each of ``groups``
-    groups takes ("destinations" grouping)."""
-    return [(g * tiles // groups, (g + 1) * tiles // groups) for g in range(groups)]
+    groups takes ("destinations" grouping): the block's runs of ``unit`` tiles (a "rows"
+    plan's whole strips of bands, :func:`strip_tiles`; the last may be short) shared out as
+    evenly as they go."""
+    units = -(-tiles // unit)
+    return [(min(tiles, g * units // groups * unit), min(tiles, (g + 1) * units // groups * unit))
+            for g in range(groups)]
+
+
+def strip_tiles(n: int, tile: tuple[int, int], schedule: Schedule) -> int:
+    """Tiles of one strip of bands (the ``swizzle`` bands a raster-"n" schedule visits column
+    by column): the smallest run of a block's schedule that is whole row bands."""
+    return schedule.swizzle * -(-n // tile[1])
+
+
+def layout_unit(layout: str, n: int, tile: tuple[int, int], schedule: Schedule) -> int:
+    """Tiles of a block that a group takes at a time: whole strips for "rows", any for "tiles"."""
+    return strip_tiles(n, tile, schedule) if layout == "rows" else 1
 
 
 def dtype_name(dtype) -> str:
@@ -121,15 +146,16 @@ def block_rows_for(op: str, m: int, world_size: int, send_splits) -> tuple[int, 
     return (m,)
 
 
-def group_unit(op: str, world_size: int, n: int, tile: tuple[int, int]) -> int:
+def group_unit(op: str, world_size: int, n: int, tile: tuple[int, int], layout: str = "tiles",
+               schedule: Schedule | None = None) -> int:
     """Tiles every group size must be a multiple of (with the default tile order):
     reduce_scatter, the world size (each group holds the same rows for every rank); allgather,
-    one row band of every shard (W x column tiles: a group is a chunk of whole bands); else 1."""
-    if op == "reduce_scatter":
-        return world_size
+    one row band of every shard (W x column tiles: a group is a chunk of whole bands); else 1.
+    A "rows" plan's groups are whole strips of bands of every block (x :func:`strip_tiles`)."""
     if op == GATHER_OP:
         return world_size * -(-n // tile[1])
-    return 1
+    blocks = world_size if op == "reduce_scatter" else 1
+    return blocks * (layout_unit(layout, n, tile, schedule) if schedule is not None else 1)
 
 
 def moved_dtype(op: str, dtype: str, out_dtype: str | None) -> torch.dtype:
@@ -159,11 +185,12 @@ def transfer_bytes_per_tile(op: str, n: int, k: int, tile: tuple[int, int], item
     return tile[0] * tile[1] * itemsize
 
 
-def destination_group_sizes(grid: TileGrid, groups: int) -> tuple[int, ...]:
+def destination_group_sizes(grid: TileGrid, groups: int, layout: str = "tiles") -> tuple[int, ...]:
     """Tiles of each group of a "destinations" plan over ``grid``."""
     sizes = [0] * groups
+    unit = layout_unit(layout, grid.n, (grid.bm, grid.bn), grid.schedule)
     for d in range(len(grid.block_rows)):
-        for g, (lo, hi) in enumerate(destination_chunks(grid.tiles_per_block(d), groups)):
+        for g, (lo, hi) in enumerate(destination_chunks(grid.tiles_per_block(d), groups, unit)):
             sizes[g] += hi - lo
     return tuple(sizes)
 
@@ -198,6 +225,7 @@ class Plan:
     strategy: str = "overlap"  # one of STRATEGIES
     grouping: str = "waves"  # one of GROUPINGS
     out_dtype: str | None = None  # fp8 plans: the result's dtype (OUT_DTYPES; bfloat16 if None)
+    layout: str | None = None  # one of LAYOUTS; None: "tiles" (allgather: "rows", always)
 
     def __post_init__(self):
         # all_to_all: a rank may have no rows to send (expert parallelism)
@@ -221,6 +249,14 @@ class Plan:
             raise ValueError(f"plan grouping must be one of {GROUPINGS}, got {self.grouping!r}")
         if self.grouping == "destinations" and self.op != "all_to_all":
             raise ValueError(f"the 'destinations' grouping is all_to_all's, not {self.op!r}'s")
+        layout = self.layout if self.layout is not None else (
+            "rows" if self.op == GATHER_OP else "tiles")
+        if layout not in LAYOUTS:
+            raise ValueError(f"plan layout must be one of {LAYOUTS}, got {layout!r}")
+        if self.op == GATHER_OP and layout != "rows":
+            raise ValueError("an allgather plan writes its output in place (layout 'rows'); "
+                             f"got layout {layout!r}")
+        object.__setattr__(self, "layout", layout)
         if self.op == "reduce_scatter" and self.m % self.world_size:
             raise ValueError(
                 f"reduce_scatter needs M divisible by the world size: M={self.m}, W={self.world_size}")
@@ -243,7 +279,7 @@ class Plan:
         for i, s in enumerate(sizes):
             _check_int(f"group_sizes[{i}]", s, 0 if self.grouping == "destinations" else 1)
         if self.grouping == "destinations":
-            want = destination_group_sizes(self.grid, len(sizes))
+            want = destination_group_sizes(self.grid, len(sizes), self.layout)
             if sizes != want:
                 raise ValueError(f"a 'destinations' plan of {len(sizes)} groups over "
                                  f"{self.describe_grid()} has group_sizes {list(want)}, "
@@ -261,6 +297,14 @@ class Plan:
                         f"reduce_scatter group {region.index} is unbalanced across ranks "
                         f"(elements per rank {list(region.dest_numels)}): with this tile order "
                         f"group sizes must be multiples of the world size {self.world_size}")
+        if self.layout == "rows" and self.op != GATHER_OP and self.row_parts is None:
+            unit = group_unit(self.op, self.world_size, self.n, self.tile, "rows", self.schedule)
+            raise ValueError(
+                f"a 'rows' plan's groups are whole row bands of every destination block, but "
+                f"group_sizes {list(sizes)} cut bands ({self.describe_grid()}, schedule "
+                f"raster={self.schedule.raster} swizzle={self.schedule.swizzle}: group "
+                f"boundaries on multiples of {unit} tiles are whole strips of bands); give "
+                f"such group sizes, or layout 'tiles'")
         unit = group_unit(self.op, self.world_size, self.n, self.tile)
         if self.op == GATHER_OP and any(s % unit for s in sizes):
             raise ValueError(
@@ -317,7 +361,8 @@ class Plan:
         order, out, start = self.grid.execution_order, [], 0
         if self.grouping == "destinations":  # chunk g of every block, round-robin over blocks
             per_block = [self.grid.block_tiles(d) for d in range(len(self.block_rows))]
-            chunks = [destination_chunks(len(t), self.num_groups) for t in per_block]
+            unit = layout_unit(self.layout, self.n, self.tile, self.schedule)
+            chunks = [destination_chunks(len(t), self.num_groups, unit) for t in per_block]
             for g in range(self.num_groups):
                 parts = [t[lo:hi] for t, c in zip(per_block, chunks) for lo, hi in [c[g]]]
                 longest = max((len(p) for p in parts), default=0)
@@ -378,11 +423,71 @@ class Plan:
             raise ValueError("an allgather plan packs the gathered rows of a, not output tiles "
                              "(see regions and chunk_rows); its output is written in place")
         out, offset = [], 0
+        starts = self.grid.block_starts
         for g, tiles in enumerate(self.groups):
+            if self.layout == "rows":  # each part: the group's rows of its block, row-major
+                part, parts = offset, {}
+                for d, (r0, r1) in enumerate(self.row_parts[g]):
+                    parts[d] = part - (starts[d] + r0) * self.n
+                    part += (r1 - r0) * self.n
             for t in sorted(tiles, key=lambda t: (t.block, t.local)):
-                out.append((t, g, offset))
+                if self.layout == "rows":
+                    out.append((t, g, parts[t.block] + t.row0 * self.n + t.col0))
+                else:
+                    out.append((t, g, offset))
                 offset += t.numel
         return tuple(out)
+
+    @cached_property
+    def row_parts(self) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        """Per group, per destination block: the rows [r0, r1) of the block (counted from its
+        first row) that the group's tiles cover, when they are whole row bands in one run
+        ((0, 0) when it has none there); None when some group cuts a band or skips one (then
+        only the "tiles" layout fits)."""
+        if self.op == GATHER_OP:
+            return None
+        bm, cols = self.tile[0], -(-self.n // self.tile[1])
+        starts, out = self.grid.block_starts, []
+        for tiles in self.groups:
+            count: dict[tuple[int, int], int] = {}
+            for t in tiles:
+                key = (t.block, (t.row0 - starts[t.block]) // bm)
+                count[key] = count.get(key, 0) + 1
+            parts = []
+            for d, rows in enumerate(self.block_rows):
+                bands = sorted(b for (blk, b) in count if blk == d)
+                if not bands:
+                    parts.append((0, 0))
+                    continue
+                if bands[-1] - bands[0] + 1 != len(bands) or any(count[(d, b)] != cols for b in bands):
+                    return None
+                parts.append((bands[0] * bm, min((bands[-1] + 1) * bm, rows)))
+            out.append(tuple(parts))
+        return tuple(out)
+
+    @cached_property
+    def slabs(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """A "rows" plan: per group, its non-empty parts as (first row of c, end row, packed
+        offset), destination by destination: each part is those rows of c, row-major."""
+        starts, out = self.grid.block_starts, []
+        for region, parts in zip(self.regions, self.row_parts):
+            at, mine = region.offset, []
+            for d, (r0, r1) in enumerate(parts):
+                if r1 > r0:
+                    mine.append((starts[d] + r0, starts[d] + r1, at))
+                at += (r1 - r0) * self.n
+            out.append(tuple(mine))
+        return tuple(out)
+
+    def tile_stride(self, t: TileRect) -> int:
+        """The row stride of tile ``t`` in the packed buffer: N for "rows", its width for
+        "tiles"."""
+        return self.n if self.layout == "rows" else t.cols
+
+    def packed_view(self, packed: torch.Tensor, t: TileRect, offset: int) -> torch.Tensor:
+        """Tile ``t``'s [rows, cols] view of the flat packed buffer at ``offset``."""
+        return packed.as_strided((t.rows, t.cols), (self.tile_stride(t), 1),
+                                 packed.storage_offset() + offset)
 
     @cached_property
     def regions(self) -> tuple[Region, ...]:
@@ -439,7 +544,7 @@ class Plan:
                         self.tile[1], self.schedule)
         groups = self.num_groups if not one else all_to_all_groups(1, grid.num_tiles)
         return replace(self, m=m, send_splits=send,
-                       group_sizes=destination_group_sizes(grid, groups))
+                       group_sizes=destination_group_sizes(grid, groups, self.layout))
 
     def wave_of_group(self, g: int) -> tuple[int, int]:
         """First and last wave (inclusive) that group g's tiles come from."""
@@ -468,11 +573,12 @@ class Plan:
                               for g in range(self.num_groups) for start, end in [self.chunk_rows(g)]
                               for s in range(self.world_size)])
             return (rows.unsqueeze(1) * self.k + torch.arange(self.k)).flatten()
-        parts = []
-        for t, _, _ in self.packed_tiles:
+        index = torch.full((self.packed_numel,), -1, dtype=torch.long)
+        for t, _, offset in self.packed_tiles:
             rows = torch.arange(t.row0, t.row0 + t.rows).unsqueeze(1) * self.n
-            parts.append((rows + torch.arange(t.col0, t.col0 + t.cols)).flatten())
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+            at = torch.arange(t.rows).unsqueeze(1) * self.tile_stride(t) + offset
+            index[(at + torch.arange(t.cols)).flatten()] = (rows + torch.arange(t.col0, t.col0 + t.cols)).flatten()
+        return index
 
     # ---- checking against a call ----------------------------------------------------------
     def mismatches(self, *, m, n, k, op, world_size, dtype, send_splits=None,
@@ -500,6 +606,7 @@ class Plan:
             "group_sizes": list(self.group_sizes),
             "send_splits": list(self.send_splits) if self.send_splits is not None else None,
             "backend": self.backend, "strategy": self.strategy, "grouping": self.grouping,
+            "layout": self.layout,
         } | ({"out_dtype": self.out_dtype} if self.out_dtype is not None else {})
 
     @classmethod
@@ -513,7 +620,8 @@ class Plan:
                 schedule=Schedule(**d["schedule"]), group_sizes=tuple(d["group_sizes"]),
                 send_splits=tuple(d["send_splits"]) if d.get("send_splits") is not None else None,
                 backend=d.get("backend"), strategy=d.get("strategy", "overlap"),
-                grouping=d.get("grouping", "waves"), out_dtype=d.get("out_dtype"))
+                grouping=d.get("grouping", "waves"), out_dtype=d.get("out_dtype"),
+                layout=d.get("layout"))
         except KeyError as e:
             raise ValueError(f"plan JSON lacks field {e}") from None
 
@@ -538,7 +646,10 @@ class Plan:
             f"world size {self.world_size}, backend {self.backend or 'any'}",
             f"  grid: {self.describe_grid()}; schedule raster={self.schedule.raster} "
             f"swizzle={self.schedule.swizzle}",
-            f"  waves: {self.num_waves} of {self.wave_size} tiles; {self.num_groups} group(s)",
+            f"  waves: {self.num_waves} of {self.wave_size} tiles; {self.num_groups} group(s); "
+            + ("output written in place" if self.op == GATHER_OP else
+               "layout rows: groups of whole row bands, no post-reorder" if self.layout == "rows"
+               else "layout tiles: a post-reorder restores the rows"),
         ]
         if self.strategy != "overlap":
             order = "one all-gather, then the plain GEMM" if self.op == GATHER_OP else \
@@ -568,8 +679,8 @@ class Plan:
 
     def __repr__(self) -> str:
         return (f"Plan(op={self.op!r}, M={self.m}, N={self.n}, K={self.k}, W={self.world_size}, "
-                f"dtype={self.dtype}, tile={self.tile}, groups={list(self.group_sizes)}"
-                f"{'' if self.strategy == 'overlap' else f', strategy={self.strategy!r}'})")
+                f"dtype={self.dtype}, tile={self.tile}, groups={list(self.group_sizes)}, "
+                f"layout={self.layout!r}{'' if self.strategy == 'overlap' else f', strategy={self.strategy!r}'})")
 
 
 @lru_cache(maxsize=64)

@@ -5,7 +5,8 @@ slots; when a group's last tile is stored, its collective starts asynchronously 
 the next groups' tiles are computed; then the post-communication reorder (fused into the
 residual add and the RMSNorm for ``fo.overlap_add_rmsnorm``: rows read from the received tiles
 through the band table of :func:`~flashoverlap_core.reorder.band_offsets`, as a fused kernel
-reads them). It is the executable specification every other backend is tested against, not a
+reads them). A "rows" plan's packed buffer of an allreduce or callable op is the output itself,
+and its collectives leave the rows in place: nothing is reordered. It is the executable specification every other backend is tested against, not a
 fast path.
 """
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from .backend import Backend, OverlapCall
-from .collectives import RegionExchange
+from .collectives import RegionExchange, packed_buffer
 from .gather import execute_tiles
 from .plan import GATHER_OP
-from .reorder import add_rmsnorm, band_offsets, pack_tile, row_index
+from .reorder import add_rmsnorm, band_offsets, row_index
 from .tile_trace import HostRecorder, NoRecorder, TileTrace
 
 
@@ -44,6 +45,8 @@ class ReferenceBackend(Backend):
     def run_add_rmsnorm(self, call: OverlapCall, residual, weight, eps: float):
         """The received tiles read row by row through the band table, then add + RMSNorm."""
         exchange = self._communicate(call, NoRecorder())
+        if call.plan.layout == "rows":  # the reduced rows are in place
+            return add_rmsnorm(exchange.finish(), residual, weight, eps)
         (rows_view, tiles, offsets), = exchange.block_layouts()  # allreduce, reduce_scatter
         rows, n = rows_view.shape
         index = row_index(band_offsets(tiles, offsets, rows, n, call.plan.tile), rows, n,
@@ -61,13 +64,13 @@ class ReferenceBackend(Backend):
         plan = call.plan
         acc = accumulation_dtype(call.a.dtype)
         a, b = call.a.to(acc), call.b.to(acc)
-        packed = torch.empty(plan.packed_numel, dtype=call.a.dtype, device=call.a.device)
+        packed = packed_buffer(call)
         offsets = {tile: offset for tile, _, offset in plan.packed_tiles}
         exchange = RegionExchange(call, packed)
         for g, tiles in enumerate(plan.groups):
             for t in tiles:
                 value = a[t.row0:t.row0 + t.rows] @ b[:, t.col0:t.col0 + t.cols]
-                pack_tile(packed, offsets[t], t, value)
+                plan.packed_view(packed, t, offsets[t]).copy_(value)
                 recorder.tile_done()
             recorder.transfer_started(g)
             launched = len(exchange.works)

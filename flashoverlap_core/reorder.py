@@ -1,7 +1,7 @@
 """Pre- and post-communication reorder, in plain torch (the executable specification).
 
-``pack_tile`` writes one finished tile into its packed slot (what a signaling GEMM's epilogue
-does); ``unpack_block`` turns one destination block's tile stream (its tiles in schedule order,
+A signaling GEMM's epilogue writes each finished tile into its packed slot
+(:meth:`~flashoverlap_core.plan.Plan.packed_view`); ``unpack_block`` turns one destination block's tile stream (its tiles in schedule order,
 each row-major at its real size, back to back) into row-major rows. Backends with their own
 kernels must produce the same bytes.
 
@@ -17,11 +17,6 @@ import math
 import torch
 
 from .tiles import Schedule, TileGrid, TileRect
-
-
-def pack_tile(packed: torch.Tensor, offset: int, tile: TileRect, value: torch.Tensor) -> None:
-    """Store ``value`` ([rows, cols]) as tile ``tile`` at ``offset`` of the flat packed buffer."""
-    packed[offset:offset + tile.numel].view(tile.rows, tile.cols).copy_(value)
 
 
 def block_tiles(rows: int, n: int, tile: tuple[int, int], schedule: Schedule) -> list[TileRect]:

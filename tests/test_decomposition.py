@@ -184,5 +184,7 @@ def test_whole_row_allreduce_writes_the_output_in_place():
     assert plan.tile == (128, 40) and rows_in_order(plan)
     assert fo.overlap(a, b, plan=plan, out=out) is out
     torch.testing.assert_close(out, a @ b)
+    assert rows_in_order(fo.plan(300, 40, 16, "allreduce", 1, torch.float32, tile=(128, 32),
+                                 backend="decomposition"))  # "rows" layout: whole bands
     assert not rows_in_order(fo.plan(300, 40, 16, "allreduce", 1, torch.float32, tile=(128, 32),
-                                     backend="decomposition"))
+                                     backend="decomposition", layout="tiles"))

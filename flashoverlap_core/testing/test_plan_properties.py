@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import flashoverlap_core as fo
-from flashoverlap_core.plan import (GATHER_OP, PLAN_OPS, STRATEGIES, Plan, block_rows_for, dtype_name,
-                                    group_unit)
+from flashoverlap_core.plan import (GATHER_OP, PLAN_OPS, STRATEGIES, Plan, block_rows_for,
+                                    destination_group_sizes, dtype_name, group_unit)
 from flashoverlap_core.reorder import unpack_block
 from flashoverlap_core.tiles import RASTERS, Schedule, TileGrid
 
@@ -52,6 +52,33 @@ def plans(draw) -> Plan:
     return Plan(m, n, draw(st.integers(1, 64)), op, w, draw(st.sampled_from(["float32", "float16", "bfloat16"])),
                 tile, draw(st.integers(1, 8)), sizes, schedule, splits,
                 strategy=draw(st.sampled_from(STRATEGIES)))
+
+
+@st.composite
+def rows_plans(draw) -> Plan:
+    """Random "rows" plans: groups of whole strips of bands ("waves") or the all_to_all
+    "destinations" rule, ragged shapes, partial last bands and columns, zero splits."""
+    op = draw(st.sampled_from(["allreduce", "reduce_scatter", "all_to_all", "custom"]))
+    w = draw(st.integers(1, 4))
+    m = w * draw(st.integers(1, 12)) if op == "reduce_scatter" else draw(st.integers(1, 48))
+    n = draw(st.integers(1, 40))
+    splits = draw(send_splits(m, w)) if op == "all_to_all" and w > 1 else None
+    tile = (draw(st.integers(1, 8)), draw(st.integers(1, 16)))
+    schedule = Schedule("n", draw(st.integers(1, 4)))
+    grid = TileGrid(block_rows_for(op, m, w, splits), n, *tile, schedule)
+    common = dict(m=m, n=n, k=draw(st.integers(1, 32)), op=op, world_size=w, dtype="float32",
+                  tile=tile, wave_size=draw(st.integers(1, 8)), schedule=schedule,
+                  send_splits=splits, layout="rows")
+    if op == "all_to_all" and draw(st.booleans()):
+        groups = draw(st.integers(1, 5))
+        return Plan(group_sizes=destination_group_sizes(grid, groups, "rows"),
+                    grouping="destinations", **common)
+    assume(op != "all_to_all" or len(set(grid.block_rows)) == 1)  # "waves": equal blocks
+    unit = group_unit(op, w, n, tile, "rows", schedule)
+    units = -(-grid.num_tiles // unit)
+    cuts = compositions(draw, units, draw(st.integers(1, min(6, units))), 1)
+    ends = [min(grid.num_tiles, unit * sum(cuts[:i + 1])) for i in range(len(cuts))]
+    return Plan(group_sizes=tuple(b - a for a, b in zip([0] + ends, ends)), **common)
 
 
 def block_bounds(plan: Plan) -> list[tuple[int, int]]:
@@ -139,8 +166,8 @@ def check_pack_unpack(plan: Plan) -> None:
         for region in plan.regions:
             start = region.offset + sum(region.dest_numels[:d])
             parts.append(packed[start:start + region.dest_numels[d]])
-        if plan.op == GATHER_OP:  # a shard's rows arrive row-major, chunk after chunk
-            out[lo:hi] = torch.cat(parts).view(hi - lo, -1)
+        if plan.op == GATHER_OP or plan.layout == "rows":  # rows arrive in order, row-major
+            out[lo:hi] = torch.cat(parts).view(hi - lo, out.shape[1])
         else:
             unpack_block(torch.cat(parts), out[lo:hi], plan.tile, plan.schedule)
     assert torch.equal(out, c)
@@ -156,6 +183,43 @@ def test_plan_invariants(plan):
 @given(plans())
 def test_pack_then_unpack_is_identity(plan):
     check_pack_unpack(plan)
+
+
+@SETTINGS
+@given(rows_plans())
+def test_rows_plans_are_whole_bands_received_in_their_final_rows(plan):
+    """A "rows" plan's groups are whole row bands of each block, each part of a region is its
+    destination's rows in order (what a rank receives, concatenated, is its rows: no
+    post-reorder), and its regions are the tile layout's."""
+    assert plan.row_parts is not None
+    check_invariants(plan)
+    check_pack_unpack(plan)
+    bm, index = plan.tile[0], plan.packed_index()
+    for slabs in plan.slabs:
+        for row0, row1, offset in slabs:
+            want = torch.arange(row0 * plan.n, row1 * plan.n)
+            assert torch.equal(index[offset:offset + want.numel()], want)
+    for parts in plan.row_parts:
+        assert all(r0 % bm == 0 and r0 <= r1 for r0, r1 in parts)
+    if plan.grouping == "waves":
+        tiles = Plan.from_dict(plan.to_dict() | {"layout": "tiles"})
+        assert tiles.regions == plan.regions and tiles.groups == plan.groups
+
+
+@SETTINGS
+@given(rows_plans(), st.integers(0, 2**31 - 1))
+def test_rows_and_tiles_layouts_compute_the_same_result(plan, seed):
+    """The reference backend's result is bit for bit the same in both layouts (W = 1)."""
+    assume(plan.world_size == 1 and plan.m > 0)
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(plan.m, plan.k, generator=gen, dtype=torch.float64)
+    b = torch.randn(plan.k, plan.n, generator=gen, dtype=torch.float64)
+    op = plan.op if plan.op != "custom" else (lambda region, index: None)
+    assume(plan.grouping == "waves")
+    tiles = Plan.from_dict(plan.to_dict() | {"layout": "tiles"})
+    got = [fo.overlap(a.float(), b.float(), op, plan=p, backend="reference") for p in (plan, tiles)]
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0].double(), a @ b, rtol=1e-4, atol=1e-4)
 
 
 @SETTINGS

@@ -33,7 +33,7 @@ from filelock import FileLock
 
 from ..backend import Backend, OverlapSpec
 from ..devices import device_name
-from ..plan import Plan, block_rows_for
+from ..plan import Plan, block_rows_for, group_unit
 from ..tiles import TileGrid
 
 log = logging.getLogger("flashoverlap")
@@ -191,11 +191,13 @@ def rebuild_plan(tuned: Plan, spec: OverlapSpec, backend: Backend) -> Plan | Non
                             send_splits=spec.send_splits):
             rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
             tiles = TileGrid(rows, spec.n, *tuned.tile, tuned.schedule).num_tiles
-            unit = spec.world_size if spec.op == "reduce_scatter" else 1
+            unit = group_unit(spec.op, spec.world_size, spec.n, tuned.tile, tuned.layout,
+                              tuned.schedule)
             plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype,
                         tuned.tile, tuned.wave_size, carried_groups(tuned, tiles, unit),
                         tuned.schedule, spec.send_splits, backend.name,
-                        strategy=tuned.strategy)  # a "sequential" plan stays sequential
+                        strategy=tuned.strategy,  # a "sequential" plan stays sequential
+                        layout=tuned.layout)
         else:
             plan = tuned
     except (ValueError, TypeError) as e:

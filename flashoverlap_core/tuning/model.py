@@ -229,14 +229,14 @@ class OverlapModel:
     cost: CostCurve
     contention: Contention = Contention()
     post_s: float = 0.0
-    unit: int = 1  # group sizes must be multiples of this (the world size for reduce_scatter)
+    unit: int = 1  # group boundaries fall on multiples of this (plan.group_unit), or at the end
 
     @classmethod
     def for_plan(cls, plan, timing: GemmTiming, cost: CostCurve,
                  contention: Contention = Contention(), post_s: float = 0.0) -> "OverlapModel":
         """The model of ``plan``'s tile grid (its grouping does not matter)."""
         return cls(timing, prefix_bytes(plan), cost, contention, post_s,
-                   plan.world_size if plan.op == "reduce_scatter" else 1)
+                   group_unit(plan.op, plan.world_size, plan.n, plan.tile, plan.layout, plan.schedule))
 
     @property
     def num_tiles(self) -> int:
