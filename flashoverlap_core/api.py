@@ -719,8 +719,9 @@ def prepared_calls() -> list[dict]:
     (this rank's), ``b_layout``, ``dtype`` (of a and b), ``out_dtype`` (an fp8 call's result,
     else None), ``device``, the plan's ``M``, ``N``, ``K`` and
     ``world_size``, the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan
-    runs the device's matmul and torch.distributed, whatever backend made it) and ``groups``,
-    and ``runner``, the type name of the prepared call. Read from the call path's table, which
+    runs the device's matmul and torch.distributed, whatever backend made it), ``groups`` and
+    ``layout``, ``workspace_bytes`` (device memory the call keeps beyond its outputs), and
+    ``runner``, the type name of the prepared call. Read from the call path's table, which
     keeps the last :data:`MAX_PREPARED` keys since :func:`forget_prepared`."""
     from types import SimpleNamespace
 
@@ -738,7 +739,9 @@ def prepared_calls() -> list[dict]:
             "N": p.n, "K": p.k,
             "world_size": p.world_size,
             "backend": ran_by.name if isinstance(ran_by, Backend) else p.backend,
-            "strategy": p.strategy, "groups": p.num_groups, "runner": type(runner).__name__})
+            "strategy": p.strategy, "groups": p.num_groups, "layout": p.layout,
+            "workspace_bytes": runner.workspace_bytes() if hasattr(runner, "workspace_bytes") else 0,
+            "runner": type(runner).__name__})
     return found
 
 

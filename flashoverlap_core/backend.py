@@ -95,6 +95,11 @@ class PreparedCall:
         self.template = dataclasses.replace(template, a=None, b=None, out=None, scale_a=None,
                                             scale_b=None)
 
+
+    def workspace_bytes(self) -> int:
+        """Device memory this prepared call holds for its calls beyond their outputs (packed
+        and staging buffers, counters): ``fo.prepared_calls()`` reports it."""
+        return 0
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         return self.backend.run(self._call(a, b, out, op))
 

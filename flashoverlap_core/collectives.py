@@ -376,8 +376,10 @@ def collective_steps(exchange: RegionExchange) -> tuple[list[int], int, int]:
 def unpack_layouts(exchange: RegionExchange) -> list[tuple[int, list, list[int]]]:
     """The post-communication reorder as tables: per received block with tiles, (its first
     element in ``out``, its tiles as (row0, rows, col0, cols) relative to the block, each
-    tile's element offset in the staging buffer)."""
+    tile's element offset in the staging buffer); none for a "rows" plan."""
     out, layouts = exchange.call.out, []
+    if exchange.plan.layout == "rows":
+        return layouts
     for rows_view, tiles, offsets in exchange.block_layouts():
         if tiles:
             start = (rows_view.data_ptr() - out.data_ptr()) // out.element_size()

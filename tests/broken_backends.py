@@ -11,7 +11,7 @@ import torch
 
 from flashoverlap_core.collectives import RegionExchange
 from flashoverlap_core.reference import ReferenceBackend, accumulation_dtype
-from flashoverlap_core.reorder import pack_tile, unpack_tiles
+from flashoverlap_core.reorder import unpack_tiles
 
 
 class FaultyReference(ReferenceBackend):
@@ -27,7 +27,8 @@ class FaultyReference(ReferenceBackend):
         for g, tiles in enumerate(plan.groups):
             self.before_group(exchange, g)
             for t in tiles:
-                pack_tile(packed, offsets[t], t, a[t.row0:t.row0 + t.rows] @ b[:, t.col0:t.col0 + t.cols])
+                plan.packed_view(packed, t, offsets[t]).copy_(
+                    a[t.row0:t.row0 + t.rows] @ b[:, t.col0:t.col0 + t.cols])
             self.group_done(exchange, g)
         exchange.wait()
         return self.post_reorder(exchange)
@@ -80,6 +81,9 @@ class NoPostReorder(FaultyReference):
     row-major rows."""
 
     name = "broken-no-post-reorder"
+
+    def layouts(self, spec):
+        return ("tiles",)  # a "rows" plan has no post-reorder to forget
 
     def post_reorder(self, exchange):
         out = exchange.call.out

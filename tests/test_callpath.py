@@ -208,16 +208,17 @@ def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
                         lambda *a, **k: made.append(a) or real_empty_strided(*a, **k))
     calls = fo.prepared_calls()
     assert made == []
-    same = {"dtype": "float32", "out_dtype": None, "device": "cpu", "world_size": 1, "K": 9}
+    same = {"dtype": "float32", "out_dtype": None, "device": "cpu", "world_size": 1, "K": 9,
+            "workspace_bytes": 0}
     assert calls == [
         {"op": "allreduce", "a": [6, 9], "b": [9, 11], "b_layout": "col", "M": 6, "N": 11,
-         "backend": "reference", "strategy": "overlap", "groups": 2, "runner": "PreparedCall",
-         **same},
+         "backend": "reference", "strategy": "overlap", "groups": 2, "layout": "rows",
+         "runner": "PreparedCall", **same},
         {"op": "reduce_scatter", "a": [8, 9], "b": [9, 5], "b_layout": "row", "M": 8, "N": 5,
-         "backend": "decomposition", "strategy": "overlap", "groups": 3,
+         "backend": "decomposition", "strategy": "overlap", "groups": 3, "layout": "tiles",
          "runner": "PreparedCall", **same},
         {"op": "allgather", "a": [4, 9], "b": [9, 5], "b_layout": "strided", "M": 4, "N": 5,
-         "backend": "reference", "strategy": "sequential", "groups": 1,
+         "backend": "reference", "strategy": "sequential", "groups": 1, "layout": "rows",
          "runner": "SequentialCall", **same},
     ]
     api.forget_prepared()

@@ -1,7 +1,8 @@
 """The tables a native call path issues (collective steps, post-reorder layouts), executed
 step by step with torch.distributed on CPU ranks exactly as the cuda backend's fo_call_run
 issues them with NCCL: the packed GEMM output, per step its collective on the given offsets
-and counts (all_to_all as grouped point-to-point), then the unpack. Checks the tables' meaning
+and counts (all_to_all as grouped point-to-point), then the unpack ("tiles" plans; a "rows"
+plan's allreduce reduces the output in place and its reduce_scatter receives into it). Checks the tables' meaning
 against a float64 reference without a GPU, at world sizes where no GPU run was possible."""
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ def _rank_inputs(seed, rank, m, n, k):
     return torch.randn(m, k, generator=g), torch.randn(k, n, generator=torch.Generator().manual_seed(seed))
 
 
-def _execute(seed, op, sizes_of):
+def _execute(seed, op, sizes_of, layout="tiles"):
     import torch.distributed as dist
 
     import flashoverlap_core as fo
     from flashoverlap_core.backend import OverlapCall
     from flashoverlap_core.collectives import (RegionExchange, collective_steps,
                                                reduce_scatter_single, unpack_layouts)
+    from flashoverlap_core.plan import group_unit
 
     rank, world = dist.get_rank(), dist.get_world_size()
     m, n, k = 6 * world * 5, 37, 9
@@ -33,15 +35,17 @@ def _execute(seed, op, sizes_of):
     plan = fo.plan(m, n, k, op=op, world_size=world, dtype=torch.float32, backend="reference",
                    tile=(8, 16), send_splits=send)
     cuts = plan.num_tiles
-    unit = world if op == "reduce_scatter" else 1
+    unit = group_unit(op, world, n, plan.tile, layout, plan.schedule)
     sizes = [unit * (cuts // unit // 3)] * 2
     sizes.append(cuts - sum(sizes))
     plan = fo.plan(m, n, k, op=op, world_size=world, dtype=torch.float32, backend="reference",
-                   tile=(8, 16), send_splits=send, group_sizes=sizes)
+                   tile=(8, 16), send_splits=send, group_sizes=sizes, layout=layout)
     c = a @ b
-    packed = c.flatten()[plan.packed_index()].contiguous()  # what the signaling GEMM writes
     rows = {"allreduce": m, "reduce_scatter": m // world, "all_to_all": sum(recv or [m])}[op]
     out = torch.full((rows, n), float("nan"))
+    packed = c.flatten()[plan.packed_index()].contiguous()  # what the signaling GEMM writes
+    if layout == "rows" and op == "allreduce":  # the GEMM writes the output itself
+        packed = out.view(-1).copy_(packed)
     call = OverlapCall(a, b, plan, op, dist.group.WORLD, rank, world, out, tuple(recv) if recv else None)
     exchange = RegionExchange(call, packed)
     table, steps, per_step = collective_steps(exchange)
@@ -100,9 +104,10 @@ def _ragged(src, world, m):
 def test_native_tables_give_the_reference_result(world):
     from flashoverlap_core.tools.ranks import RankPool
 
-    cases = [("allreduce", _equal), ("reduce_scatter", _equal), ("all_to_all", _equal),
-             ("all_to_all", _ragged)]
+    cases = [("allreduce", _equal, "tiles"), ("reduce_scatter", _equal, "tiles"),
+             ("all_to_all", _equal, "tiles"), ("all_to_all", _ragged, "tiles"),
+             ("allreduce", _equal, "rows"), ("reduce_scatter", _equal, "rows")]
     with RankPool(world, timeout=240) as pool:
-        for op, sizes in cases:
-            errors = pool.run(_execute, 7, op, sizes)
-            assert max(errors) < 1e-4, (op, sizes.__name__, errors)
+        for op, sizes, layout in cases:
+            errors = pool.run(_execute, 7, op, sizes, layout)
+            assert max(errors) < 1e-4, (op, sizes.__name__, layout, errors)

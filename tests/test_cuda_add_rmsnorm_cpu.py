@@ -15,10 +15,10 @@ from flashoverlap_core.collectives import RegionExchange
 from flashoverlap_core.reorder import row_index, unpack_tiles
 
 
-def _exchange(m, n, op, dtype="bfloat16", group_sizes=None):
+def _exchange(m, n, op, dtype="bfloat16", group_sizes=None, layout=None):
     torch_dtype = getattr(torch, dtype)
     plan = fo.plan(m, n, 64, op=op, dtype=torch_dtype, backend="reference", tile=(128, 256),
-                   group_sizes=group_sizes)
+                   group_sizes=group_sizes, layout=layout)
     out = torch.empty(m, n, dtype=torch_dtype)
     call = OverlapCall(torch.empty(m, 64, dtype=torch_dtype), torch.empty(64, n, dtype=torch_dtype),
                        plan, op if op != "custom" else (lambda region, g: None), None, 0, 1, out)
@@ -28,14 +28,24 @@ def _exchange(m, n, op, dtype="bfloat16", group_sizes=None):
 @pytest.mark.parametrize("m, n", [(1, 4096), (300, 1000), (1025, 5120), (7, 13)])
 @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
 def test_band_table_reads_the_post_reordered_rows(m, n, op):
-    exchange, plan = _exchange(m, n, op, group_sizes=None)
-    table, rows = band_table(exchange, torch.device("cpu"))
-    assert rows == m and table.dtype == torch.int64
+    exchange, plan = _exchange(m, n, op, group_sizes=None, layout="tiles")
+    table, rows, tile = band_table(exchange, torch.device("cpu"))
+    assert rows == m and table.dtype == torch.int64 and tile == plan.tile
     assert tuple(table.shape) == (-(-m // 128), -(-n // 256))
     (view, tiles, offsets), = exchange.block_layouts()
     want = unpack_tiles(exchange.staging, offsets, tiles, torch.empty(m, n, dtype=torch.bfloat16))
     got = exchange.staging[row_index(table.tolist(), m, n, plan.tile)]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m, n", [(1, 4096), (300, 1000), (7, 13)])
+def test_band_table_of_a_rows_plan_reads_rows_in_place(m, n):
+    exchange, plan = _exchange(m, n, "allreduce", group_sizes=None)
+    assert plan.layout == "rows"
+    table, rows, tile = band_table(exchange, torch.device("cpu"))
+    assert tile == (plan.tile[0], n) and tuple(table.shape) == (-(-m // 128), 1)
+    src = torch.randn(m * n)
+    assert torch.equal(src[row_index(table.tolist(), m, n, tile)], src.view(m, n))
 
 
 @pytest.mark.parametrize("op, dtype", [("custom", "bfloat16"), ("allreduce", "float32")])

@@ -17,19 +17,24 @@ DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # the kernel's activation types (fl
 FUSED_OPS = ("allreduce", "reduce_scatter")  # ops whose result is one block of rows
 
 
-def band_table(exchange: RegionExchange, device: torch.device) -> tuple[torch.Tensor, int] | None:
+def band_table(exchange: RegionExchange, device: torch.device
+               ) -> tuple[torch.Tensor, int, tuple[int, int]] | None:
     """(the band table of the call's output block in its staging buffer, on ``device``; the
-    block's rows), or None for ops the fused kernel does not serve."""
+    block's rows; the tile the table counts in), or None for ops the fused kernel does not
+    serve. A "rows" plan's rows are in place: each band is one tile of all N columns."""
     plan = exchange.plan
     if exchange.kind not in FUSED_OPS or plan.dtype not in DTYPE_CODES:
         return None
+    rows, n = exchange.call.out.shape
+    if plan.layout == "rows":
+        bands = torch.arange(0, rows, plan.tile[0], dtype=torch.int64) * n
+        return bands.view(-1, 1).to(device), rows, (plan.tile[0], n)
     (rows_view, tiles, offsets), = exchange.block_layouts()
-    rows, n = rows_view.shape
     table = torch.tensor(band_offsets(tiles, offsets, rows, n, plan.tile), dtype=torch.int64)
     if n % 8 == 0 and plan.tile[1] % 8 == 0 and bool((table % 8).any()):
         # the kernel's 16-byte path relies on it (true of tiles stored back to back)
         raise ValueError(f"the staging offsets of {plan.describe_grid()} are not multiples of 8")
-    return table.to(device), rows
+    return table.to(device), rows, plan.tile
 
 
 def residual_operand(residual: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:

@@ -27,7 +27,7 @@ from flashoverlap_core.tiles import RASTERS
 from . import kernels, nccl
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, _current_device, _current_stream_getter,
                            b_col_major, outside_graph_pools, wait_mode)
-from .runtime import WAIT_MODES, A2aBuffers, A2aDescription
+from .runtime import ABI_VERSION, WAIT_MODES, A2aBuffers, A2aDescription
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
@@ -151,7 +151,7 @@ class CudaAllToAllCall:
         self.warmed = False
         self.current_stream = _current_stream_getter()
         desc = A2aDescription()
-        desc.abi_version = 1
+        desc.abi_version = ABI_VERSION
         desc.gemm_run_blocks = self.gemm.run_blocks_address
         desc.tile_m, desc.tile_n = plan.tile
         desc.N = plan.n

@@ -26,6 +26,7 @@ capture raises a ValueError that says to run it once outside capture first.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -43,6 +44,7 @@ from . import all_to_all, kernels, nccl
 from .device_state import (ENV_ARCH, ENV_RESERVED_SMS, PlanTables, aligned_rows, b_col_major,
                            gemm_scales, kernel_scale, outside_graph_pools, reserved_sms)
 from .gather import CudaGatherCall
+from .runtime import GemmParams
 from .signal_call import CudaCall
 
 log = logging.getLogger("flashoverlap")
@@ -163,8 +165,15 @@ class CudaBackend(Backend):
         # Chunks of 8 bands, column by column: a wave reads a few bands of A and sweeps B.
         return Schedule("n", 8)
 
+    def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:
+        # all_to_all's call lays out each call's tiles on the device, in the tile layout only
+        return ("tiles",) if spec.op == "all_to_all" else ("rows", "tiles")
+
     def plan_reasons(self, plan) -> list[str]:
         reasons = []
+        if plan.op == "all_to_all" and plan.layout == "rows":
+            reasons.append("all_to_all runs 'tiles' plans on cuda (its per-call layout has no "
+                           "'rows' form yet)")
         tiles = kernels.supported_tiles(self._arch())
         if tuple(plan.tile) not in tiles:
             reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{self._arch()}; "
@@ -212,7 +221,8 @@ class CudaBackend(Backend):
                     signal: bool = True, monitor: torch.Tensor | None = None,
                     stream: torch.cuda.Stream | None = None,
                     counters: torch.Tensor | None = None, scales=None) -> PlanTables:
-        """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective).
+        """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective;
+        a "rows" plan writes whole rows, row stride N).
 
         ``signal=False`` runs the same kernel with no counters (for measuring what signaling
         costs); ``counters`` default to the plan's benchmark counters (``tables.counters``);
@@ -223,19 +233,20 @@ class CudaBackend(Backend):
         gemm, col, arch = self.gemm_for(plan, tables, b)
         a_op, b_op, k = self._operands(arch, a, b, col)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
-        workspace = self._workspace(gemm, plan, k, a.device)
         stream = stream or torch.cuda.current_stream(a.device)
         counters = counters if counters is not None else tables.counters
-        args = (packed.data_ptr(), blocks, rows, plan.n, k, a_op.stride(0), b_op.stride(0),
-                tables.items.data_ptr(), tables.item_group.data_ptr(), plan.num_tiles,
-                counters.data_ptr() if signal else None, plan.wave_size,
-                monitor.data_ptr() if monitor is not None else None,
-                workspace.data_ptr() if workspace is not None else None, stream.cuda_stream)
+        params = GemmParams(
+            a=a_op.data_ptr(), lda=a_op.stride(0), b=b_op.data_ptr(), ldb=b_op.stride(0),
+            out=packed.data_ptr(), ldo=plan.n if plan.layout == "rows" else 0, L=blocks,
+            block_rows=rows, N=plan.n, K=k, items=tables.items.data_ptr(),
+            item_group=tables.item_group.data_ptr(), num_items=plan.num_tiles,
+            counters=counters.data_ptr() if signal else None, num_ctas=plan.wave_size,
+            monitor=monitor.data_ptr() if monitor is not None else None)
         if gemm.fp8:
             scale_a, scale_b = (kernel_scale(t) for t in scales)
-            gemm.run_scaled(a_op.data_ptr(), b_op.data_ptr(), gemm_scales(scale_a, scale_b), *args)
-        else:
-            gemm.run(a_op.data_ptr(), b_op.data_ptr(), *args)
+            held = gemm_scales(scale_a, scale_b)
+            params.scales = ctypes.pointer(held)
+        gemm.launch(params, stream.cuda_stream)
         return tables
 
     @staticmethod

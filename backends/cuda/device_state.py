@@ -99,15 +99,20 @@ class StreamState:
     """What the calls of one key on one compute stream use, and no other call: the group
     counters, the packed and staging buffers and the communication stream."""
 
-    def __init__(self, plan, device: torch.device, dtype: torch.dtype, staging_numel: int | None):
+    def __init__(self, plan, device: torch.device, dtype: torch.dtype, staging_numel: int | None,
+                 packed: bool = True):
         low, high = torch.cuda.Stream.priority_range()
         self.comm = torch.cuda.Stream(device=device, priority=high)
         self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-        self.packed = torch.empty(plan.packed_numel, dtype=dtype, device=device)
+        # a "rows" allreduce writes the call's output itself: packed=False, no buffers
+        self.packed = torch.empty(plan.packed_numel, dtype=dtype, device=device) if packed else None
         self.staging = (self.packed if staging_numel is None
                         else torch.empty(staging_numel, dtype=dtype, device=device))
+        if plan.layout == "rows" and staging_numel is None:
+            self.staging = None  # what the fused norm reads: made on its first call
         for t in (self.counters, self.packed, self.staging):
-            t.record_stream(self.comm)  # freed only once the communication stream is done
+            if t is not None:
+                t.record_stream(self.comm)  # freed only once the communication stream is done
         self.handle = None  # the native call (fo_call), when the key takes the native path
         self.runtime = None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_float, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 FP8_DTYPE_CODE = 2  # fo_gemm_config.dtype of an e4m3 build (FO_DTYPE_E4M3)
 WAIT_MODES = {"stream_wait_value": 0, "spin_kernel": 1}
 
@@ -23,7 +23,7 @@ class CallDescription(ctypes.Structure):
     """fo_call_desc: a prepared overlapped call (see flashoverlap_cuda.h)."""
 
     _fields_ = [
-        ("abi_version", c_int), ("gemm_run", c_void_p), ("L", c_int), ("block_rows", c_int),
+        ("abi_version", c_int), ("gemm_launch", c_void_p), ("L", c_int), ("block_rows", c_int),
         ("N", c_int), ("K", c_int), ("items", c_void_p),
         ("item_group", c_void_p), ("num_items", c_int), ("num_ctas", c_int),
         ("workspace", c_void_p), ("packed", c_void_p), ("staging", c_void_p),
@@ -35,9 +35,9 @@ class CallDescription(ctypes.Structure):
         ("block_offsets", POINTER(c_void_p)), ("block_num_tiles", POINTER(c_int32)),
         ("ldo", c_int64), ("elem_size", c_int), ("comm_stream", c_void_p),
         ("gemm_set_node", c_void_p), ("use_graph", c_int),
-        # fp8 (null / 0 for 16-bit calls)
-        ("gemm_run_scaled", c_void_p), ("gemm_set_node_scaled", c_void_p),
-        ("scale_a_per_row", c_int), ("scale_b_per_col", c_int),
+        # fp8 (0 for 16-bit calls)
+        ("scaled", c_int), ("scale_a_per_row", c_int), ("scale_b_per_col", c_int),
+        ("rows", c_int),  # a "rows" plan: no post-reorder
     ]
 
 
@@ -45,6 +45,18 @@ class GemmScales(ctypes.Structure):
     """fo_gemm_scales: the float32 scales of an e4m3 GEMM (see flashoverlap_cuda.h)."""
 
     _fields_ = [("a", c_void_p), ("b", c_void_p), ("a_per_row", c_int), ("b_per_col", c_int)]
+
+
+class GemmParams(ctypes.Structure):
+    """fo_gemm_params: one launch of a GEMM library (see flashoverlap_cuda.h)."""
+
+    _fields_ = [
+        ("a", c_void_p), ("lda", c_int64), ("b", c_void_p), ("ldb", c_int64),
+        ("scales", POINTER(GemmScales)), ("out", c_void_p), ("ldo", c_int64), ("L", c_int),
+        ("block_rows", c_int), ("N", c_int), ("K", c_int), ("items", c_void_p),
+        ("item_group", c_void_p), ("num_items", c_int), ("counters", c_void_p),
+        ("num_ctas", c_int), ("monitor", c_void_p),
+    ]
 
 
 class GatherDescription(ctypes.Structure):
@@ -129,15 +141,15 @@ class GemmLibrary(_Library):
         self.run_ex_address = ctypes.cast(lib.fo_gemm_run_ex, c_void_p).value  # fo_gather_desc
         self.run_blocks_address = ctypes.cast(lib.fo_gemm_run_blocks, c_void_p).value  # fo_a2a_desc
         self.description = lib.fo_gemm_describe().contents
-        self.run_address = ctypes.cast(lib.fo_gemm_run, c_void_p).value  # for fo_call_desc
-        self.set_node_address = ctypes.cast(lib.fo_gemm_set_node, c_void_p).value
+        lib.fo_gemm_launch.argtypes = [POINTER(GemmParams), c_void_p]
+        lib.fo_gemm_launch.restype = c_int
+        self.launch_address = ctypes.cast(lib.fo_gemm_launch, c_void_p).value  # fo_call_desc
+        self.set_node_address = ctypes.cast(lib.fo_gemm_set_node_params, c_void_p).value
         # fp8 (e4m3 builds): the same calls with the scales
         lib.fo_gemm_run_scaled.argtypes = [
             c_void_p, c_void_p, POINTER(GemmScales), c_void_p, c_int, c_int, c_int, c_int, c_int64,
             c_int64, c_void_p, c_void_p, c_int, c_void_p, c_int, c_void_p, c_void_p, c_void_p]
         lib.fo_gemm_run_scaled.restype = c_int
-        self.run_scaled_address = ctypes.cast(lib.fo_gemm_run_scaled, c_void_p).value
-        self.set_node_scaled_address = ctypes.cast(lib.fo_gemm_set_node_scaled, c_void_p).value
         self.fp8 = self.description.dtype == FP8_DTYPE_CODE
         if self.description.abi_version != ABI_VERSION:
             raise KernelError(f"{path} has ABI version {self.description.abi_version}, "
@@ -164,6 +176,10 @@ class GemmLibrary(_Library):
             a, b, ctypes.byref(scales), packed, blocks, block_rows, n, k, lda, ldb, items,
             item_group, num_items, counters, ctas, monitor, workspace, stream),
             "fo_gemm_run_scaled")
+
+    def launch(self, params: GemmParams, stream) -> None:
+        """fo_gemm_launch: one launch of any build, in either layout (``params.ldo``)."""
+        self.check(self.lib.fo_gemm_launch(ctypes.byref(params), stream), "fo_gemm_launch")
 
     def run_ex(self, a, b, out, blocks, block_rows, n, k, lda, ldb, ldo, items, item_group,
                item_wait, flags, num_flags, num_items, counters, ctas, monitor, workspace,

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashoverlap_core.backend import OverlapCall, PreparedCall
-from flashoverlap_core.collectives import RegionExchange, collective_steps, unpack_layouts
+from flashoverlap_core.collectives import (RegionExchange, collective_steps, packed_buffer,
+                                           unpack_layouts)
 from flashoverlap_core.reorder import add_rmsnorm
 
 from . import kernels, nccl
@@ -21,7 +22,7 @@ from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_opera
 from .device_state import (ALIGN_BYTES, COLLECTIVES, NCCL_DTYPES, StreamState, _current_device,
                            _current_stream_getter, kernel_scale, outside_graph_pools,
                            replay_graphs, wait_mode)
-from .runtime import WAIT_MODES, CallDescription
+from .runtime import ABI_VERSION, WAIT_MODES, CallDescription
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
@@ -67,19 +68,24 @@ class CudaCall(PreparedCall):
         self.scales_direct = self.scaled and all(
             kernel_scale(t) is t for t in (call.scale_a, call.scale_b))
         self.call_run_scaled = self.runtime.call_run_scaled
+        # A "rows" plan writes and receives the output's own rows: an allreduce needs no buffer
+        # of its own (until its fused norm, which reduces a buffer of the call's rows).
+        self.rows = plan.layout == "rows"
+        self.packed_needed = not self.rows or self.kind in ("reduce_scatter", "all_to_all")
         self._states: dict[int, StreamState] = {}
-        first = StreamState(plan, device, plan.result_dtype, None)
+        first = StreamState(plan, device, plan.result_dtype, None, self.packed_needed)
         self._states[self.current_stream(self.index) if stream is None else stream] = first
         with torch.cuda.device(device):
             # The layouts of the regions and of the post-reorder, from the first call: with a
             # communicator, all_to_all's counts are exchanged here, once.
             exchange = RegionExchange(call, first.packed)
-            self.staging_numel = exchange.staging.numel() if exchange.staging is not first.packed else None
-            if self.staging_numel is not None:
+            self.staging_numel = None
+            if not self.rows and exchange.staging is not first.packed:
+                self.staging_numel = exchange.staging.numel()
                 first.staging = exchange.staging
                 first.staging.record_stream(first.comm)
-            self.blocks = self._unpack_tables(exchange)
-            self.norm = band_table(exchange, device)  # (table, rows) of the fused post-reorder
+            self.blocks = [] if self.rows else self._unpack_tables(exchange)
+            self.norm = band_table(exchange, device)  # (table, rows, tile) of the fused norm
             self.steps, self.num_steps, self.per_step = collective_steps(exchange)
         if not self.python_path:
             self._make_native(first)
@@ -113,14 +119,15 @@ class CudaCall(PreparedCall):
     def _make_native(self, state: StreamState) -> None:
         plan = self.template.plan
         desc = CallDescription()
-        desc.abi_version = 1
-        desc.gemm_run = self.gemm.run_address
+        desc.abi_version = ABI_VERSION
+        desc.gemm_launch = self.gemm.launch_address
         desc.L, desc.block_rows = len(plan.block_rows), plan.block_rows[0]
         desc.N, desc.K = plan.n, self.k
         desc.items, desc.item_group = self.tables.items.data_ptr(), self.tables.item_group.data_ptr()
         desc.num_items, desc.num_ctas = plan.num_tiles, plan.wave_size
         desc.workspace = self.workspace.data_ptr() if self.workspace is not None else None
-        desc.packed, desc.staging = state.packed.data_ptr(), state.staging.data_ptr()
+        desc.packed, desc.staging = (t.data_ptr() if t is not None else None
+                                     for t in (state.packed, state.staging))
         desc.counters, desc.num_groups = state.counters.data_ptr(), plan.num_groups
         desc.group_sizes = (c_int32 * plan.num_groups)(*plan.group_sizes)
         desc.wait_mode = WAIT_MODES[self.wait]
@@ -138,17 +145,31 @@ class CudaCall(PreparedCall):
         desc.comm_stream = state.comm.cuda_stream
         desc.gemm_set_node = self.gemm.set_node_address
         desc.use_graph = int(self.use_graph)
+        desc.rows = int(self.rows)
         if self.scaled:
             t = self.template_scales
-            desc.gemm_run_scaled = self.gemm.run_scaled_address
-            desc.gemm_set_node_scaled = self.gemm.set_node_scaled_address
+            desc.scaled = 1
             desc.scale_a_per_row, desc.scale_b_per_col = int(t[0] == 2), int(t[1] == 2)
         state.runtime = self.runtime
+        if state.handle is not None:
+            self.runtime.call_destroy(state.handle)
         state.handle = self.runtime.call_create(desc)
-        if self.norm is not None:
-            table, rows = self.norm
-            self.runtime.call_set_add_rmsnorm(state.handle, table.data_ptr(), rows, plan.tile,
+        if self.norm is not None and state.staging is not None:
+            table, rows, tile = self.norm
+            self.runtime.call_set_add_rmsnorm(state.handle, table.data_ptr(), rows, tile,
                                               DTYPE_CODES[plan.dtype])
+
+    def _norm_buffers(self, state: StreamState) -> None:
+        """A "rows" call's first fused norm on this stream: the buffer its reduced rows land in
+        (an allreduce's GEMM output, reduced in place; a reduce_scatter's received rows)."""
+        plan = self.template.plan
+        rows = plan.m // self.template.world_size if self.kind == "reduce_scatter" else plan.m
+        state.staging = torch.empty(rows * plan.n, dtype=plan.result_dtype, device=self.device)
+        state.staging.record_stream(state.comm)
+        if state.packed is None:
+            state.packed = state.staging
+        if not self.python_path:
+            self._make_native(state)
 
     # ---- per stream --------------------------------------------------------------------------
     def state(self, stream: int | None = None) -> StreamState:
@@ -160,12 +181,22 @@ class CudaCall(PreparedCall):
             plan = self.template.plan
             current = torch.cuda.current_stream(self.device)
             state = outside_graph_pools(
-                lambda: StreamState(plan, self.device, plan.result_dtype, self.staging_numel),
+                lambda: StreamState(plan, self.device, plan.result_dtype, self.staging_numel,
+                                    self.packed_needed),
                 current)
             if not self.python_path:
                 self._make_native(state)
             self._states[stream] = state
         return state
+
+    def workspace_bytes(self) -> int:
+        seen, total = set(), 0
+        for state in list(self._states.values()):
+            for t in (state.packed, state.staging, state.counters):
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
 
     def graph_state(self, stream: int | None = None, fused: bool = False) -> int:
         """How this key's calls on ``stream`` run: 1 replaying a captured graph, 0 launch by
@@ -245,6 +276,9 @@ class CudaCall(PreparedCall):
         if self.python_path or self.norm is None:
             return add_rmsnorm(self.run(a, b, residual.new_empty(residual.shape), op), residual,
                                weight, eps)
+        state = self.state()
+        if state.staging is None:  # a "rows" call's first fused norm on this stream
+            self._norm_buffers(state)
         residual, ld_residual = residual_operand(residual, self.template.plan.n)
         weight, weight_code = weight_operand(weight, residual.dtype)
         normed, resid_out = residual.new_empty(residual.shape), residual.new_empty(residual.shape)
@@ -303,10 +337,12 @@ class CudaCall(PreparedCall):
         with torch.cuda.device(device):
             runtime = self.runtime
             compute, comm = torch.cuda.current_stream(device), state.comm
-            exchange = RegionExchange(call, state.packed)  # all_to_all: count exchange (host sync)
+            # a "rows" allreduce or custom op writes and transfers the output's rows in place
+            packed = packed_buffer(call) if self.rows and not self.packed_needed else state.packed
+            exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
             stamp("launch", compute)
-            self.backend.launch_gemm(plan, call.a, call.b, state.packed, monitor=monitor,
+            self.backend.launch_gemm(plan, call.a, call.b, packed, monitor=monitor,
                                      stream=compute, counters=state.counters,
                                      scales=(call.scale_a, call.scale_b))
             stamp("gemm_end", compute)

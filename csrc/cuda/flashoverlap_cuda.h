@@ -64,7 +64,7 @@ typedef struct {
 
 #define FO_DTYPE_E4M3 2
 
-#define FO_CUDA_ABI_VERSION 1
+#define FO_CUDA_ABI_VERSION 2
 
 FO_API const fo_gemm_config* fo_gemm_describe(void);
 
@@ -142,6 +142,34 @@ FO_API cudaError_t fo_gemm_set_node_scaled(cudaGraphExec_t exec, cudaGraphNode_t
                                            const int64_t* items, const int32_t* item_group,
                                            int num_items, int32_t* counters, int num_ctas);
 
+// ---- one launch for every build and layout (what a prepared call uses) --------------------
+// Everything a launch of this library's GEMM takes: fo_gemm_run's arguments with `scales` (e4m3
+// builds: required; 16-bit builds: null) and `ldo` as fo_gemm_run_ex takes it (0: tiles at
+// their packed slots; else each item's offset is where its first element goes in a row-major
+// buffer of row stride ldo: a "rows" plan, whose tiles are written as whole rows).
+typedef struct {
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  const fo_gemm_scales* scales;
+  void* out;
+  int64_t ldo;
+  int L, block_rows, N, K;
+  const int64_t* items;
+  const int32_t* item_group;
+  int num_items;
+  int32_t* counters;
+  int num_ctas;
+  uint64_t* monitor;
+} fo_gemm_params;
+
+FO_API cudaError_t fo_gemm_launch(const fo_gemm_params* params, cudaStream_t stream);
+// A graph's captured fo_gemm_launch re-pointed at new parameters (checked as fo_gemm_launch
+// checks them; the monitor is not re-pointed).
+FO_API cudaError_t fo_gemm_set_node_params(cudaGraphExec_t exec, cudaGraphNode_t node,
+                                           const fo_gemm_params* params);
+
 // Device-side wait: `stream` waits until *counter >= value.
 //   mode 0: cuStreamWaitValue32 (GEQ), through the driver entry point
 //   mode 1: a one-thread spin kernel (relaxed load + nanosleep), acquire fence on exit
@@ -184,13 +212,18 @@ FO_API cudaError_t fo_nccl_comm_destroy(void* comm);
 // `steps`: int64, `per_step` entries of {send offset, send count, recv offset, recv count} per
 // step (elements; per_step = world size for all_to_all, else 1); a step may move nothing (an
 // all_to_all rank with fewer groups than a peer still takes part in the peer's step).
+// A "rows" call (rows = 1; allreduce, reduce_scatter or no collective) has no post-reorder: the
+// GEMM writes whole rows (row stride N); an allreduce's GEMM writes `out` and reduces it in
+// place, a reduce_scatter's writes `packed` and receives into `out`; the last phase only zeroes
+// the counters (fo_call_run_add_rmsnorm reads `staging` instead, which an allreduce's GEMM then
+// writes and reduces in place: packed == staging).
 // Unpack blocks: per block its byte offset in `out`, and device tables {row0, rows, col0, cols}
 // (int32) and source offsets in `staging` (int64) of its tiles, as fo_unpack_tiles takes them.
 typedef struct fo_call fo_call;
 typedef struct {
   int abi_version;  // FO_CUDA_ABI_VERSION
-  // the GEMM (fo_gemm_run arguments that do not change between calls)
-  void* gemm_run;
+  // the GEMM: its library's fo_gemm_launch, and the arguments that do not change between calls
+  void* gemm_launch;
   int L, block_rows, N, K;
   const int64_t* items;
   const int32_t* item_group;
@@ -218,19 +251,20 @@ typedef struct {
   int64_t ldo;                         // out row stride, elements
   int elem_size;
   cudaStream_t comm_stream;
-  // Replay (optional): gemm_set_node is the GEMM library's fo_gemm_set_node. With use_graph != 0
-  // the second call captures the whole call (GEMM, waits, collectives, joins, post-reorder) into
-  // a graph once, and every later call outside stream capture replays it: one graph launch, plus
-  // a node update when a, b or out moved, instead of a launch per kernel, wait and collective.
+  // Replay (optional): gemm_set_node is the GEMM library's fo_gemm_set_node_params. With
+  // use_graph != 0 the second call captures the whole call (GEMM, waits, collectives, joins,
+  // post-reorder) into a graph once, and every later call outside stream capture replays it: one
+  // graph launch, plus a node update when a, b or out moved, instead of a launch per kernel, wait
+  // and collective. A "rows" call whose collective works on `out` runs a call with another out
+  // launch by launch, and captures afresh when the same out comes twice in a row.
   void* gemm_set_node;
   int use_graph;
-  // fp8 (issue 23; null for 16-bit calls): the e4m3 GEMM library's fo_gemm_run_scaled and
-  // fo_gemm_set_node_scaled, and how its scales are laid out; every call then goes through
-  // fo_call_run_scaled with its scale_a and scale_b (a graph's GEMM node is re-pointed when
-  // they move, like a and b).
-  void* gemm_run_scaled;
-  void* gemm_set_node_scaled;
+  // fp8 (issue 23): scaled = 1 for an e4m3 GEMM library, whose calls then go through
+  // fo_call_run_scaled with their scale_a and scale_b, laid out as below (a graph's GEMM node
+  // is re-pointed when they move, like a and b).
+  int scaled;
   int scale_a_per_row, scale_b_per_col;
+  int rows;  // a "rows" plan (see above)
 } fo_call_desc;
 
 FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);

@@ -245,6 +245,40 @@ FO_API cudaError_t fo_gemm_set_node(cudaGraphExec_t exec, cudaGraphNode_t node, 
                                  items, item_group, num_items, counters, num_ctas);
 }
 
+// fo_gemm_launch and fo_gemm_set_node_params: the checked Args of a parameter block.
+static cudaError_t params_args(const fo_gemm_params* p, fo::gemm::Args* args) {
+  if (!p) return fo::fail(cudaErrorInvalidValue, "fo_gemm_launch: params is null");
+  const fo_gemm_config& c = fo::gemm::config();
+  cudaError_t err = fo::check_gemm_args(p->a, p->b, p->out, p->L, p->block_rows, p->N, p->K,
+                                        p->lda, p->ldb, c.b_col_major, p->items, p->item_group,
+                                        p->num_items, p->num_ctas, c.cta_multiple,
+                                        fo::gemm::input_bytes());
+  if (err == cudaSuccess && p->ldo != 0 && p->ldo < p->N)
+    err = fo::fail(cudaErrorInvalidValue, "fo_gemm_launch: ldo=%lld must be 0 (packed) or >= N=%d",
+                   (long long)p->ldo, p->N);
+  *args = fo::gemm::Args{p->a, p->b, p->out, p->L, p->block_rows, p->N, p->K, p->lda, p->ldb,
+                         p->items, p->item_group, p->num_items, p->counters, p->num_ctas,
+                         p->monitor, p->ldo, nullptr, nullptr, 0};
+  args->scales = p->scales;
+  return err;
+}
+
+FO_API cudaError_t fo_gemm_launch(const fo_gemm_params* params, cudaStream_t stream) {
+  fo::gemm::Args args;
+  const cudaError_t err = params_args(params, &args);
+  return fo::gemm::checked_launch(args, err, stream);
+}
+
+FO_API cudaError_t fo_gemm_set_node_params(cudaGraphExec_t exec, cudaGraphNode_t node,
+                                           const fo_gemm_params* params) {
+  if (!exec || !node) return fo::fail(cudaErrorInvalidValue, "fo_gemm_set_node: null graph or node");
+  fo::gemm::Args args;
+  cudaError_t err = params_args(params, &args);
+  if (err == cudaSuccess) err = fo::gemm::check_scales(args);
+  if (err == cudaSuccess) err = fo::gemm::check_limits(args);
+  return err == cudaSuccess ? fo::gemm::set_node(args, exec, node) : err;
+}
+
 FO_API const char* fo_last_error(void) { return fo::last_error_text().c_str(); }
 
 }  // extern "C"

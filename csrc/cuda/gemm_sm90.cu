@@ -10,9 +10,12 @@
 //     bumps the tile's group counter with a release add at GPU scope once the tile's data is
 //     globally visible. So a counter never becomes visible before its tiles' data.
 // allgather (fo_gemm_run_ex): with item_wait, the producer waits for each item's arrival flag
-// (acquire, then a proxy fence) before it issues the item's TMA loads; with ldo, the tiles are
-// written in place into a row-major out (tma: a 3-D store map [L][block_rows][N] whose bounds
-// clip each tile at its block's end and at N, so partial tiles take the TMA store too).
+// (acquire, then a proxy fence) before it issues the item's TMA loads. With ldo (allgather, and
+// every "rows" plan: fo_gemm_launch), each tile is written at its item's offset with row stride
+// ldo, so the tiles form whole rows of a row-major buffer (tma: a 2-D store map [R][N], R = the
+// buffer's rows, whose bounds clip a tile at N and at the buffer's end; a tile of fewer rows
+// than the tile height elsewhere takes the direct path, since the rows below it are another
+// tile's).
 // A tile may start at any row (A's TMA tensor is offset to the tile's first row): destination
 // blocks need not be multiples of the tile height, and rows past a block's end are computed but
 // never stored. K tails and M/N edges are zero-filled by TMA.
@@ -264,7 +267,8 @@ struct Params {
   int K;
   int tma_store;  // kTmaOff, kTmaPacked or kTmaRows: which tiles the TMA stores, and how
   cute::TmaDescriptor store_map;  // kTmaPacked: the packed buffer as [numel / kBN, kBN], box
-                                  // 64 x kBM; kTmaRows: out as [L][block_rows][N], box 64 x kBM x 1
+                                  // 64 x kBM; kTmaRows: the buffer as [R][N] (row stride ldo),
+                                  // box 64 x kBM
   const int32_t* item_wait;       // allgather: the arrival flag of each item (null: no waits)
   const uint32_t* arrive_flags;
   int num_flags;
@@ -286,16 +290,17 @@ constexpr int kSmemBytes = int(sizeof(SharedStorage));
 static_assert(kSmemBytes <= 232448, "shared memory: lower FO_STAGES or FO_EPI_SLOTS");
 
 // TMA store modes. kTmaPacked: full tiles whose packed slot starts on a row of the
-// [numel / kBN, kBN] view. kTmaRows (an output written in place, row-major): every tile, at
-// (column, row within its block, block) of the 3-D view of out, whose bounds clip a partial
-// tile's rows at its block's end and its columns at N.
+// [numel / kBN, kBN] view. kTmaRows (tiles written as rows, row stride ldo): at (column, row
+// offset / ldo) of the [R][N] view, whose bounds clip a tile's columns at N and its rows at R;
+// a tile of fewer than kBM rows only where it ends the buffer.
 enum TmaMode { kTmaOff = 0, kTmaPacked = 1, kTmaRows = 2 };
 
 // Whether a tile goes through the TMA store: the math threads and the store thread decide
 // alike from the same item.
-__host__ __device__ inline bool tma_tile(const WorkTile& w, int tma_store) {
+__host__ __device__ inline bool tma_tile(const WorkTile& w, int tma_store, const ItemTable& t) {
   if (!kTmaStore || !w.valid) return false;
-  if (tma_store == kTmaRows) return true;
+  if (tma_store == kTmaRows)
+    return w.rows == kBM || w.offset / t.ldo + w.rows == t.packed_numel / t.ldo;
   return tma_store == kTmaPacked && w.rows == kBM && w.cols == kBN && w.offset % kBN == 0;
 }
 
@@ -360,7 +365,7 @@ __device__ inline void epilogue(const Params& p, const WorkTile& w, const Acc& a
   const bool full = w.valid && w.rows == kBM && w.cols == kBN;
   const int64_t ldo = p.table.ldo;  // != 0: in place into a row-major out (allgather)
   if constexpr (kTmaStore) {
-    const bool tma = tma_tile(w, p.tma_store);
+    const bool tma = tma_tile(w, p.tma_store, p.table);
     if (w.valid && !tma) {
       if (ldo) store_tile_rows(acc, coord, dst, w.rows, w.cols, ldo);
       else store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
@@ -455,18 +460,13 @@ __device__ inline void tma_store_2d(const void* map, uint32_t smem, int col, int
                    reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row)
                : "memory");
 }
-__device__ inline void tma_store_3d(const void* map, uint32_t smem, int col, int row, int block) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row), "r"(block)
-               : "memory");
-}
 // Column block cb of tile w from the slot at `smem`, in the map's mode; false when there is
 // nothing to store (kTmaRows: the block lies wholly past N).
 __device__ inline bool tma_store_block(const Params& p, const WorkTile& w, int cb, uint32_t smem) {
   if (p.tma_store == kTmaRows) {
     const int col = w.col0 + cb * 64;
     if (col >= p.table.N) return false;
-    tma_store_3d(&p.store_map, smem, col, w.row0 - w.block * p.table.block_rows, w.block);
+    tma_store_2d(&p.store_map, smem, col, int(w.offset / p.table.ldo));
     return true;
   }
   tma_store_2d(&p.store_map, smem, cb * 64, int(w.offset / kBN));
@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         const int64_t item = base + rank;
         const WorkTile w = stored_item(p.table, base, rank);
         if constexpr (kTmaStore) {
-          const bool tma = tma_tile(w, p.tma_store);
+          const bool tma = tma_tile(w, p.tma_store, p.table);
           typename EpiPipeline::PipelineState previous = read_state;
 #pragma unroll 1
           for (int cb = 0; cb < kColBlocks; ++cb) {
@@ -815,18 +815,18 @@ inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* m
   return cached_store_map(cache, packed, 2, dims, strides, fits, map, usable);
 }
 
-// The TMA store map of a row-major output written in place (allgather): out as a 3-D tensor
-// [L][block_rows][N] (row stride ldo), whose bounds clip each tile at its block's last row and
-// at N. Not usable when out cannot be described: not 16-byte aligned, a row stride that is not
-// a multiple of 16 bytes, or a block of fewer than kBM rows.
-inline cudaError_t rows_store_map(void* out, int L, int block_rows, int N, int64_t ldo,
+// The TMA store map of tiles written as rows (ldo != 0): the buffer as a 2-D tensor [rows][N]
+// (row stride ldo), whose bounds clip a tile at N and at the last row. Not usable when the
+// buffer cannot be described: not 16-byte aligned, a row stride that is not a multiple of 16
+// bytes, or fewer than kBM rows.
+inline cudaError_t rows_store_map(void* out, int64_t rows, int N, int64_t ldo,
                                   cute::TmaDescriptor* map, bool* usable) {
   static StoreMapCache cache;
   const int64_t row_bytes = ldo * int64_t(sizeof(Element));
-  const cuuint64_t dims[3] = {cuuint64_t(N), cuuint64_t(block_rows), cuuint64_t(L)};
-  const cuuint64_t strides[2] = {cuuint64_t(row_bytes), cuuint64_t(row_bytes) * cuuint64_t(block_rows)};
-  const bool fits = aligned16(out) && row_bytes % 16 == 0 && block_rows >= kBM;
-  return cached_store_map(cache, out, 3, dims, strides, fits, map, usable);
+  const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
+  const bool fits = aligned16(out) && row_bytes % 16 == 0 && rows >= kBM && rows < (int64_t(1) << 32);
+  return cached_store_map(cache, out, 2, dims, strides, fits, map, usable);
 }
 
 }  // namespace fo::sm90
@@ -884,7 +884,8 @@ static cudaError_t kernel_params(const Args& args, Params* params) {
   if constexpr (kTmaStore) {
     bool usable = false;
     cudaError_t err = args.ldo
-        ? rows_store_map(args.packed, args.L, args.block_rows, args.N, args.ldo, &params->store_map, &usable)
+        ? rows_store_map(args.packed, params->table.packed_numel / args.ldo, args.N, args.ldo,
+                         &params->store_map, &usable)
         : store_map(args.packed, params->table.packed_numel, &params->store_map, &usable);
     if (err != cudaSuccess) return err;
     params->tma_store = !usable ? kTmaOff : args.ldo ? kTmaRows : kTmaPacked;

@@ -2,6 +2,7 @@
 // native function, so that a call costs microseconds of host time whatever its group count.
 // Included by runtime.cu after the runtime kernels.
 #pragma once
+#include <type_traits>
 #include <vector>
 
 #include "add_rmsnorm.cuh"
@@ -24,6 +25,8 @@ struct fo_call_graph {
   void* out = nullptr;
   fo::runtime::NormLaunch norm_launch;
   fo_gemm_scales scales = {};  // fp8: what the GEMM node's scales point at
+  void* gemm_out = nullptr;    // where the GEMM node writes
+  void* moved_out = nullptr;   // a "rows" call: the last out that differed from `out`
   int state = 0;  // 0 none yet, 1 replaying, -1 could not be made
 };
 
@@ -48,29 +51,24 @@ struct fo_call {
 
 namespace fo::runtime {
 
-using GemmRun = cudaError_t (*)(const void*, const void*, void*, int, int, int, int, int64_t,
-                                int64_t, const int64_t*, const int32_t*, int, int32_t*, int,
-                                uint64_t*, void*, cudaStream_t);
-using GemmSetNode = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*, const void*,
-                                    void*, int, int, int, int, int64_t, int64_t, const int64_t*,
-                                    const int32_t*, int, int32_t*, int);
-using GemmRunScaled = cudaError_t (*)(const void*, const void*, const fo_gemm_scales*, void*, int,
-                                      int, int, int, int64_t, int64_t, const int64_t*,
-                                      const int32_t*, int, int32_t*, int, uint64_t*, void*,
-                                      cudaStream_t);
-using GemmSetNodeScaled = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const void*,
-                                          const void*, const fo_gemm_scales*, void*, int, int, int,
-                                          int, int64_t, int64_t, const int64_t*, const int32_t*,
-                                          int, int32_t*, int);
+using GemmLaunch = cudaError_t (*)(const fo_gemm_params*, cudaStream_t);
+using GemmSetNodeParams = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const fo_gemm_params*);
+static_assert(std::is_same_v<GemmLaunch, decltype(&fo_gemm_launch)>);
+static_assert(std::is_same_v<GemmSetNodeParams, decltype(&fo_gemm_set_node_params)>);
 
 inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
     return fail(cudaErrorInvalidValue, "fo_call_create: descriptor ABI %d, library ABI %d",
                 d.abi_version, FO_CUDA_ABI_VERSION);
-  if (!d.gemm_run || !d.packed || !d.staging || !d.counters || (d.collective && !d.comm_stream))
+  // a "rows" allreduce without its fused norm writes and reduces `out`: no buffers of its own
+  const bool buffers = !d.rows || d.collective == 2 || d.packed;
+  if (!d.gemm_launch || (buffers && (!d.packed || !d.staging)) || !d.counters ||
+      (d.collective && !d.comm_stream))
     return fail(cudaErrorInvalidValue,
-                "fo_call_create: gemm_run, packed, staging, counters (and with a collective, "
+                "fo_call_create: gemm_launch, packed, staging, counters (and with a collective, "
                 "comm_stream) are required");
+  if (d.rows && d.collective == 3)
+    return fail(cudaErrorInvalidValue, "fo_call_create: a \"rows\" call has no all_to_all path");
   if (d.num_groups < 1 || !d.group_sizes || d.per_step < 1 || (d.num_steps > 0 && !d.steps) ||
       (d.collective != 0 && d.num_steps < d.num_groups))
     return fail(cudaErrorInvalidValue,
@@ -85,9 +83,6 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
     return fail(cudaErrorInvalidValue, "fo_call_create: only all_to_all has per_step > 1");
   if (d.use_graph && !d.gemm_set_node)
     return fail(cudaErrorInvalidValue, "fo_call_create: use_graph needs gemm_set_node");
-  if (d.gemm_run_scaled && d.use_graph && !d.gemm_set_node_scaled)
-    return fail(cudaErrorInvalidValue, "fo_call_create: use_graph with gemm_run_scaled needs "
-                "gemm_set_node_scaled");
   if (d.wait_mode != 0 && d.wait_mode != 1)
     return fail(cudaErrorInvalidValue, "fo_call_create: wait_mode %d is not 0 or 1", d.wait_mode);
   if (d.elem_size != 2 && d.elem_size != 4)
@@ -98,12 +93,18 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
   return cudaSuccess;
 }
 
-// Step s's collective on the communication stream.
-inline cudaError_t launch_step(const fo_call& c, int s) {
+// Where one call's GEMM writes and its collectives receive.
+struct CallBuffers {
+  void* gemm_out;
+  void* recv;
+};
+
+// Step s's collective on the communication stream: sends from b.gemm_out, receives into b.recv.
+inline cudaError_t launch_step(const fo_call& c, int s, const CallBuffers& b) {
   const fo_call_desc& d = c.d;
   const int64_t* e = c.steps.data() + int64_t(s) * d.per_step * 4;
-  char* packed = static_cast<char*>(d.packed);
-  char* staging = static_cast<char*>(d.staging);
+  char* packed = static_cast<char*>(b.gemm_out);
+  char* staging = static_cast<char*>(b.recv);
   const int64_t es = d.elem_size;
   const nccl::Api& n = nccl::api();
   auto comm = static_cast<nccl::Comm>(d.nccl_comm);
@@ -168,14 +169,18 @@ struct GemmOperands {
 
 // The last phase of a call, once the compute stream has joined the communication stream: what
 // reads the received tiles from staging, zeroing the group counters for the next call on the
-// way. Each phase issues its kernels (recording their nodes while a graph is captured), says
-// which of the call's graphs is its own, and re-points that graph's nodes at a call's operands.
+// way. Each phase says where the call's GEMM writes and its collectives receive, issues its
+// kernels (recording their nodes while a graph is captured), says which of the call's graphs is
+// its own, and re-points that graph's nodes at a call's operands (`rebuild`: capture afresh;
+// `direct`: run this call launch by launch, the graph cannot serve it).
 
 // The post-reorder of every block into `out`.
 struct UnpackPhase {
   void* out;
 
   static fo_call_graph& graph(fo_call& c) { return c.g; }
+
+  CallBuffers buffers(const fo_call& c) const { return {c.d.packed, c.d.staging}; }
 
   cudaError_t issue(const fo_call& c, cudaStream_t stream, fo_call_graph* g) const {
     const fo_call_desc& d = c.d;
@@ -204,7 +209,7 @@ struct UnpackPhase {
 
   void remember(fo_call_graph& g) const { g.out = out; }
 
-  cudaError_t update(const fo_call& c, fo_call_graph& g, bool* rebuild) const {
+  cudaError_t update(const fo_call& c, fo_call_graph& g, bool*, bool*) const {
     const fo_call_desc& d = c.d;
     if (out == g.out) return cudaSuccess;
     for (size_t i = 0; i < g.unpack.size(); ++i) {
@@ -221,11 +226,47 @@ struct UnpackPhase {
   }
 };
 
+// A "rows" call: the rows are in place in `out` once the collectives are done; the last phase
+// only zeroes the counters. An allreduce reduces `out` itself; a reduce_scatter receives into it.
+struct RowsPhase {
+  void* out;
+
+  static fo_call_graph& graph(fo_call& c) { return c.g; }
+
+  CallBuffers buffers(const fo_call& c) const {
+    return {c.d.collective == 2 ? c.d.packed : out, out};
+  }
+
+  cudaError_t issue(const fo_call& c, cudaStream_t stream, fo_call_graph*) const {
+    reset_counters<<<1, 256, 0, stream>>>(c.d.counters, c.d.num_groups);
+    FO_CUDA_CHECK(cudaGetLastError());
+    return cudaSuccess;
+  }
+
+  void remember(fo_call_graph& g) const { g.out = out; }
+
+  // The collectives' nodes hold `out` and cannot be re-pointed: another out runs launch by
+  // launch, and the graph is captured afresh once the same out comes twice in a row. Without a
+  // collective only the GEMM node holds it (update_graph re-points it).
+  cudaError_t update(const fo_call& c, fo_call_graph& g, bool* rebuild, bool* direct) const {
+    if (out == g.out || c.d.collective == 0) {
+      g.out = out;
+      return cudaSuccess;
+    }
+    if (out == g.moved_out) *rebuild = true;
+    else *direct = true;
+    g.moved_out = out;
+    return cudaSuccess;
+  }
+};
+
 // The post-reorder fused into residual add + RMSNorm: one kernel (add_rmsnorm.cuh).
 struct NormPhase {
   NormLaunch launch;
 
   static fo_call_graph& graph(fo_call& c) { return c.norm_graph; }
+
+  CallBuffers buffers(const fo_call& c) const { return {c.d.packed, c.d.staging}; }
 
   cudaError_t issue(const fo_call&, cudaStream_t stream, fo_call_graph* g) const {
     NormLaunch l = launch;
@@ -237,7 +278,7 @@ struct NormPhase {
   void remember(fo_call_graph& g) const { g.norm_launch = launch; }
 
   // Another kernel or CTA size (the operands' alignment changed): the graph is captured afresh.
-  cudaError_t update(const fo_call&, fo_call_graph& g, bool* rebuild) const {
+  cudaError_t update(const fo_call&, fo_call_graph& g, bool* rebuild, bool*) const {
     if (launch.same(g.norm_launch)) return cudaSuccess;
     if (launch.kernel != g.norm_launch.kernel || launch.block.x != g.norm_launch.block.x) {
       *rebuild = true;
@@ -251,6 +292,14 @@ struct NormPhase {
     return cudaSuccess;
   }
 };
+
+// The GEMM's launch parameters for one call, writing `out`.
+inline fo_gemm_params gemm_params(const fo_call& c, const GemmOperands& op, void* out) {
+  const fo_call_desc& d = c.d;
+  return fo_gemm_params{op.a, op.lda, op.b, op.ldb, d.scaled ? &c.scales : nullptr, out,
+                        d.rows ? int64_t(d.N) : 0, d.L, d.block_rows, d.N, d.K, d.items,
+                        d.item_group, d.num_items, d.counters, d.num_ctas, nullptr};
+}
 
 // Issues the whole call on `stream` (see fo_call_desc), ending in `phase`. `warm`: a host sync
 // after each phase. `g` (capture only): records the GEMM's and the last phase's nodes.
@@ -268,13 +317,9 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
     FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
   }
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
-  cudaError_t err = d.gemm_run_scaled
-      ? reinterpret_cast<GemmRunScaled>(d.gemm_run_scaled)(
-            op.a, op.b, &c.scales, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb, d.items,
-            d.item_group, d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream)
-      : reinterpret_cast<GemmRun>(d.gemm_run)(
-            op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb, d.items,
-            d.item_group, d.num_items, d.counters, d.num_ctas, nullptr, d.workspace, stream);
+  const CallBuffers buffers = phase.buffers(c);
+  const fo_gemm_params params = gemm_params(c, op, buffers.gemm_out);
+  cudaError_t err = reinterpret_cast<GemmLaunch>(d.gemm_launch)(&params, stream);
   if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
     return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
   if (g) {
@@ -287,7 +332,7 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
       err = wait_counter(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream);
       if (err != cudaSuccess) return err;
     }
-    err = launch_step(c, s);
+    err = launch_step(c, s, buffers);
     if (err != cudaSuccess) return err;
   }
   if (communicate) {
@@ -331,31 +376,31 @@ inline cudaError_t build_graph(fo_call& c, const GemmOperands& op, const Phase& 
     return err;
   }
   g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb, g.scales = c.scales, g.state = 1;
+  g.gemm_out = phase.buffers(c).gemm_out;
   phase.remember(g);
   Phase::graph(c) = std::move(g);
   return cudaSuccess;
 }
 
-// Re-points the graph's GEMM and last-phase nodes at this call's operands where they moved;
-// `rebuild`: the last phase needs the graph captured afresh.
+// Re-points the graph's last-phase and GEMM nodes at this call's operands where they moved;
+// `rebuild`: the graph must be captured afresh; `direct`: this call runs launch by launch.
 template <class Phase>
 inline cudaError_t update_graph(fo_call& c, fo_call_graph& g, const GemmOperands& op,
-                                const Phase& phase, bool* rebuild) {
-  const fo_call_desc& d = c.d;
+                                const Phase& phase, bool* rebuild, bool* direct) {
+  cudaError_t err = phase.update(c, g, rebuild, direct);
+  if (err != cudaSuccess || *rebuild || *direct) return err;
   const bool scales_moved = c.scales.a != g.scales.a || c.scales.b != g.scales.b;
-  if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb || scales_moved) {
-    cudaError_t err = d.gemm_run_scaled
-        ? reinterpret_cast<GemmSetNodeScaled>(d.gemm_set_node_scaled)(
-              g.exec, g.gemm, op.a, op.b, &c.scales, d.packed, d.L, d.block_rows, d.N, d.K,
-              op.lda, op.ldb, d.items, d.item_group, d.num_items, d.counters, d.num_ctas)
-        : reinterpret_cast<GemmSetNode>(d.gemm_set_node)(
-              g.exec, g.gemm, op.a, op.b, d.packed, d.L, d.block_rows, d.N, d.K, op.lda, op.ldb,
-              d.items, d.item_group, d.num_items, d.counters, d.num_ctas);
+  void* gemm_out = phase.buffers(c).gemm_out;
+  if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb || scales_moved ||
+      gemm_out != g.gemm_out) {
+    const fo_gemm_params params = gemm_params(c, op, gemm_out);
+    err = reinterpret_cast<GemmSetNodeParams>(c.d.gemm_set_node)(g.exec, g.gemm, &params);
     if (err != cudaSuccess)
       return fail(err, "re-pointing the graph's GEMM at new operands (cudaError %d)", int(err));
     g.a = op.a, g.b = op.b, g.lda = op.lda, g.ldb = op.ldb, g.scales = c.scales;
+    g.gemm_out = gemm_out;
   }
-  return phase.update(c, g, rebuild);
+  return cudaSuccess;
 }
 
 template <class Phase>
@@ -369,9 +414,10 @@ inline cudaError_t run_call(fo_call& c, const GemmOperands& op, const Phase& pha
     FO_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
     if (status == cudaStreamCaptureStatusNone) {
       if (g.state == 1) {
-        bool rebuild = false;
-        cudaError_t err = update_graph(c, g, op, phase, &rebuild);
+        bool rebuild = false, direct = false;
+        cudaError_t err = update_graph(c, g, op, phase, &rebuild, &direct);
         if (err != cudaSuccess) return err;  // an update failed: the arguments are bad
+        if (direct) return issue_call(c, op, phase, stream, false, nullptr);
         if (rebuild) drop_graph(g);
       }
       if (g.state == 0 && build_graph(c, op, phase) != cudaSuccess)
@@ -454,16 +500,18 @@ FO_API cudaError_t fo_call_run(fo_call* call, const void* a, int64_t lda, const 
                                int64_t ldb, void* out, cudaStream_t stream, int warm) {
   if (!call || !a || !b || !out)
     return fo::fail(cudaErrorInvalidValue, "fo_call_run: call, a, b and out must be non-null");
-  return fo::runtime::run_call(*call, fo::runtime::GemmOperands{a, lda, b, ldb},
-                               fo::runtime::UnpackPhase{out}, stream, warm != 0);
+  const fo::runtime::GemmOperands op{a, lda, b, ldb};
+  if (call->d.rows)
+    return fo::runtime::run_call(*call, op, fo::runtime::RowsPhase{out}, stream, warm != 0);
+  return fo::runtime::run_call(*call, op, fo::runtime::UnpackPhase{out}, stream, warm != 0);
 }
 
 FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda, const void* b,
                                       int64_t ldb, const float* scale_a, const float* scale_b,
                                       void* out, cudaStream_t stream, int warm) {
-  if (!call || !call->d.gemm_run_scaled || !scale_a || !scale_b)
+  if (!call || !call->d.scaled || !scale_a || !scale_b)
     return fo::fail(cudaErrorInvalidValue,
-                    "fo_call_run_scaled: needs a call made with gemm_run_scaled, and scale_a and "
+                    "fo_call_run_scaled: needs a call made with scaled = 1, and scale_a and "
                     "scale_b (got call=%p, scale_a=%p, scale_b=%p)", call, scale_a, scale_b);
   call->scales = fo_gemm_scales{scale_a, scale_b, call->d.scale_a_per_row, call->d.scale_b_per_col};
   return fo_call_run(call, a, lda, b, ldb, out, stream, warm);
@@ -476,7 +524,8 @@ FO_API cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_of
   using namespace fo::runtime;
   if (!call) return fo::fail(cudaErrorInvalidValue, "fo_call_set_add_rmsnorm: call is null");
   const fo_call_desc& d = call->d;
-  if (d.collective == 3 || d.num_blocks != 1 || call->block_out_offset[0] != 0)
+  if (d.collective == 3 || !d.staging ||
+      (!d.rows && (d.num_blocks != 1 || call->block_out_offset[0] != 0)))
     return fo::fail(cudaErrorInvalidValue,
                     "fo_call_set_add_rmsnorm: the call must write one block of rows (allreduce, "
                     "reduce_scatter), not %d blocks with collective %d", d.num_blocks, d.collective);
@@ -500,9 +549,9 @@ FO_API cudaError_t fo_call_run_add_rmsnorm(fo_call* call, const void* a, int64_t
   if (call->norm_dtype < 0)
     return fo::fail(cudaErrorInvalidValue,
                     "fo_call_run_add_rmsnorm: the call has no band table (fo_call_set_add_rmsnorm)");
-  if (call->d.gemm_run_scaled)
+  if (call->d.scaled)
     return fo::fail(cudaErrorInvalidValue,
-                    "fo_call_run_add_rmsnorm: an fp8 call (gemm_run_scaled) has no fused norm");
+                    "fo_call_run_add_rmsnorm: an fp8 call (scaled) has no fused norm");
   NormPhase phase;
   const NormIo io{residual, ld_residual, weight, normed, residual_out, ld_out, eps};
   cudaError_t err = NormLaunch::make(call->norm_rows, call->norm_dtype, io, weight_dtype,

@@ -1,0 +1,216 @@
+"""What the default call costs over the user's own code, at world size 1 (issue 30).
+
+On an NCCL group of one rank the collective moves nothing, so the difference between
+``fo.overlap(a, b, op=...)`` (default arguments, eager: the call a user makes) and the plain
+form (``a @ b`` or ``torch._scaled_mm``, then the same collective through torch.distributed) is
+what the overlapped call itself adds: its GEMM against cuBLAS, its waits, and any pass over the
+output (the post-communication reorder, which "rows" plans do not have).
+
+Rows: tokens x (N, K) x op x dtype. Ops: allreduce, reduce_scatter, all_to_all (equal splits),
+allgather, and ``fo.overlap_add_rmsnorm`` against ``a @ b`` + allreduce + a torch.compile'd
+add + ``rms_norm``; bf16, and fp8 (e4m3, row-wise scales) for allreduce and reduce_scatter (the
+ops with a native fp8 path on cuda). Each row also records the signaling GEMM alone against
+cuBLAS on the same shape (its ``gemm_ratio``): where that is below 0.97 the row's bound is the
+GEMM's own ratio minus 0.01 (issue 30). An allreduce row records the call's workspace bytes
+(``fo.prepared_calls()``) against its output's. Writes bench/results/overhead-<device>-<date>.json
+with a ``summary`` (min and median of plain / fo, and whether the targets are met).
+
+    python bench/overhead.py [--tokens 1024,4096,16384] [--ops ...] [--dtypes bf16,fp8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import flashoverlap_core as fo
+from common import device_tag, median_ms, table, write_result
+
+SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
+OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather", "add_rmsnorm")
+FP8_OPS = ("allreduce", "reduce_scatter")
+TARGET_MIN, TARGET_MEDIAN, NORM_TARGET, WORKSPACE_FRACTION = 0.97, 0.99, 1.0, 0.01
+EPS = 1e-6
+
+
+def init_group() -> None:
+    """An NCCL process group of one rank (its collectives move nothing)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    store = dist.FileStore(tempfile.mktemp(prefix="fo-overhead-"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+
+
+def timed(fn, inner: int) -> float:
+    return median_ms(fn, warmup=3, iters=15, inner=inner)
+
+
+def pair(fo_call, plain, inner: int) -> tuple[float, float]:
+    """(fo ms, plain ms): each timed twice, interleaved, the lower median kept (drift)."""
+    fo_call(), plain()  # first calls: prepare, compile, load
+    torch.cuda.synchronize()
+    fo_ms, plain_ms = [], []
+    for _ in range(2):
+        fo_ms.append(timed(fo_call, inner))
+        plain_ms.append(timed(plain, inner))
+    return min(fo_ms), min(plain_ms)
+
+
+def gemm_ratio(a, b, dtype: str, scales) -> float:
+    """cuBLAS (or _scaled_mm) time / the signaling GEMM's alone, on the default allreduce plan."""
+    backend = fo.registry.get("cuda")
+    plan = fo.plan(a.shape[0], b.shape[1], a.shape[1], "allreduce", 1, a.dtype, backend="cuda",
+                   **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
+    packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
+
+    def signaling():
+        backend.launch_gemm(plan, a, b, packed, counters=counters, scales=scales)
+        counters.zero_()
+
+    if dtype == "fp8":
+        cublas = lambda: torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,  # noqa: E731
+                                          use_fast_accum=True)
+    else:
+        cublas = lambda: a @ b  # noqa: E731
+    sig, ref = pair(signaling, cublas, 10)
+    return ref / sig
+
+
+def operands(m, n, k, dtype: str):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    if dtype != "fp8":
+        return a, w.t(), None
+    a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    sa = torch.rand(m, 1, device="cuda") + 0.5
+    sb = torch.rand(1, n, device="cuda") + 0.5
+    return a8, w8.t(), (sa, sb)
+
+
+def calls(op: str, a, b, scales, compiled_norm):
+    """(fo call, plain call, output rows) of one row."""
+    m, n = a.shape[0], b.shape[1]
+    kw = {} if scales is None else {"scale_a": scales[0], "scale_b": scales[1],
+                                    "out_dtype": torch.bfloat16}
+
+    def product(x=a):
+        if scales is None:
+            return x @ b
+        return torch._scaled_mm(x, b, scales[0], scales[1], out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    if op == "allreduce":
+        def plain():
+            c = product()
+            dist.all_reduce(c)
+            return c
+        return (lambda: fo.overlap(a, b, op="allreduce", **kw)), plain
+    if op == "reduce_scatter":
+        def plain():
+            out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
+            dist.reduce_scatter_tensor(out, product())
+            return out
+        return (lambda: fo.overlap(a, b, op="reduce_scatter", **kw)), plain
+    if op == "all_to_all":
+        def plain():
+            out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
+            dist.all_to_all_single(out, product(), [m], [m])
+            return out
+        return (lambda: fo.overlap(a, b, op="all_to_all", send_splits=[m], recv_splits=[m])), plain
+    if op == "allgather":
+        def plain():
+            gathered = torch.empty_like(a)
+            dist.all_gather_into_tensor(gathered, a)
+            return gathered @ b
+        return (lambda: fo.overlap(a, b, op="allgather")), plain
+    residual = torch.randn(m, n, device=a.device, dtype=torch.bfloat16)
+    weight = torch.randn(n, device=a.device, dtype=torch.bfloat16)
+
+    def plain():
+        c = product()
+        dist.all_reduce(c)
+        return compiled_norm(c, residual, weight)
+    return (lambda: fo.overlap_add_rmsnorm(a, b, residual, weight, eps=EPS, op="allreduce")), plain
+
+
+def add_norm(x, residual, weight):
+    resid = residual + x
+    return F.rms_norm(resid, (resid.shape[-1],), weight, EPS), resid
+
+
+def workspace_fraction(m: int, n: int) -> float | None:
+    """The allreduce call's buffers (fo.prepared_calls) over its output's bytes."""
+    for call in fo.prepared_calls():
+        if call["op"] == "allreduce" and call["a"][0] == m and call["N"] == n:
+            return call["workspace_bytes"] / (m * n * 2)
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1024,4096,16384")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                        help="N x K pairs")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    init_group()
+    compiled_norm = torch.compile(add_norm)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for m in tokens:
+            for n, k in shapes:
+                a, b, scales = operands(m, n, k, dtype)
+                ratio = gemm_ratio(a, b, dtype, scales)
+                for op in args.ops.split(","):
+                    if dtype == "fp8" and op not in FP8_OPS:
+                        continue
+                    fo_call, plain = calls(op, a, b, scales, compiled_norm)
+                    inner = 10 if m * n * k < 1 << 36 else 3
+                    fo_ms, plain_ms = pair(fo_call, plain, inner)
+                    bound = NORM_TARGET if op == "add_rmsnorm" else min(TARGET_MIN, ratio - 0.01)
+                    row = {"op": op, "dtype": dtype, "M": m, "N": n, "K": k,
+                           "fo_ms": round(fo_ms, 4), "plain_ms": round(plain_ms, 4),
+                           "ratio": round(plain_ms / fo_ms, 4), "gemm_ratio": round(ratio, 4),
+                           "bound": round(bound, 4), "met": plain_ms / fo_ms >= bound}
+                    if op == "allreduce":
+                        row["workspace_fraction"] = workspace_fraction(m, n)
+                    rows.append(row)
+                    print(table([row], list(row)), flush=True)
+                fo.forget_prepared()
+                torch.cuda.empty_cache()
+    calls_rows = [r for r in rows if r["op"] != "add_rmsnorm"]
+    ratios = [r["ratio"] for r in calls_rows]
+    spaces = [r["workspace_fraction"] for r in rows if r.get("workspace_fraction") is not None]
+    summary = {
+        "min_ratio": min(ratios), "median_ratio": statistics.median(ratios),
+        "norm_min_ratio": min((r["ratio"] for r in rows if r["op"] == "add_rmsnorm"), default=None),
+        "max_workspace_fraction": max(spaces, default=None),
+        "rows_met": sum(r["met"] for r in rows), "rows": len(rows),
+        "met": (all(r["met"] for r in rows) and statistics.median(ratios) >= TARGET_MEDIAN
+                and all(f <= WORKSPACE_FRACTION for f in spaces)),
+        "targets": {"min": "plain / fo >= 0.97 per row (the GEMM's own ratio - 0.01 where lower)",
+                    "median": TARGET_MEDIAN, "add_rmsnorm": NORM_TARGET,
+                    "allreduce workspace / output": WORKSPACE_FRACTION},
+        "default_run": args.tokens == parser.get_default("tokens")
+        and args.shapes == parser.get_default("shapes") and args.ops == parser.get_default("ops")
+        and args.dtypes == parser.get_default("dtypes"),
+    }
+    print(table(rows, ["op", "dtype", "M", "N", "K", "fo_ms", "plain_ms", "ratio", "gemm_ratio", "met"]))
+    print(summary)
+    write_result(f"overhead-{device_tag()}", rows, {"summary": summary, "world_size": 1,
+                                                     "note": "NCCL group of one rank"})
+    dist.destroy_process_group()
+    return 0 if summary["met"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
