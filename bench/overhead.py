@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flashoverlap_core as fo
-from common import device_tag, median_ms, table, write_result
+from flashoverlap_core import api
+from common import device_tag, median_ms, table, time_alternating, write_result
 
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
 OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather", "add_rmsnorm")
@@ -62,24 +63,24 @@ def pair(fo_call, plain, inner: int) -> tuple[float, float]:
 
 
 def gemm_ratio(a, b, dtype: str, scales) -> float:
-    """cuBLAS (or _scaled_mm) time / the signaling GEMM's alone, on the default allreduce plan."""
+    """cuBLAS (or _scaled_mm) time / the signaling GEMM's alone, on the default allreduce plan
+    (device time: CUDA-graph replays, as bench/gemm.py times them)."""
     backend = fo.registry.get("cuda")
     plan = fo.plan(a.shape[0], b.shape[1], a.shape[1], "allreduce", 1, a.dtype, backend="cuda",
                    **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
     packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
 
-    def signaling():
+    def signaling():  # the counters only grow: no reset kernel beside the GEMM
         backend.launch_gemm(plan, a, b, packed, counters=counters, scales=scales)
-        counters.zero_()
 
     if dtype == "fp8":
         cublas = lambda: torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,  # noqa: E731
                                           use_fast_accum=True)
     else:
         cublas = lambda: a @ b  # noqa: E731
-    sig, ref = pair(signaling, cublas, 10)
-    return ref / sig
+    times = time_alternating({"signaling": signaling, "cublas": cublas}, reps=10, inner=10)
+    return statistics.median(times["cublas"]) / statistics.median(times["signaling"])
 
 
 def operands(m, n, k, dtype: str):
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
                         row["workspace_fraction"] = workspace_fraction(m, n)
                     rows.append(row)
                     print(table([row], list(row)), flush=True)
-                fo.forget_prepared()
+                api.forget_prepared()
                 torch.cuda.empty_cache()
     calls_rows = [r for r in rows if r["op"] != "add_rmsnorm"]
     ratios = [r["ratio"] for r in calls_rows]

@@ -6,7 +6,7 @@
 #   bash ci/gpu.sh [STAGE...]   (default: build tests callpath gemm reorder offload sm80
 #                                conformance mainjob report cache; also: tuning, e2e, compile,
 #                                multirank (or its parts), moe, moe-tests, fusednorm,
-#                                fusednorm-multirank, fp8, gemmfp8)
+#                                fusednorm-multirank, fp8, gemmfp8, overhead)
 # The kernel cache (.fo_build/cache) comes back as $OUT/kernel-cache.tar.gz: unpack it into
 # the repository and carry `.fo_build` in the next call, which then rebuilds nothing.
 set -uo pipefail
@@ -92,6 +92,9 @@ run_stage() {  # the stages, most important first (a call may run out of time at
     fusednorm-multirank) stage fusednorm-multirank 500 $PY -m pytest -q -p no:cacheprovider -rs \
         --pyargs flashoverlap_core.testing.test_add_rmsnorm --fo-backend cuda --fo-shared-devices \
         --fo-world-sizes 2,3,4 --junitxml "$OUT/fusednorm-multirank.xml" ;;
+    # The default call against a @ b + the same collective at world size 1 (issue 30: rows
+    # plans, no post-reorder): writes overhead-<device>-<date>.json (summary.met).
+    overhead) stage overhead 540 $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac
 }

@@ -141,7 +141,7 @@ class CudaCall(PreparedCall):
         desc.block_tiles = (c_void_p * max(1, len(self.blocks)))(*[b[1].data_ptr() for b in self.blocks])
         desc.block_offsets = (c_void_p * max(1, len(self.blocks)))(*[b[2].data_ptr() for b in self.blocks])
         desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
-        desc.ldo, desc.elem_size = plan.n, state.packed.element_size()
+        desc.ldo, desc.elem_size = plan.n, torch.empty((), dtype=plan.result_dtype).element_size()
         desc.comm_stream = state.comm.cuda_stream
         desc.gemm_set_node = self.gemm.set_node_address
         desc.use_graph = int(self.use_graph)
@@ -163,8 +163,13 @@ class CudaCall(PreparedCall):
         """A "rows" call's first fused norm on this stream: the buffer its reduced rows land in
         (an allreduce's GEMM output, reduced in place; a reduce_scatter's received rows)."""
         plan = self.template.plan
-        rows = plan.m // self.template.world_size if self.kind == "reduce_scatter" else plan.m
-        state.staging = torch.empty(rows * plan.n, dtype=plan.result_dtype, device=self.device)
+        if self.kind == "reduce_scatter" and self.comm is not None:  # the received rows
+            rows = plan.m // self.template.world_size
+            state.staging = torch.empty(rows * plan.n, dtype=plan.result_dtype, device=self.device)
+        elif state.packed is not None:  # no collective: the GEMM's own rows
+            state.staging = state.packed
+        else:  # an allreduce's GEMM output, reduced in place
+            state.staging = torch.empty(plan.m * plan.n, dtype=plan.result_dtype, device=self.device)
         state.staging.record_stream(state.comm)
         if state.packed is None:
             state.packed = state.staging

@@ -60,9 +60,10 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
     return fail(cudaErrorInvalidValue, "fo_call_create: descriptor ABI %d, library ABI %d",
                 d.abi_version, FO_CUDA_ABI_VERSION);
-  // a "rows" allreduce without its fused norm writes and reduces `out`: no buffers of its own
-  const bool buffers = !d.rows || d.collective == 2 || d.packed;
-  if (!d.gemm_launch || (buffers && (!d.packed || !d.staging)) || !d.counters ||
+  // "rows": an allreduce's GEMM writes `out` (no packed buffer), and nothing is received into
+  // staging but the fused norm's rows (set once it runs)
+  const bool needs_packed = !d.rows || d.collective == 2;
+  if (!d.gemm_launch || (needs_packed && !d.packed) || (!d.rows && !d.staging) || !d.counters ||
       (d.collective && !d.comm_stream))
     return fail(cudaErrorInvalidValue,
                 "fo_call_create: gemm_launch, packed, staging, counters (and with a collective, "
