@@ -198,6 +198,10 @@ def test_unequal_destination_blocks_need_the_destinations_grouping(backend, arch
     assert backend.plan_reasons(one_group_plan(tile, "all_to_all", 2, (128, 128))) == []
     plan = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
                    tile=tile, backend="reference")
+    assert plan.grouping == "destinations" and plan.layout == "rows"
+    assert any("'tiles' plans on cuda" in r for r in backend.plan_reasons(plan))
+    plan = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
+                   tile=tile, backend="reference", layout="tiles")
     assert plan.grouping == "destinations" and backend.plan_reasons(plan) == []
     grid = TileGrid((100, 156), 512, *tile, Schedule("n", 8))
     many = fo.Plan(256, 512, 64, "all_to_all", 2, "bfloat16", tile, 4,
