@@ -27,5 +27,13 @@ def start() -> int:
             device = torch.device(accelerator.type, torch.accelerator.current_device_index())
         dist.init_process_group(dist.get_default_backend_for_device(device),
                                 device_id=device if accelerator is not None else None)
-        atexit.register(dist.destroy_process_group)
+        atexit.register(leave)
     return dist.get_world_size()
+
+
+def leave() -> None:
+    """At exit: wait for every rank, then leave the group. A rank that closes its connections
+    while another still uses them can make that one abort (gloo's "connection closed by
+    peer"); if a rank died instead, torchrun has already stopped the others."""
+    dist.barrier()
+    dist.destroy_process_group()
