@@ -18,7 +18,8 @@ for example in api in_a_model llama; do
   timeout --kill-after=10 "${EXAMPLE_TIMEOUT:-600}" \
     torchrun --standalone --nproc_per_node "$NPROC" "examples/$example.py" >"$log" 2>&1
   rc=$?
-  ranks=$(grep -c "example: rank [0-9]* of $NPROC: " "$log")
+  # counted, not lines: the ranks share one output, so two reports may share a line
+  ranks=$(grep -o "example: rank [0-9]* of $NPROC: " "$log" | wc -l)
   alone=$(grep -c "torch.distributed has no process group" "$log")
   if [ "$rc" -ne 0 ] || [ "$ranks" -ne "$NPROC" ] || [ "$alone" -ne 0 ]; then
     why="exit $rc"
