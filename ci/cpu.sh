@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CPU test run, as on a fresh machine: a virtual environment, torch==2.13.0 (the CPU build;
 # installed first so that nothing pulls a multi-GB accelerator build), the package with its test
-# extras, then exactly the README's test command. "No tests collected" (pytest exit code 5) is a
-# failure, not a pass.
+# and examples extras, then exactly the README's test command, the full matrix's own tests
+# (pytest --full -m full: world sizes 3-4, compile variants, long sequences, faults) and the
+# examples under torchrun (ci/examples.sh). Every stage runs; the script fails if any did. "No
+# tests collected" (pytest exit code 5) is a failure, not a pass.
 #   VENV   where the environment goes (default: .venv in the repository)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,15 +21,26 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet -e '.[test,examples]'
 
-echo "+ $TEST_COMMAND"
-set +e
-$TEST_COMMAND
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-    echo "ci/cpu.sh: pytest collected no tests: that is a failure" >&2
-    exit 1
-fi
-exit "$status"
+failed=0
+stage() {  # stage NAME CMD...: run it, say its status and time
+    local name=$1 start=$SECONDS status
+    shift
+    echo "+ $*"
+    set +e
+    "$@"
+    status=$?
+    set -e
+    if [ "$status" -eq 5 ]; then
+        echo "ci/cpu.sh: $name collected no tests: that is a failure" >&2
+        status=1
+    fi
+    echo "ci/cpu.sh: $name: exit status $status after $((SECONDS - start)) s"
+    [ "$status" -eq 0 ] || failed=1
+}
+
+stage "the README's test command" $TEST_COMMAND
+stage "the full matrix" pytest --full -m full
+stage "the examples" bash ci/examples.sh
+exit "$failed"

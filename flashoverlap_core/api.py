@@ -14,7 +14,9 @@ collective; ranks whose calls differ on a key's first use (unequal allgather row
 so, but a rank that reuses a key another rank sees for the first time cannot be.
 
 Environment variables read when a key is first prepared, not on every call:
-``FLASHOVERLAP_BACKEND`` (backend choice) and those of the plan lookup (the tuning cache).
+``FLASHOVERLAP_BACKEND`` (backend choice) and those of the plan lookup (the tuning cache);
+``WORLD_SIZE`` once per process, at the first call (a launcher's ranks that never joined a
+process group are warned).
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import threading
+import warnings
 from typing import Callable
 
 import torch
@@ -144,6 +148,7 @@ class _Prepared:
         return self.prepared.run_scaled(a, b, scale_a, scale_b, out, op)
 
 
+ROWS_PER_CALL = "per call"  # all_to_all's rows in its key: each call's own
 MAX_PREPARED = 512  # keys kept; the oldest is dropped (and prepared again if it comes back)
 _prepared: dict = {}
 _prepare_lock = threading.Lock()
@@ -201,7 +206,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         kind = op if op.__class__ is str else type(op)
         if kind == "all_to_all":  # rows and splits are each call's own: not in the key
-            key = ((None, a.shape[1]), b.shape, a.stride()[1:], b.stride(), a.dtype,
+            key = ((ROWS_PER_CALL, a.shape[1]), b.shape, a.stride()[1:], b.stride(), a.dtype,
                    b.dtype, a.device, kind, group if group is not None else current_default_group(),
                    id(plan), backend, None, None)
             entry = _prepared.get(key)
@@ -334,6 +339,8 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
     local keys differ never disagree on whether a call is a first call. all_to_all's key leaves
     out the rows and splits (each call's own): it is its group key, and each call cuts the
     settled plan to its rows (:class:`AllToAllCall`). ``scales``: as :func:`_first_call`'s."""
+    if not _launch_checked:
+        _warn_if_launched_alone()
     try:
         c = check_arguments(a, b, op, group, plan, out, send_splits, recv_splits,
                             scales[2] if scales else None)
@@ -378,6 +385,28 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
         elif not a2a:  # prepared meanwhile by another thread: this call's out still needs its checks
             call = _call_of(c, a, b, op, entry.plan, out)
     return entry, (None if a2a else call)
+
+
+_launch_checked = False  # whether this process's first call looked for a launcher's WORLD_SIZE
+
+
+def _warn_if_launched_alone() -> None:
+    """Once per process, at the first call: warn when a launcher (torchrun) started this process
+    as one of several ranks (``WORLD_SIZE`` > 1) but no process group is initialised, so that
+    every call would run at world size 1, on this rank alone."""
+    global _launch_checked
+    _launch_checked = True
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world.isdigit() or int(world) <= 1:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    warnings.warn(
+        f"WORLD_SIZE={world} is set (a launcher such as torchrun started this process as one of "
+        f"{world} ranks), but torch.distributed has no process group: fo.overlap runs at world "
+        "size 1, on this rank alone. Call torch.distributed.init_process_group() (gloo on the "
+        "CPU, the device's collective library on an accelerator) before the first call",
+        RuntimeWarning)
 
 
 def _make_prepared(chosen: Backend, call: OverlapCall):
@@ -676,15 +705,18 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
          b_layout: str = "col", out_dtype=None, layout: str | None = None) -> Plan:
     """Build an inspectable plan (``describe()``, ``to_json()``) to pass to :func:`overlap`.
 
-    ``backend`` defaults to the explicit choice in ``FLASHOVERLAP_BACKEND``, else the best
-    available accelerator backend, else the reference; its kernel decides the default tile,
-    wave size and tile order. ``send_splits`` (rows per destination) is required for an
-    ``all_to_all`` plan at world size > 1. For ``allgather``, ``m`` is the rows of the result
-    (world size x the rows of each rank's ``a``). fp8: ``dtype=torch.float8_e4m3fn`` with the
-    result's ``out_dtype`` (bfloat16 by default, or float16). ``layout``: "rows" (groups of
-    whole row bands, written and received in their final rows: no post-reorder), "tiles" (any
-    group sizes, a post-reorder after the collective), or None: "rows" wherever the backend runs
-    it and ``group_sizes`` are whole bands, else "tiles".
+    ``backend`` defaults to the one :func:`overlap` would run the call on, for tensors on the
+    default device (the most preferred available accelerator's, else the CPU): the explicit
+    choice in ``FLASHOVERLAP_BACKEND``, else the automatic choice for that device type and this
+    call. Its kernel decides the default tile, wave size and tile order. A plan names its
+    backend, and a call given the plan runs on that backend. ``send_splits`` (rows per
+    destination) is required for an ``all_to_all`` plan at world size > 1. For ``allgather``,
+    ``m`` is the rows of the result (world size x the rows of each rank's ``a``). fp8:
+    ``dtype=torch.float8_e4m3fn`` with the result's ``out_dtype`` (bfloat16 by default, or
+    float16). ``layout``: "rows" (groups of whole row bands, written and received in their
+    final rows: no post-reorder), "tiles" (any group sizes, a post-reorder after the
+    collective), or None: "rows" wherever the backend runs it and ``group_sizes`` are whole
+    bands, else "tiles".
     """
     for name, value in (("M", m), ("N", n), ("K", k), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -697,11 +729,14 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     if op in ("reduce_scatter", GATHER_OP) and m % world_size:
         raise ValueError(f"{op} needs M divisible by the world size: M={m}, W={world_size}")
     send, _ = _check_splits_use(op, world_size, m, send_splits, None)
-    chosen = registry.get(backend) if backend is not None else registry.default_backend()
-    device_type = chosen.device_type or "cpu"
+    chosen = registry.get(backend) if backend is not None else None
+    device_type = (chosen or registry.default_backend()).device_type or "cpu"
     name = dtype_name(dtype)
     spec = OverlapSpec(m, n, k, op, world_size, name, device_type, b_layout, send,
                        check_out_dtype(name, out_dtype))
+    if chosen is None:  # overlap's choice; an all_to_all chooses from what every rank shares
+        chosen = registry.select(dataclasses.replace(spec, m=world_size, send_splits=None)
+                                 if op == "all_to_all" else spec)
     reasons = call_reasons(chosen, spec)
     if reasons:
         raise ValueError(f"backend {chosen.name!r} cannot run this call: " + "; ".join(reasons))
@@ -717,9 +752,10 @@ def backends() -> list[registry.BackendStatus]:
 def prepared_calls() -> list[dict]:
     """What each prepared call key runs, oldest first: ``op``, the shapes of ``a`` and ``b``
     (this rank's), ``b_layout``, ``dtype`` (of a and b), ``out_dtype`` (an fp8 call's result,
-    else None), ``device``, the plan's ``M``, ``N``, ``K`` and
-    ``world_size``, the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan
-    runs the device's matmul and torch.distributed, whatever backend made it), ``groups`` and
+    else None), ``device``, the plan's ``M``, ``N``, ``K`` and ``world_size`` (all_to_all's
+    rows are each call's own: its ``a`` is ``["per call", K]`` and its ``M`` ``"per call"``),
+    the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan runs the
+    device's matmul and torch.distributed, whatever backend made it), ``groups`` and
     ``layout``, ``workspace_bytes`` (device memory the call keeps beyond its outputs), and
     ``runner``, the type name of the prepared call. Read from the call path's table, which
     keeps the last :data:`MAX_PREPARED` keys since :func:`forget_prepared`."""
@@ -735,7 +771,7 @@ def prepared_calls() -> list[dict]:
         found.append({
             "op": p.op, "a": list(a_shape), "b": list(b_shape),
             "b_layout": b_layout(b_view), "dtype": p.dtype, "out_dtype": p.out_dtype,
-            "device": str(entry.device), "M": None if p.op == "all_to_all" else p.m,
+            "device": str(entry.device), "M": ROWS_PER_CALL if p.op == "all_to_all" else p.m,
             "N": p.n, "K": p.k,
             "world_size": p.world_size,
             "backend": ran_by.name if isinstance(ran_by, Backend) else p.backend,

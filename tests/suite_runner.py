@@ -7,8 +7,12 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
+# --fo-world-sizes of a backend's whole suite: the default run's, then the full matrix's own
+WORLD_SIZES = ["1,2", pytest.param("3,4", marks=pytest.mark.full)]
 
 
 def plugin_args() -> list[str]:
@@ -42,6 +46,14 @@ def summary(result: subprocess.CompletedProcess) -> dict[str, int]:
         if len(words) == 2 and words[0].isdigit():
             counts[words[1].rstrip("s")] = int(words[0])  # failed, passed, skipped, error, ...
     return counts
+
+
+def unexpected_skips(result: subprocess.CompletedProcess) -> list[str]:
+    """The skips of a run (given -rs) but those of checks that need a world size the run did
+    not ask for (the world sizes 3 and 4 of the full matrix skip what needs 2: the default run
+    has it)."""
+    return [line for line in result.stdout.splitlines()
+            if line.startswith("SKIPPED") and "not in --fo-world-sizes" not in line]
 
 
 def describe(result: subprocess.CompletedProcess) -> str:

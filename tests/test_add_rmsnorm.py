@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashoverlap_core as fo
-from flashoverlap_core.tools.ranks import RankPool
+from test_torch_ops_ranks import ranks as shared_ranks
 
 
 def _args(m=6, n=5, k=8):
@@ -96,9 +96,8 @@ def _block_on_rank(seed, reduce):
 def test_row_parallel_add_rmsnorm_equals_the_unsharded_block(reduce):
     for r in [_block_on_rank(3, reduce)]:
         assert all(v < 1e-4 for v in r.values()), r
-    with RankPool(2, timeout=240) as pool:
-        for r in pool.run(_block_on_rank, 3, reduce):
-            assert all(v < 1e-4 for v in r.values()), r
+    for r in shared_ranks(2).run(_block_on_rank, 3, reduce, timeout=240):
+        assert all(v < 1e-4 for v in r.values()), r
 
 
 def test_the_suite_bounds_cancellation_and_still_sees_wrong_results():

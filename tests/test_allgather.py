@@ -221,6 +221,7 @@ def strided_sequential_and_repeat_on_rank(backend: str) -> list[str]:
     return problems
 
 
+@pytest.mark.full
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["reference", "decomposition"])
 def test_strided_a_sequential_plan_and_repeat_on_three_ranks(backend):

@@ -11,6 +11,8 @@ from flashoverlap_core.tile_trace import NoRecorder
 from suite_runner import describe, run_suite, summary
 from test_conformance_suite import CONFORMANCE_MESSAGE
 
+pytestmark = pytest.mark.full  # faults: the full matrix (tests/conftest.py)
+
 
 class FaultyGather(ReferenceBackend):
     """The reference's allgather execution with a faulty transport (``exchange``)."""

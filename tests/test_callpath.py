@@ -12,6 +12,7 @@ import flashoverlap_core as fo
 from flashoverlap_core import api, registry
 from flashoverlap_core.reference import ReferenceBackend
 from flashoverlap_core.tools.ranks import RankPool
+from test_torch_ops_ranks import ranks as shared_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -178,8 +179,7 @@ def _ops_without_warnings(seed):
 
 
 def test_two_ranks_back_to_back_without_warnings():
-    with RankPool(2, timeout=240) as pool:
-        results = pool.run(_ops_without_warnings, 1234)
+    results = shared_ranks(2).run(_ops_without_warnings, 1234, timeout=240)
     for r in results:
         assert all(r.values()), results
 
@@ -223,3 +223,89 @@ def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
     ]
     api.forget_prepared()
     assert fo.prepared_calls() == []
+
+
+# ---- what a user sees: a plan runs where the call would, all_to_all's rows, a rank alone ----
+def _backends_with_and_without_a_plan(world: int) -> list[tuple]:
+    """(op, dtype, backend without plan=, backend with plan=fo.plan(...)) for each op and dtype,
+    nothing naming a backend."""
+    import torch.distributed as dist
+
+    api.forget_prepared()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ran = []
+    for op in ("allreduce", "reduce_scatter", "allgather", "all_to_all"):
+        for dtype in (torch.float32, torch.bfloat16):
+            m = 8 * world  # the plan's rows (allgather: of the result, each rank has 8)
+            a = torch.randn(8 if op == "allgather" else m, 16, dtype=dtype)
+            b = torch.randn(16, 12, dtype=dtype)
+            splits = ({"send_splits": [8] * world, "recv_splits": [8] * world}
+                      if op == "all_to_all" else {})
+            plan = fo.plan(m, 12, 16, op, world, dtype, b_layout="row",
+                           send_splits=splits.get("send_splits"))
+            backends = []
+            for given in (None, plan):
+                api.forget_prepared()
+                fo.overlap(a, b, op, plan=given, **splits)
+                (call,) = fo.prepared_calls()
+                backends.append(call["backend"])
+            ran.append((op, str(dtype), rank, *backends, plan.backend))
+    return ran
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_plan_made_without_a_backend_runs_where_the_call_would(fresh, monkeypatch, world):
+    """fo.plan(...) without backend= plans for the backend fo.overlap chooses for the call on
+    the default device: passing the plan does not change where the call runs."""
+    monkeypatch.delenv("FLASHOVERLAP_BACKEND", raising=False)
+    ran = (_backends_with_and_without_a_plan(1) if world == 1 else
+           [r for rank in shared_ranks(2).run(_backends_with_and_without_a_plan, 2) for r in rank])
+    assert ran and all(without == given == planned for *_, without, given, planned in ran), ran
+
+
+def test_prepared_calls_say_all_to_all_rows_are_per_call(fresh):
+    a, w = torch.randn(6, 4), torch.randn(5, 4)
+    fo.overlap(a, w.t(), "all_to_all", send_splits=[6], recv_splits=[6])
+    fo.overlap(a[:2], w.t(), "all_to_all", send_splits=[2], recv_splits=[2])  # the same key
+    (call,) = fo.prepared_calls()
+    assert call["a"] == ["per call", 4] and call["M"] == "per call", call
+    assert [key for key, value in call.items() if value is None] == ["out_dtype"], call
+
+
+def test_a_launched_rank_without_a_process_group_is_warned_once(fresh, monkeypatch):
+    """WORLD_SIZE > 1 (torchrun) without init_process_group: the first call says so, once per
+    process; later calls and new keys do not, and nor does a process not started so."""
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    monkeypatch.setattr(api, "_launch_checked", False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(RuntimeWarning, match=r"WORLD_SIZE=2 .*init_process_group"):
+        fo.overlap(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fo.overlap(a, b)
+        fo.overlap(torch.randn(6, 3), b)  # a new key
+        for world in ("1", ""):
+            monkeypatch.setattr(api, "_launch_checked", False)
+            monkeypatch.setenv("WORLD_SIZE", world)
+            api.forget_prepared()
+            fo.overlap(a, b)
+
+
+def _launched_with_a_process_group() -> str:
+    """A rank whose environment says WORLD_SIZE=2, as under torchrun, with its group joined."""
+    import os
+
+    api.forget_prepared()
+    api._launch_checked = False
+    os.environ["WORLD_SIZE"] = "2"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fo.overlap(torch.randn(4, 3), torch.randn(3, 5))
+    finally:
+        del os.environ["WORLD_SIZE"]
+    return "no warning"
+
+
+def test_a_launched_rank_in_its_process_group_is_not_warned():
+    assert shared_ranks(2).run(_launched_with_a_process_group) == ["no warning"] * 2

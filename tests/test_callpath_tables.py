@@ -100,7 +100,7 @@ def _ragged(src, world, m):
     return sizes
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_native_tables_give_the_reference_result(world):
     from flashoverlap_core.tools.ranks import RankPool
 

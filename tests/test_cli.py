@@ -91,6 +91,7 @@ def test_bench_skips_what_cannot_run_and_rejects_bad_shapes():
     assert bad.returncode != 0 and "MxNxK" in bad.stderr
 
 
+@pytest.mark.full
 def test_bench_fails_when_the_overlapped_result_is_wrong():
     """A backend that forgets the post-communication reorder must not pass the main job."""
     done = flashoverlap("bench", "--backend", "broken_backends:NoPostReorder", "--world-size", "2",

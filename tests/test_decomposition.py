@@ -15,8 +15,8 @@ from flashoverlap_core import registry
 from flashoverlap_core.decomposition import (AcceleratorDecomposition, DecompositionBackend,
                                              HostStreams, compute_rect, packed_rects,
                                              rows_in_order, streams_for)
-from flashoverlap_core.tools.ranks import RankPool
-from suite_runner import describe, run_suite, summary
+from suite_runner import WORLD_SIZES, describe, run_suite, summary, unexpected_skips
+from test_torch_ops_ranks import ranks as shared_ranks
 
 SEED = 20261129
 
@@ -134,10 +134,9 @@ def test_one_rank_custom_op_sees_every_region_in_order():
         torch.testing.assert_close(region, flat[r.offset:r.offset + r.numel])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_ranks():
-    with RankPool(2, "cpu", timeout=120) as pool:
-        yield pool
+    return shared_ranks(2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}x{c[3]}-{c[4]}")
@@ -159,13 +158,14 @@ def test_selection_prefers_decomposition_to_reference():
 
 
 @pytest.mark.timeout(900)
-def test_conformance_suite():
+@pytest.mark.parametrize("world_sizes", WORLD_SIZES)
+def test_conformance_suite(world_sizes):
     """The packaged suite against the decomposition backend, which runs every case: a run
     whose cases were skipped (or not collected) fails as surely as one whose cases failed."""
-    result = run_suite("decomposition", timeout=880)
+    result = run_suite("decomposition", "--fo-world-sizes", world_sizes, timeout=880)
     counts = summary(result)
     assert result.returncode == 0, describe(result)
-    assert counts.get("passed", 0) >= 150 and "skipped" not in counts, describe(result)
+    assert counts.get("passed", 0) >= 150 and not unexpected_skips(result), describe(result)
 
 
 def test_accelerator_variant_names_the_accelerator_or_says_there_is_none():

@@ -33,7 +33,7 @@ def _run(tmp_path, *args, world=2, dtype="float32", timeout=180):
     return proc, row
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.full), 2])
 def test_calls_backends_and_float64_errors_are_recorded(tmp_path, world):
     proc, row = _run(tmp_path, world=world)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -84,6 +84,7 @@ class WrongGatherRows(ShardsOutOfOrder):
         return ReferenceBackend.run(self, call)
 
 
+@pytest.mark.full
 def test_a_wrong_block_fails_against_float64(tmp_path):
     """fo's block with a wrong allgather is far from float64 while torch's is not, the call
     says which op, and the script fails."""

@@ -65,6 +65,7 @@ def processes_of(pool):
     return list(pool._procs)
 
 
+@pytest.mark.full
 @pytest.mark.timeout(300)
 def test_a_hanging_rank_gives_rank_timeout_and_the_pool_is_killed():
     pool = RankPool(2, "cpu", timeout=120)
@@ -78,6 +79,7 @@ def test_a_hanging_rank_gives_rank_timeout_and_the_pool_is_killed():
         pool.run(rank_and_size)
 
 
+@pytest.mark.full
 @pytest.mark.timeout(300)
 def test_a_rank_failing_while_another_waits_in_a_collective_does_not_hang():
     pool = RankPool(2, "cpu", timeout=120, pg_timeout=600)
@@ -96,6 +98,7 @@ def pid():
     return os.getpid()
 
 
+@pytest.mark.full
 @pytest.mark.timeout(300)
 def test_ranks_start_new_ranks_after_a_call_killed_theirs_or_was_cut_short(monkeypatch):
     with Ranks(2, "cpu", timeout=120) as ranks:

@@ -16,6 +16,7 @@ import flashoverlap_core as fo
 from flashoverlap_core import api, collectives
 from flashoverlap_core.reference import ReferenceBackend
 from flashoverlap_core.tools.ranks import RankPool
+from test_torch_ops_ranks import ranks as shared_ranks
 
 
 def _want(a_all, b_all, splits, rank):
@@ -47,6 +48,7 @@ def _issue_repro(_):
     return results
 
 
+@pytest.mark.full
 def test_the_issue_repro_does_not_hang():
     with RankPool(3, timeout=120) as pool:
         assert pool.run(_issue_repro, 0) == [[True, True]] * 3
@@ -82,6 +84,7 @@ def _sequence(seed, calls, backend):
             "backends": sorted({c["backend"] for c in fo.prepared_calls()})}
 
 
+@pytest.mark.full
 def test_forty_calls_of_changing_rows_and_splits():
     with RankPool(2, timeout=240) as pool:
         for backend in (None, "reference", "decomposition"):
@@ -117,9 +120,8 @@ def _count_exchanges(seed):
 
 
 def test_given_recv_splits_exchange_nothing():
-    with RankPool(2, timeout=120) as pool:
-        for counts in pool.run(_count_exchanges, 5):
-            assert counts == {True: 0, False: 3}, counts
+    for counts in shared_ranks(2).run(_count_exchanges, 5, timeout=120):
+        assert counts == {True: 0, False: 3}, counts
 
 
 def _bad_splits_on_rank_one(first_call: bool):
@@ -143,8 +145,7 @@ def _bad_splits_on_rank_one(first_call: bool):
 
 @pytest.mark.parametrize("first_call", [True, False])
 def test_invalid_splits_on_one_rank_raise_on_every_rank(first_call):
-    with RankPool(2, timeout=120) as pool:
-        messages = pool.run(_bad_splits_on_rank_one, first_call)
+    messages = shared_ranks(2).run(_bad_splits_on_rank_one, first_call, timeout=120)
     assert "must sum to the rows of a" in messages[1], messages
     if first_call:
         assert "rank 1" in messages[0] and "must sum to the rows of a" in messages[0], messages
@@ -258,12 +259,12 @@ def _sequence_per_call_layout(seed, calls):
     return result
 
 
-def test_a_backend_that_lays_out_each_call_gets_every_call_with_its_splits():
+@pytest.mark.parametrize("world", [1, pytest.param(3, marks=pytest.mark.full)])
+def test_a_backend_that_lays_out_each_call_gets_every_call_with_its_splits(world):
     """prepare_all_to_all: once per key, then every call with its checked splits and the rows
     it receives (exchanged when recv_splits are omitted), and an out of that many rows."""
-    for world in (1, 3):
-        with RankPool(world, timeout=240) as pool:
-            results = pool.run(_sequence_per_call_layout, 5, 12)
-        for r in results:
-            assert r["worst"] < 2e-2 and r["keys"] == 1 and r["seen"] == 12, results
-            assert r["backends"] == ["fake-per-call-layout"], results
+    with RankPool(world, timeout=240) as pool:
+        results = pool.run(_sequence_per_call_layout, 5, 12)
+    for r in results:
+        assert r["worst"] < 2e-2 and r["keys"] == 1 and r["seen"] == 12, results
+        assert r["backends"] == ["fake-per-call-layout"], results

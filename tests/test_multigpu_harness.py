@@ -62,7 +62,7 @@ def test_dry_run_world_size_2_has_every_column(tmp_path):
     assert doc["summary"]["mismatches"] == [] and doc["summary"]["errors"] == []
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.full), 2])
 def test_allgather_rows_are_timed_and_checked(tmp_path, world):
     """Each rank's GEMM is the gathered [M, K] @ [K, N]: 4 row bands of 128 per rank at W=2
     (several chunkings to measure), a ragged shape of one partial band, and an M that the
@@ -110,6 +110,7 @@ def test_allgather_rows_are_timed_and_checked(tmp_path, world):
 
 @pytest.mark.parametrize("broken", ["test_allgather_broken:ShardsOutOfOrder",
                                     "test_allgather_broken:UnwrittenArrivingTile"])
+@pytest.mark.full
 def test_wrong_allgather_result_is_a_mismatch(tmp_path, broken):
     """A backend that takes the wrong rank's rows, or never writes a tile (caught only because
     the output is poisoned: the timed calls left the right values there), fails the row."""
@@ -122,6 +123,7 @@ def test_wrong_allgather_result_is_a_mismatch(tmp_path, broken):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.full
 def test_rank_failure_fails_within_pg_timeout(tmp_path):
     pg_timeout = 5.0
     proc, doc = _run(tmp_path, "--world-size", "2", "--shapes", "32x32x16", "--ops",

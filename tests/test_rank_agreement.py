@@ -2,12 +2,14 @@
 on gloo ranks, with stand-in backends whose answers differ from rank to rank."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flashoverlap_core as fo
 from flashoverlap_core import api, registry
 from flashoverlap_core.reference import ReferenceBackend
 from flashoverlap_core.tools.ranks import RankPool
+from test_torch_ops_ranks import ranks as shared_ranks
 
 
 class EqualSplitsOnly(ReferenceBackend):
@@ -63,6 +65,7 @@ def _mixed_splits(seed):
             "error": float((out.double() - want).abs().max()) if want.numel() else 0.0}
 
 
+@pytest.mark.full
 def test_ranks_whose_splits_differ_choose_alike():
     with RankPool(3, timeout=240) as pool:
         results = pool.run(_mixed_splits, 7)
@@ -116,8 +119,7 @@ def _layouts_differ_per_call(seed):
 
 
 def test_a_new_local_key_under_a_known_call_does_not_communicate():
-    with RankPool(2, timeout=120) as pool:
-        results = pool.run(_layouts_differ_per_call, 11)
+    results = shared_ranks(2).run(_layouts_differ_per_call, 11, timeout=120)
     assert [r["keys"] for r in results] == [1, 2], results
     assert all(e < 1e-4 for r in results for e in r["errors"]), results
 
@@ -138,6 +140,5 @@ def _bad_plan_on_rank_one(seed):
 
 
 def test_a_plan_that_differs_is_an_error_on_every_rank():
-    with RankPool(2, timeout=120) as pool:
-        messages = pool.run(_bad_plan_on_rank_one, 1)
+    messages = shared_ranks(2).run(_bad_plan_on_rank_one, 1, timeout=120)
     assert all("do not run the same plan" in m for m in messages), messages

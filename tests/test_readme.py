@@ -1,7 +1,8 @@
 """The README's code runs as it is written there (each block is read from the document, so the
 two cannot drift): the API snippet runs at world size 1 and on two ranks (tests/test_nn.py runs
-the "In a model" snippet), and the example backend of docs/backends.md passes the conformance
-suite. Every figure the README shows and every result file it names exists, each figure's source
+the "In a model" snippet), the scripts of examples/ hold those blocks as they are and run alone
+(ci/examples.sh runs them under torchrun), and the example backend of docs/backends.md passes
+the conformance suite. Every figure the README shows and every result file it names exists, each figure's source
 file (bench/plots.py writes it into the PNG) is the one the README names, and every link into a
 document points at a heading there."""
 from __future__ import annotations
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from flashoverlap_core.tools.ranks import RankPool
 from suite_runner import describe, run_suite, summary
+from test_torch_ops_ranks import ranks as shared_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -53,19 +54,43 @@ def run_snippet(code: str) -> None:
     exec(compile(code, "README.md (API)", "exec"), {"print": lambda *a, **k: None})
 
 
+# examples/ script -> the README block it holds (None: no README block)
+EXAMPLES = {"api.py": "fo.overlap(a, weight.t()",
+            "in_a_model.py": "fo.nn.ColumnParallelLinear.from_linear", "llama.py": None}
+
+
+def test_the_examples_hold_the_readme_blocks_as_they_are():
+    assert sorted(EXAMPLES) == sorted(p.name for p in (ROOT / "examples").glob("*.py")
+                                      if p.name != "launch.py")
+    for name, block in EXAMPLES.items():
+        if block is not None:
+            assert python_block(block) in (ROOT / "examples" / name).read_text(), name
+
+
+def run_example(name: str) -> subprocess.CompletedProcess:
+    """``python examples/NAME`` as a user runs it: alone, with no backend named."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHOVERLAP_BACKEND", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True,
+                          text=True, timeout=240, env=env)
+
+
 @pytest.mark.timeout(300)
-def test_the_api_snippet_runs_in_one_process():
-    env = {k: v for k, v in os.environ.items() if k != "FLASHOVERLAP_BACKEND"}
-    done = subprocess.run([sys.executable, "-c", python_block("fo.overlap(a, weight.t()")],
-                          capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "reference" in done.stdout and "allreduce" in done.stdout  # backends, describe()
+@pytest.mark.parametrize("name", ["api.py", pytest.param("in_a_model.py", marks=pytest.mark.full),
+                                  pytest.param("llama.py", marks=pytest.mark.full)])
+def test_an_example_runs_alone_at_world_size_1(name):
+    if name == "llama.py":
+        pytest.importorskip("transformers", reason="examples/llama.py needs the examples extra "
+                                                   "(pip install -e '.[examples]')")
+    done = run_example(name)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "example: rank 0 of 1: " in done.stdout, done.stdout[-3000:]
+    if name == "api.py":  # the README block's own output: the backends and describe()
+        assert "reference" in done.stdout and "allreduce" in done.stdout
 
 
 @pytest.mark.timeout(300)
 def test_the_api_snippet_runs_on_two_ranks():
-    with RankPool(2, "cpu", timeout=240) as pool:
-        pool.run(run_snippet, python_block("fo.overlap(a, weight.t()"))
+    shared_ranks(2).run(run_snippet, python_block("fo.overlap(a, weight.t()"), timeout=240)
 
 
 def test_the_readme_shows_the_two_commands():

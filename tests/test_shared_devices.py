@@ -88,6 +88,7 @@ def _compiled_reduce_scatter(cache_dir, seed):
             "graph": graphs[0]}
 
 
+@pytest.mark.full
 def test_a_graph_compiled_at_one_world_size_is_not_reused_at_another(tmp_path):
     """Two world sizes one after the other, sharing one compile cache directory: the op's
     group size is an argument of the graph (torch's functional collectives do the same)."""
