@@ -668,8 +668,11 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
     plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
                 tuple(group_sizes), sched, spec.send_splits, backend.name, out_dtype=spec.out_dtype,
                 layout=layout if layout == "rows" else None)
-    if rows_ok and plan.layout == "tiles" and plan.row_parts is not None:
-        plan = dataclasses.replace(plan, layout="rows")  # groups of whole bands: no post-reorder
+    # Groups of whole bands need no post-reorder. Not an all_to_all's own group sizes, which
+    # differ between ranks: its layout must be the same on every rank (what a rank receives
+    # is laid out by its sender's), so it takes "rows" only when asked.
+    if rows_ok and plan.layout == "tiles" and plan.row_parts is not None and spec.op != "all_to_all":
+        plan = dataclasses.replace(plan, layout="rows")
     return _checked(backend, plan)
 
 
