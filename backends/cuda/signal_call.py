@@ -84,7 +84,7 @@ class CudaCall(PreparedCall):
                 self.staging_numel = exchange.staging.numel()
                 first.staging = exchange.staging
                 first.staging.record_stream(first.comm)
-            self.blocks = [] if self.rows else self._unpack_tables(exchange)
+            self.blocks = self._unpack_tables(exchange)  # none for a "rows" plan
             self.norm = band_table(exchange, device)  # (table, rows, tile) of the fused norm
             self.steps, self.num_steps, self.per_step = collective_steps(exchange)
         if not self.python_path:
@@ -141,7 +141,7 @@ class CudaCall(PreparedCall):
         desc.block_tiles = (c_void_p * max(1, len(self.blocks)))(*[b[1].data_ptr() for b in self.blocks])
         desc.block_offsets = (c_void_p * max(1, len(self.blocks)))(*[b[2].data_ptr() for b in self.blocks])
         desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
-        desc.ldo, desc.elem_size = plan.n, torch.empty((), dtype=plan.result_dtype).element_size()
+        desc.ldo, desc.elem_size = plan.n, plan.result_dtype.itemsize
         desc.comm_stream = state.comm.cuda_stream
         desc.gemm_set_node = self.gemm.set_node_address
         desc.use_graph = int(self.use_graph)
@@ -343,7 +343,7 @@ class CudaCall(PreparedCall):
             runtime = self.runtime
             compute, comm = torch.cuda.current_stream(device), state.comm
             # a "rows" allreduce or custom op writes and transfers the output's rows in place
-            packed = packed_buffer(call) if self.rows and not self.packed_needed else state.packed
+            packed = state.packed if self.packed_needed else packed_buffer(call)
             exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
             stamp("launch", compute)
