@@ -15,8 +15,6 @@ buffers grow when a call needs more (the native call says how much), and stay.
 """
 from __future__ import annotations
 
-import ctypes
-from ctypes import c_int32, c_int64
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +25,7 @@ from flashoverlap_core.tiles import RASTERS
 from . import kernels, nccl
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, _current_device, _current_stream_getter,
                            b_col_major, outside_graph_pools, wait_mode)
-from .runtime import ABI_VERSION, WAIT_MODES, A2aBuffers, A2aDescription
+from .runtime import ABI_VERSION, WAIT_MODES
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
@@ -62,14 +60,9 @@ class _StreamState:
         self.counters = torch.zeros(call.groups, dtype=torch.int32, device=device)
         self.tensors = {"block_starts": torch.empty(world + 1, dtype=torch.int32, device=device),
                         "counters": self.counters}
-        self.buffers = A2aBuffers()
+        self.buffers = self.runtime.A2aBuffers()
         self.buffers.block_starts = self.tensors["block_starts"].data_ptr()
         self.buffers.counters = self.counters.data_ptr()
-        self.rows = (c_int32 * (2 * world))()  # this call's send rows, then its receive rows
-        self.send_ptr = ctypes.addressof(self.rows)
-        self.recv_ptr = self.send_ptr + 4 * world
-        self.needs = (c_int64 * 4)()
-        self.needs_ptr = ctypes.addressof(self.needs)
         call.desc.comm_stream = self.comm.cuda_stream if self.comm is not None else None
         self.handle = self.runtime.a2a_create(call.desc)
         self._keep_for_comm()
@@ -82,7 +75,7 @@ class _StreamState:
 
     def grow(self, call: "CudaAllToAllCall") -> None:
         """Make every buffer hold what the last call asked for (``needs``), with room to spare."""
-        tiles, received, packed, staging = self.needs
+        tiles, received, packed, staging = self.handle.needs
         b, device, dtype = self.buffers, call.device, call.dtype
 
         def more(have: int, need: int) -> int:
@@ -150,7 +143,7 @@ class CudaAllToAllCall:
         self.warm_key = (self.gemm.path, template.group, "all_to_all rows", plan.dtype)
         self.warmed = False
         self.current_stream = _current_stream_getter()
-        desc = A2aDescription()
+        desc = self.runtime.A2aDescription()
         desc.abi_version = ABI_VERSION
         desc.gemm_run_blocks = self.gemm.run_blocks_address
         desc.tile_m, desc.tile_n = plan.tile
@@ -197,21 +190,16 @@ class CudaAllToAllCall:
                 return self.run(a, b, out, send, recv)
         stream = self.current_stream(self.index)
         state = self._states.get(stream) or self.state(stream)
-        world = self.world
-        state.rows[:world] = send
-        state.rows[world:] = recv
         a_ptr, lda, b_ptr, ldb, copies = self._operands(a, b)
         warm = 0 if self.warmed else int(self.backend.warm_up(self.warm_key))
-        args = (state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), a.shape[0], state.send_ptr,
-                state.recv_ptr, stream, warm, state.needs_ptr)
+        args = (state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), a.shape[0], send, recv,
+                stream, warm)
         err = self.run_native(*args)
-        if err == _TOO_SMALL and any(n > 0 for n in state.needs):
+        if err == _TOO_SMALL and any(n > 0 for n in state.handle.needs):
             state.grow(self)
             err = self.run_native(*args)
         del copies  # queued: the caching allocator orders their reuse after these kernels
         if err:
-            gemm_detail = self.gemm.lib.fo_last_error()
-            self.runtime.check(err, "fo_a2a_run" + (
-                f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
+            self.runtime.check(err, "fo_a2a_run", self.gemm)
         self.warmed = True
         return out

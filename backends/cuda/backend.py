@@ -26,7 +26,6 @@ capture raises a ValueError that says to run it once outside capture first.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import socket
@@ -44,7 +43,6 @@ from . import all_to_all, kernels, nccl
 from .device_state import (ENV_ARCH, ENV_RESERVED_SMS, PlanTables, aligned_rows, b_col_major,
                            gemm_scales, kernel_scale, outside_graph_pools, reserved_sms)
 from .gather import CudaGatherCall
-from .runtime import GemmParams
 from .signal_call import CudaCall
 
 log = logging.getLogger("flashoverlap")
@@ -235,7 +233,7 @@ class CudaBackend(Backend):
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
         stream = stream or torch.cuda.current_stream(a.device)
         counters = counters if counters is not None else tables.counters
-        params = GemmParams(
+        params = kernels.runtime_library().GemmParams(
             a=a_op.data_ptr(), lda=a_op.stride(0), b=b_op.data_ptr(), ldb=b_op.stride(0),
             out=packed.data_ptr(), ldo=plan.n if plan.layout == "rows" else 0, L=blocks,
             block_rows=rows, N=plan.n, K=k, items=tables.items.data_ptr(),
@@ -244,8 +242,7 @@ class CudaBackend(Backend):
             monitor=monitor.data_ptr() if monitor is not None else None)
         if gemm.fp8:
             scale_a, scale_b = (kernel_scale(t) for t in scales)
-            held = gemm_scales(scale_a, scale_b)
-            params.scales = ctypes.pointer(held)
+            params.scales = gemm_scales(scale_a, scale_b)
         gemm.launch(params, stream.cuda_stream)
         return tables
 

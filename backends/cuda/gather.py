@@ -37,7 +37,6 @@ GEMM flags that read as already set, so it does not wait and a stress test must 
 from __future__ import annotations
 
 import os
-from ctypes import c_int32
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ from flashoverlap_core.backend import OverlapCall, PreparedCall
 from . import kernels, nccl
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, PlanTables, _current_device,
                            _current_stream_getter, aligned_rows, outside_graph_pools, reserved_sms)
-from .runtime import ABI_VERSION, GatherDescription
+from .runtime import ABI_VERSION
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
 ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
@@ -222,14 +221,15 @@ class CudaGatherCall(PreparedCall):
         self.runtime.gather_load_kernels()
         self.comm = (nccl.communicator(call.group, device, max_ctas=self.options.nccl_ctas)
                      if self.world > 1 else None)
-        self.chunks = (c_int32 * (2 * plan.num_groups))(*chunk_table(plan))
+        self.chunks = chunk_table(plan)
         self.warm_key = (self.gemm.path, call.group, "allgather", plan.dtype, self.options)
         with torch.cuda.device(device):
             first = self.current_stream(self.index) if stream is None else stream
             self._states[first] = GatherState(self)
 
-    def description(self, state: GatherState) -> GatherDescription:
-        plan, d = self.template.plan, GatherDescription()
+    def description(self, state: GatherState):
+        """The runtime's GatherDescription of this key's calls on ``state``'s stream."""
+        plan, d = self.template.plan, self.runtime.GatherDescription()
         d.abi_version, d.gemm_run_ex = ABI_VERSION, self.gemm.run_ex_address
         d.world, d.rank, d.block_rows = self.world, self.rank, plan.shard_rows
         d.N, d.K, d.copy_cols = plan.n, self.k, plan.k
@@ -290,12 +290,10 @@ class CudaGatherCall(PreparedCall):
         a_rows = self.a_rows(a)
         lda = a_rows.stride(0) if a_rows.shape[0] > 1 else a_rows.shape[1]
         b_ptr, ldb, _keep = self.b_operand(b)
-        err = self.runtime.lib.fo_gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
-                                             out.data_ptr(), out.stride(0), stream, int(warm))
+        err = self.runtime.gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
+                                      out.data_ptr(), out.stride(0), stream, int(warm))
         if err:
-            detail = self.gemm.lib.fo_last_error()
-            self.runtime.check(err, "fo_gather_run" + (
-                f" (GEMM library: {detail.decode()})" if detail else ""))
+            self.runtime.check(err, "fo_gather_run", self.gemm)
         return out
 
     def run_plain(self, a, b, out, stream: int):

@@ -7,7 +7,6 @@ post-reorder restores the layout (see :mod:`.backend` for the whole picture). Fo
 """
 from __future__ import annotations
 
-from ctypes import c_int32, c_int64, c_void_p
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +21,7 @@ from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_opera
 from .device_state import (ALIGN_BYTES, COLLECTIVES, NCCL_DTYPES, StreamState, _current_device,
                            _current_stream_getter, kernel_scale, outside_graph_pools,
                            replay_graphs, wait_mode)
-from .runtime import ABI_VERSION, WAIT_MODES, CallDescription
+from .runtime import ABI_VERSION, WAIT_MODES
 
 if TYPE_CHECKING:
     from .backend import CudaBackend
@@ -118,7 +117,7 @@ class CudaCall(PreparedCall):
 
     def _make_native(self, state: StreamState) -> None:
         plan = self.template.plan
-        desc = CallDescription()
+        desc = self.runtime.CallDescription()
         desc.abi_version = ABI_VERSION
         desc.gemm_launch = self.gemm.launch_address
         desc.L, desc.block_rows = len(plan.block_rows), plan.block_rows[0]
@@ -129,18 +128,18 @@ class CudaCall(PreparedCall):
         desc.packed, desc.staging = (t.data_ptr() if t is not None else None
                                      for t in (state.packed, state.staging))
         desc.counters, desc.num_groups = state.counters.data_ptr(), plan.num_groups
-        desc.group_sizes = (c_int32 * plan.num_groups)(*plan.group_sizes)
+        desc.group_sizes = plan.group_sizes
         desc.wait_mode = WAIT_MODES[self.wait]
         desc.collective = COLLECTIVES[self.kind] if self.comm is not None else 0
         desc.nccl_comm = self.comm
         desc.nccl_dtype = NCCL_DTYPES[plan.out_dtype or plan.dtype]
         desc.num_steps, desc.per_step = self.num_steps, self.per_step
-        desc.steps = (c_int64 * max(1, len(self.steps)))(*self.steps)
+        desc.steps = self.steps
         desc.num_blocks = len(self.blocks)
-        desc.block_out_offset = (c_int64 * max(1, len(self.blocks)))(*[b[0] for b in self.blocks])
-        desc.block_tiles = (c_void_p * max(1, len(self.blocks)))(*[b[1].data_ptr() for b in self.blocks])
-        desc.block_offsets = (c_void_p * max(1, len(self.blocks)))(*[b[2].data_ptr() for b in self.blocks])
-        desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
+        desc.block_out_offset = [b[0] for b in self.blocks]
+        desc.block_tiles = [b[1].data_ptr() for b in self.blocks]
+        desc.block_offsets = [b[2].data_ptr() for b in self.blocks]
+        desc.block_num_tiles = [b[1].shape[0] for b in self.blocks]
         desc.ldo, desc.elem_size = plan.n, plan.result_dtype.itemsize
         desc.comm_stream = state.comm.cuda_stream
         desc.gemm_set_node = self.gemm.set_node_address
@@ -321,9 +320,7 @@ class CudaCall(PreparedCall):
         self.warmed = True
 
     def _raise(self, err: int) -> None:
-        gemm_detail = self.gemm.lib.fo_last_error()
-        self.runtime.check(err, "the native call" + (
-            f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
+        self.runtime.check(err, "the native call", self.gemm)
 
     def run_python(self, call: OverlapCall, state: StreamState, monitor=None,
                    stamps: dict | None = None) -> None:
@@ -356,8 +353,8 @@ class CudaCall(PreparedCall):
                 compute.synchronize()
             with torch.cuda.stream(comm):
                 for g, size in enumerate(plan.group_sizes):
-                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, self.wait,
-                                         comm.cuda_stream)
+                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size,
+                                         WAIT_MODES[self.wait], comm.cuda_stream)
                     stamp("transfer_start", comm)
                     exchange.start(g)
                     if stamps is not None:
