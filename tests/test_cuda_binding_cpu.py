@@ -6,10 +6,12 @@ library (here a fake one with the same C ABI, built by the host compiler) loads 
 Skipped without nvcc (or pybind11 and Python's headers)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,26 @@ def native():
             raise
         pytest.skip(str(e))
     return runtime.load(path)
+
+
+def test_the_runtime_is_built_for_this_python(monkeypatch):
+    """No nvcc needed: the runtime job links the binding into an extension module whose cache
+    name and hash carry the Python ABI; the GEMM objects' do not."""
+    job, gemm = build.RUNTIME_JOB, build._gemm_job(build.GemmConfig())
+    assert job.python and not gemm.python
+    assert "runtime_binding.cpp" in job.sources and "runtime.cu" in job.sources
+    assert job.suffix == sysconfig.get_config_var("EXT_SUFFIX") and gemm.suffix == ".so"
+    before = build._digest(job), build._digest(gemm)
+    monkeypatch.setattr(build, "extension_suffix", lambda: ".cpython-399-x86_64-linux-gnu.so")
+    assert build._digest(job) != before[0] and build._digest(gemm) == before[1]
+    assert build.RUNTIME_JOB.suffix == ".cpython-399-x86_64-linux-gnu.so"
+    if build.find_nvcc() is not None and importlib.util.find_spec("pybind11") is not None:
+        import pybind11
+
+        cmd = build.command(job, "out.so")
+        assert f"-I{pybind11.get_include()}" in cmd
+        assert [c for c in cmd if c.endswith((".cu", ".cpp"))] == [
+            str(build.source_dir() / s) for s in job.sources]
 
 
 def header_fields(struct: str) -> list[str]:

@@ -391,7 +391,7 @@ def _digest(job: Job) -> str:
 
 def _toolchain_digest(nvcc: str, job: Job) -> str:
     text = nvcc_version(nvcc)
-    # (label, package, its include dirs); the GEMM objects' text is what it was before pybind11
+    # (used?, label, package, include dirs); "cutlass" keeps the cached GEMM objects' names
     for used, label, package, where in (
             (job.needs_cutlass, "cutlass", "nvidia-cutlass", cutlass_include_dirs),
             (job.python, "pybind11", "pybind11", python_include_dirs)):
