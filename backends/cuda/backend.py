@@ -23,6 +23,12 @@ so every kernel it uses (GEMM, waiter, NCCL's, reorder) is loaded before any cal
 under CUDA's lazy loading a kernel's first launch waits for an idle device, which would
 serialise or deadlock an overlapped call (docs/design.md, "The call path"). Such a first call inside CUDA-graph
 capture raises a ValueError that says to run it once outside capture first.
+
+Each call kind has one home: :mod:`.overlap_call` (allreduce, reduce_scatter, callable ops; the
+fused norm is its phase), :mod:`.all_to_all_call` and :mod:`.gather_call`, over what they share
+(:mod:`.call_base`: per-stream state, warm-up, errors; :mod:`.gemm`: the GEMM and its operands).
+This module only builds them, handing them its :class:`~.gemm.Gemms` and
+:class:`~.call_base.WarmUps`; none of them imports it.
 """
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ class CudaCall(NativeCall, PreparedCall):
             if not self.rows and exchange.staging is not first.packed:
                 self.staging_numel = exchange.staging.numel()
                 first.staging = exchange.staging
-                first.staging.record_stream(first.comm)
+                first.keep_for_comm((first.staging,))
             self.blocks = self._unpack_tables(exchange)  # none for a "rows" plan
             self.norm = band_table(exchange, device)  # (table, rows, tile) of the fused norm
             self.steps, self.num_steps, self.per_step = collective_steps(exchange)
@@ -178,7 +178,7 @@ class CudaCall(NativeCall, PreparedCall):
             state.staging = state.packed
         else:  # an allreduce's GEMM output, reduced in place
             state.staging = torch.empty(plan.m * plan.n, dtype=plan.result_dtype, device=self.device)
-        state.staging.record_stream(state.comm)
+        state.keep_for_comm((state.staging,))
         if state.packed is None:
             state.packed = state.staging
         if not self.python_path:
