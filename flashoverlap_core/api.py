@@ -39,6 +39,7 @@ from .all_to_all import AllToAllCall
 from .backend import Backend, OverlapCall, PreparedCall, b_layout, call_reasons
 from .checks import call_of, check_arguments, check_tensor, spec_of
 from .collectives import SequentialCall, current_default_group
+from .ops import of
 from .plan import Plan
 from .planning import PlanLookup, make_plan, plan
 
@@ -305,7 +306,7 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
         raise
     if scales:
         c["scale_a"], c["scale_b"] = scales[:2]
-    a2a = c["op"] == "all_to_all"
+    a2a = of(c["op"]).splits  # rows and splits are each call's own
     gkey = group_key(key, plan, c["out_dtype"])
     with _prepare_lock:
         entry = _prepared.get(key)
@@ -412,7 +413,7 @@ def prepared_calls() -> list[dict]:
         found.append({
             "op": p.op, "a": list(a_shape), "b": list(b_shape),
             "b_layout": b_layout(b_view), "dtype": p.dtype, "out_dtype": p.out_dtype,
-            "device": str(entry.device), "M": ROWS_PER_CALL if p.op == "all_to_all" else p.m,
+            "device": str(entry.device), "M": ROWS_PER_CALL if p.kind.splits else p.m,
             "N": p.n, "K": p.k,
             "world_size": p.world_size,
             "backend": ran_by.name if isinstance(ran_by, Backend) else p.backend,

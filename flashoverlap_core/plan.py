@@ -228,6 +228,7 @@ class Plan:
         _check_int("wave_size", self.wave_size, 1)
         if self.op not in PLAN_OPS:
             raise ValueError(f"plan op must be one of {PLAN_OPS}, got {self.op!r}")
+        kind = self.kind
         object.__setattr__(self, "out_dtype", check_out_dtype(dtype_name(self.dtype), self.out_dtype))
         if not isinstance(self.tile, tuple) or len(self.tile) != 2:
             raise TypeError(f"tile must be a pair (BM, BN) of ints, got {self.tile!r}")
@@ -239,17 +240,16 @@ class Plan:
             raise ValueError(f"plan strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.grouping not in GROUPINGS:
             raise ValueError(f"plan grouping must be one of {GROUPINGS}, got {self.grouping!r}")
-        if self.grouping == "destinations" and self.op != "all_to_all":
+        if self.grouping == "destinations" and not kind.splits:
             raise ValueError(f"the 'destinations' grouping is all_to_all's, not {self.op!r}'s")
         layout = self.layout if self.layout is not None else (
-            "rows" if self.op == GATHER_OP else "tiles")
+            "rows" if kind.gathers else "tiles")
         if layout not in LAYOUTS:
             raise ValueError(f"plan layout must be one of {LAYOUTS}, got {layout!r}")
-        if self.op == GATHER_OP and layout != "rows":
+        if kind.gathers and layout != "rows":
             raise ValueError("an allgather plan writes its output in place (layout 'rows'); "
                              f"got layout {layout!r}")
         object.__setattr__(self, "layout", layout)
-        kind = self.kind
         if kind.blocks == "ranks" and self.m % self.world_size:
             shards = " (M = W x the rows of each rank's a)" if kind.gathers else ""
             raise ValueError(f"{self.op} needs M divisible by the world size{shards}: "
