@@ -292,8 +292,8 @@ def _backward_backend(ctx, op: str, a, b) -> str | None:
     except registry.BackendError:  # unavailable here: the forward's call says so
         return None
     world = world_size(ctx.group_name)
-    spec = OverlapSpec(of(op).result_rows(a.shape[0], world), b.shape[1], a.shape[1], op, world, dtype_name(a.dtype),
-                       a.device.type, api.b_layout(b))
+    spec = OverlapSpec(of(op).result_rows(a.shape[0], world), b.shape[1], a.shape[1], op,
+                       world, dtype_name(a.dtype), a.device.type, api.b_layout(b))
     if chosen.device_type not in (None, spec.device_type) or chosen.unsupported_reasons(spec):
         return None
     return ctx.backend
