@@ -2,7 +2,8 @@
 
 Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
 compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; the device-side
-wait, counter reset and post-reorder live in one runtime object from ``runtime.cu``. All export
+wait, counter reset and post-reorder, the prepared calls and NCCL's entry points live in one
+runtime object compiled from ``RUNTIME_SOURCES`` (one translation unit per call kind). All export
 the C ABI of ``csrc/cuda/flashoverlap_cuda.h`` and link the CUDA runtime statically, so Python
 loads them with ctypes and they do not depend on the ABI of any torch or Python build.
 
@@ -298,7 +299,16 @@ def _gemm_job(config: GemmConfig) -> tuple[str, list[str], str, bool]:
     return config_name(config), flags, source, True
 
 
-RUNTIME_JOB = ("runtime", GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS, "runtime.cu", False)
+# The runtime object's translation units (csrc/cuda), one per call kind; together they define
+# every runtime function of flashoverlap_cuda.h (tests/test_cuda_sources_cpu.py checks it).
+RUNTIME_SOURCES = ("runtime.cu", "nccl.cu", "overlap_call.cu", "add_rmsnorm.cu", "gather_call.cu",
+                   "all_to_all_call.cu")
+RUNTIME_JOB = ("runtime", GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS, RUNTIME_SOURCES, False)
+
+
+def _names(source: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The source files of a job: one name, or the translation units of one object."""
+    return (source,) if isinstance(source, str) else tuple(source)
 
 
 def command(job, output: str | Path) -> list[str]:
@@ -306,7 +316,7 @@ def command(job, output: str | Path) -> list[str]:
     _, flags, source, needs_cutlass = job
     src = source_dir()
     includes = [f"-I{src}"] + ([f"-I{d}" for d in cutlass_include_dirs()] if needs_cutlass else [])
-    return [nvcc_path()] + flags + includes + [str(src / source), "-o", str(output)]
+    return [nvcc_path()] + flags + includes + [str(src / n) for n in _names(source)] + ["-o", str(output)]
 
 
 # ---- building --------------------------------------------------------------------------------
@@ -314,11 +324,12 @@ def command(job, output: str | Path) -> list[str]:
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
-def _sources(source: str) -> list[Path]:
-    """``source`` and every file of csrc/cuda it includes, transitively (quoted includes that
-    name a file there; CUTLASS's headers are covered by the toolchain digest)."""
+def _sources(source: str | tuple[str, ...]) -> list[Path]:
+    """``source`` (one file or several) and every file of csrc/cuda they include, transitively
+    (quoted includes that name a file there; CUTLASS's headers are covered by the toolchain
+    digest)."""
     src = source_dir()
-    seen, todo = [], [source]
+    seen, todo = [], list(_names(source))
     while todo:
         name = todo.pop()
         path = src / name
@@ -336,7 +347,7 @@ def _digest(job) -> str:
     h = hashlib.sha256()
     for path in _sources(source):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update("\0".join(flags + [source]).encode())
+    h.update("\0".join(flags + list(_names(source))).encode())
     return h.hexdigest()[:16]
 
 
@@ -456,9 +467,14 @@ def compile_check(out_dir: str | Path, jobs: int = 2, selftests: bool = True) ->
     def run(job):
         name, flags, source, needs_cutlass = job
         program = name.startswith("selftest_")
-        if not program:
+        # One source compiles to an object (-c); several are linked into their shared object,
+        # which must then leave no symbol undefined (a definition missing from every unit).
+        linked = len(_names(source)) > 1
+        if linked:
+            flags = flags + ["-Xlinker", "--no-undefined"]
+        elif not program:
             flags = [f for f in flags if f not in LINK_FLAGS] + ["-c"]
-        output = out_dir / (name if program else f"{name}.o")
+        output = out_dir / (name if program else f"{name}.so" if linked else f"{name}.o")
         cmd = command((name, flags, source, needs_cutlass), output)
         start = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
