@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Compile-check every CUDA source (csrc/cuda/*.cu) for sm_90a and sm_80 without a GPU: the
 # objects are built with the flags of backends/cuda/build.py, in representative configurations
-# (sm90 cooperative bf16, pingpong fp16 and e4m3 with scales; sm80 bf16 and fp16; the runtime's
-# sources and its Python binding). Needs nvcc (CUDA_HOME or PATH), Python's C headers, the
-# CUTLASS headers of the nvidia-cutlass package and pybind11, installed here into a temporary
-# folder when the Python environment lacks them.
+# (sm90 cooperative bf16, pingpong fp16 and e4m3 with scales; sm80 bf16 and fp16), links the
+# runtime from its translation units (build.py's RUNTIME_SOURCES) leaving no symbol undefined, and
+# compiles its Python binding. Needs nvcc (CUDA_HOME or PATH), Python's C headers, the CUTLASS
+# headers of the nvidia-cutlass package and pybind11, installed here into a temporary folder when
+# the Python environment lacks them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -6,7 +6,8 @@ started on the device as soon as the GEMM has written that group's tiles (for al
 chunk of rows computed as soon as it has arrived). See docs/design.md.
 """
 from . import api as _api
-from .api import backends, make_plan, plan, prepared_calls
+from .api import backends, prepared_calls
+from .planning import make_plan, plan
 from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from .plan import OPS, Plan, Region
 from .registry import BackendError, BackendStatus, register

@@ -22,10 +22,10 @@ import numbers
 import torch
 
 from . import api
-from .collectives import current_default_group
+from .ops import REDUCE_OPS
 from .reorder import add_rmsnorm
 
-NORM_OPS = ("allreduce", "reduce_scatter")
+NORM_OPS = REDUCE_OPS  # the ops whose ranks' results are summed
 __all__ = ["NORM_OPS", "add_rmsnorm", "add_rmsnorm_backward", "check", "overlap_add_rmsnorm"]
 
 
@@ -73,11 +73,8 @@ _prepared = api.keyed_table()  # key (see below) -> the prepared call that runs 
 def overlap_add_rmsnorm(a, b, residual, weight, eps: float = 1e-6, op: str = "allreduce",
                         group=None, *, plan=None, backend=None):
     """See the module docstring (the eager path: real tensors, nothing to differentiate)."""
-    try:
-        key = (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device,
-               residual.shape, residual.stride(), residual.dtype, residual.device, weight.shape,
-               weight.stride(), weight.dtype, weight.device, op,
-               group if group is not None else current_default_group(), id(plan), backend)
+    try:  # overlap's key, then the residual's and the weight's layout
+        key = api.call_key(a, b, op, group, plan, backend, more=api.tensor_facts(residual, weight))
         prepared = _prepared.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable op: the checks say what
         key = prepared = None

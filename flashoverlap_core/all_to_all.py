@@ -2,7 +2,7 @@
 
 In an MoE layer every rank has its own number of token rows (zero at times) and its own
 ``send_splits`` (skewed, with zeros, new every step). None of that is in a prepared key: the
-key and the plan the ranks settle on (``api._agree``) hold only what every rank shares (the
+key and the plan the ranks settle on (``agreement.agree``) hold only what every rank shares (the
 tile, the tile order, the number of groups G), and :class:`AllToAllCall` cuts that plan to each
 call's rows (:meth:`Plan.for_rows`, cached). With the "destinations" grouping (the default) a
 rank knows what each source sends it in each group from the rows that source sends it alone,
@@ -29,8 +29,11 @@ import torch
 import torch.distributed as dist
 
 from .backend import Backend, OverlapCall
+from .checks import check_splits_use
 from .collectives import INVALID, exchange_objects, exchange_rows, rows_from_ranks
-from .plan import check_splits
+from .ops import KINDS
+
+ALL_TO_ALL = KINDS["all_to_all"]
 
 MAX_PLANS = 1024  # per prepared call: plans (and backend preparations) of recent row splits
 
@@ -82,19 +85,8 @@ class AllToAllCall:
         m, world = a.shape[0], self.world
         if a.shape[1] != self.plan.k:
             raise ValueError(f"a must be [rows, {self.plan.k}], got {tuple(a.shape)}")
-        if send_splits is None:
-            if world > 1:
-                raise ValueError(f"all_to_all at world size {world} needs send_splits: rows of "
-                                 f"a @ b to send to each rank, {world} ints summing to M={m}")
-            send = (m,)
-        else:
-            send = check_splits("send_splits", send_splits, world, m)
-        recv = check_splits("recv_splits", recv_splits, world, None) if recv_splits is not None else None
-        if world == 1:
-            if recv is not None and recv != (m,):
-                raise ValueError(f"at world size 1 recv_splits must be [{m}], got {list(recv)}")
-            return send, recv, m
-        return send, recv, sum(recv) if recv is not None else None
+        send, recv = check_splits_use("all_to_all", world, m, send_splits, recv_splits)
+        return send or (m,), recv, ALL_TO_ALL.output_rows(m, world, recv)
 
     def _check_out(self, out, a, rows) -> None:
         if not isinstance(out, torch.Tensor):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import OverlapCall
+from .ops import of
 from .plan import destination_chunks, layout_unit
 from .reorder import add_rmsnorm, block_tiles, stream_offsets, unpack_tiles
 from .tiles import RASTERS
@@ -73,20 +74,20 @@ class SequentialCall:
     through torch.distributed on the caller's group."""
 
     def __init__(self, call: OverlapCall):
-        self.kind = call.op if isinstance(call.op, str) else "custom"
+        self.collective = of(call.op).collective
         self.group, self.world = call.group, call.world_size
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
-        kind, group = self.kind, self.group
-        if kind == "allgather":
+        collective, group = self.collective, self.group
+        if collective == "all_gather":
             if group is not None:
                 gathered = a.new_empty((a.shape[0] * self.world, a.shape[1]))
                 all_gather_single(gathered, a.contiguous(), group=group)
                 a = gathered
             return torch.matmul(a, b, out=out)
-        if kind in ("allreduce", "custom") or group is None:
+        if collective in ("all_reduce", None) or group is None:
             out = torch.matmul(a, b, out=out)
-            if kind == "custom":
+            if collective is None:  # a callable op: called on the whole result
                 op(out.view(-1), 0)
             elif group is not None:
                 dist.all_reduce(out, group=group)
@@ -104,7 +105,7 @@ def packed_buffer(call: OverlapCall) -> torch.Tensor:
     """Where a call's GEMM writes its packed tiles: for a "rows" allreduce or callable op, the
     output itself (its groups are whole rows, transferred in place); else a buffer of its own."""
     plan = call.plan
-    if plan.layout == "rows" and plan.op in ("allreduce", "custom") and call.out is not None:
+    if plan.layout == "rows" and plan.kind.in_place and call.out is not None:
         return call.out.view(-1)
     dtype = call.out.dtype if call.out is not None else call.a.dtype
     return torch.empty(plan.packed_numel, dtype=dtype, device=call.a.device)
@@ -153,6 +154,7 @@ class RegionExchange:
         self.started = 0
         plan, op = self.plan, call.op
         self.kind = op if isinstance(op, str) else "custom"
+        self.collective = of(op).collective
         self.num_collectives = plan.num_groups
         if self.kind == "reduce_scatter" and call.group is not None:
             # "rows": each group brings this rank's next whole rows, straight into the output
@@ -257,16 +259,16 @@ class RegionExchange:
         if g != self.started:
             raise RuntimeError(f"groups must start in order: expected {self.started}, got {g}")
         self.started += 1
-        if self.kind == "custom":
+        if self.collective is None:  # a callable op: called instead
             self.call.op(self.region(g), g)
             return
         group = self.call.group
         if group is None:
             return  # world size 1 without torch.distributed: the collective is the identity
         region = self.region(g) if g < self.plan.num_groups else self.packed[:0]
-        if self.kind == "allreduce":
+        if self.collective == "all_reduce":
             work = dist.all_reduce(region, group=group, async_op=True)
-        elif self.kind == "reduce_scatter":
+        elif self.collective == "reduce_scatter":
             off = self.recv_offsets[g]
             part = self.staging[off:off + region.numel() // self.call.world_size]
             work = reduce_scatter_single(part, region, group=group, async_op=True)

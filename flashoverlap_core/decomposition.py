@@ -34,7 +34,7 @@ import torch
 from .backend import Backend, OverlapCall, OverlapSpec
 from .collectives import RegionExchange
 from .gather import GatherExchange
-from .plan import CUSTOM_OP, GATHER_OP, Plan
+from .plan import GATHER_OP, Plan
 
 DEFAULT_BAND_ROWS = 128
 # Sub-GEMMs with at most this many outputs get an fp32 result (see fp32_output). Larger ones
@@ -268,7 +268,7 @@ def rows_in_order(plan: Plan) -> bool:
     it: an allreduce or custom op (one block, reduced or transferred in place) whose groups
     are whole rows ("rows" layout), or whose tiles span all N columns, whose schedule order is
     then the row order."""
-    return plan.op in ("allreduce", CUSTOM_OP) and (plan.layout == "rows" or plan.tile[1] >= plan.n)
+    return plan.kind.in_place and (plan.layout == "rows" or plan.tile[1] >= plan.n)
 
 
 class DecompositionBackend(Backend):

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import resolve_group
+from .ops import REDUCE_OPS
 from .torch_ops import group_name, overlap, overlap_add_rmsnorm
-
-REDUCE_OPS = ("allreduce", "reduce_scatter")
 
 
 class _ParallelLinear(nn.Module):

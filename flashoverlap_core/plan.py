@@ -36,12 +36,9 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from .ops import CUSTOM_OP, GATHER_OP, OPS, PLAN_OPS, OpKind, of  # noqa: F401 (the op names: re-exported)
 from .tiles import Schedule, TileGrid, TileRect
 
-OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
-GATHER_OP = "allgather"  # the one op whose collective comes before the GEMM
-CUSTOM_OP = "custom"  # a callable op: one block, laid out like allreduce
-PLAN_OPS = OPS + (CUSTOM_OP,)
 STRATEGIES = ("overlap", "sequential")
 """How a backend runs the plan: "overlap" (the groups' transfers overlapped with the GEMM) or
 "sequential" (the plain GEMM and one collective on all of it, one after the other, the
@@ -128,9 +125,11 @@ def check_splits(name: str, splits, world_size: int, total: int | None) -> tuple
     if len(splits) != world_size:
         raise ValueError(f"{name} must have one entry per rank ({world_size}), got {len(splits)}")
     out = tuple(splits)
-    # every call of an MoE layer checks its splits: plain non-negative ints take one pass
+    # every call of an MoE layer checks its splits: plain non-negative ints take one pass;
+    # symbolic ones (a fake kernel's, under torch.compile) are checked when the call runs
     if not all(type(s) is int for s in out) or (out and min(out) < 0):
-        out = tuple(_check_int(f"{name}[{i}]", s, 0) for i, s in enumerate(out))
+        out = tuple(s if isinstance(s, torch.SymInt) else _check_int(f"{name}[{i}]", s, 0)
+                    for i, s in enumerate(out))
     if total is not None and sum(out) != total:
         raise ValueError(f"{name} must sum to the rows of a ({total}), got sum {sum(out)}")
     return out
@@ -138,24 +137,17 @@ def check_splits(name: str, splits, world_size: int, total: int | None) -> tuple
 
 def block_rows_for(op: str, m: int, world_size: int, send_splits) -> tuple[int, ...]:
     """Rows of c sent to each destination (one block for allreduce / custom ops); for allgather
-    the rows of c computed from each source rank's shard."""
-    if op in ("reduce_scatter", GATHER_OP):
-        return (m // world_size,) * world_size
-    if op == "all_to_all" and send_splits is not None:
-        return tuple(send_splits)
-    return (m,)
+    the rows of c computed from each source rank's shard (:meth:`OpKind.block_rows`)."""
+    return of(op).block_rows(m, world_size, send_splits)
 
 
 def group_unit(op: str, world_size: int, n: int, tile: tuple[int, int], layout: str = "tiles",
                schedule: Schedule | None = None) -> int:
-    """Tiles every group size must be a multiple of (with the default tile order):
-    reduce_scatter, the world size (each group holds the same rows for every rank); allgather,
-    one row band of every shard (W x column tiles: a group is a chunk of whole bands); else 1.
-    A "rows" plan's groups are whole strips of bands of every block (x :func:`strip_tiles`)."""
-    if op == GATHER_OP:
-        return world_size * -(-n // tile[1])
-    blocks = world_size if op == "reduce_scatter" else 1
-    return blocks * (layout_unit(layout, n, tile, schedule) if schedule is not None else 1)
+    """Tiles every group size must be a multiple of (with the default tile order;
+    :meth:`OpKind.group_unit`). A "rows" plan's groups are whole strips of bands of every
+    block (x :func:`strip_tiles`)."""
+    strip = layout_unit(layout, n, tile, schedule) if schedule is not None else 1
+    return of(op).group_unit(world_size, n, tile, strip)
 
 
 def moved_dtype(op: str, dtype: str, out_dtype: str | None) -> torch.dtype:
@@ -236,6 +228,7 @@ class Plan:
         _check_int("wave_size", self.wave_size, 1)
         if self.op not in PLAN_OPS:
             raise ValueError(f"plan op must be one of {PLAN_OPS}, got {self.op!r}")
+        kind = self.kind
         object.__setattr__(self, "out_dtype", check_out_dtype(dtype_name(self.dtype), self.out_dtype))
         if not isinstance(self.tile, tuple) or len(self.tile) != 2:
             raise TypeError(f"tile must be a pair (BM, BN) of ints, got {self.tile!r}")
@@ -247,28 +240,25 @@ class Plan:
             raise ValueError(f"plan strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.grouping not in GROUPINGS:
             raise ValueError(f"plan grouping must be one of {GROUPINGS}, got {self.grouping!r}")
-        if self.grouping == "destinations" and self.op != "all_to_all":
+        if self.grouping == "destinations" and not kind.splits:
             raise ValueError(f"the 'destinations' grouping is all_to_all's, not {self.op!r}'s")
         layout = self.layout if self.layout is not None else (
-            "rows" if self.op == GATHER_OP else "tiles")
+            "rows" if kind.gathers else "tiles")
         if layout not in LAYOUTS:
             raise ValueError(f"plan layout must be one of {LAYOUTS}, got {layout!r}")
-        if self.op == GATHER_OP and layout != "rows":
+        if kind.gathers and layout != "rows":
             raise ValueError("an allgather plan writes its output in place (layout 'rows'); "
                              f"got layout {layout!r}")
         object.__setattr__(self, "layout", layout)
-        if self.op == "reduce_scatter" and self.m % self.world_size:
-            raise ValueError(
-                f"reduce_scatter needs M divisible by the world size: M={self.m}, W={self.world_size}")
-        if self.op == GATHER_OP and self.m % self.world_size:
-            raise ValueError(
-                f"allgather needs M divisible by the world size (M = W x the rows of each rank's "
-                f"a): M={self.m}, W={self.world_size}")
+        if kind.blocks == "ranks" and self.m % self.world_size:
+            shards = " (M = W x the rows of each rank's a)" if kind.gathers else ""
+            raise ValueError(f"{self.op} needs M divisible by the world size{shards}: "
+                             f"M={self.m}, W={self.world_size}")
         if self.send_splits is not None:
-            if self.op != "all_to_all":
+            if not kind.splits:
                 raise ValueError(f"send_splits only applies to all_to_all, not {self.op!r}")
             check_splits("send_splits", self.send_splits, self.world_size, self.m)
-        elif self.op == "all_to_all" and self.world_size > 1:
+        elif kind.splits and self.world_size > 1:
             raise ValueError("an all_to_all plan needs send_splits (rows sent to each rank)")
         self._check_groups()
 
@@ -314,6 +304,11 @@ class Plan:
 
     # ---- derived layout -------------------------------------------------------------------
     @property
+    def kind(self) -> OpKind:
+        """What the plan's op means (:mod:`flashoverlap_core.ops`)."""
+        return of(self.op)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype of a and b."""
         return DTYPES[self.dtype]
@@ -336,7 +331,7 @@ class Plan:
     @property
     def block_rows(self) -> tuple[int, ...]:
         """Rows of c sent to each destination (one block for allreduce / custom ops)."""
-        return block_rows_for(self.op, self.m, self.world_size, self.send_splits)
+        return self.kind.block_rows(self.m, self.world_size, self.send_splits)
 
     @cached_property
     def grid(self) -> TileGrid:
@@ -533,14 +528,14 @@ class Plan:
         (all_to_all: rows and splits are each call's own); a "waves" plan must fit as it is."""
         one = self.world_size == 1  # at world size 1, splits [M] and none are the same call
         send = tuple(send_splits) if send_splits is not None and not one else None
-        if self.op != "all_to_all" or (m == self.m and send == (None if one else self.send_splits)):
+        if not self.kind.splits or (m == self.m and send == (None if one else self.send_splits)):
             return self
         if self.grouping != "destinations":
             raise ValueError(f"the plan does not fit this call: it is for M={self.m}, "
                              f"send_splits {self.send_splits}, the call has M={m}, {send}; "
                              "an all_to_all plan for calls of any rows has grouping "
                              "'destinations' (fo.plan's default for all_to_all)")
-        grid = TileGrid(block_rows_for(self.op, m, self.world_size, send), self.n, self.tile[0],
+        grid = TileGrid(self.kind.block_rows(m, self.world_size, send), self.n, self.tile[0],
                         self.tile[1], self.schedule)
         groups = self.num_groups if not one else all_to_all_groups(1, grid.num_tiles)
         return replace(self, m=m, send_splits=send,
@@ -589,7 +584,7 @@ class Plan:
                 "out_dtype": dtype_name(out_dtype) if out_dtype is not None else None}
         have = {"M": self.m, "N": self.n, "K": self.k, "op": self.op,
                 "world_size": self.world_size, "dtype": self.dtype, "out_dtype": self.out_dtype}
-        if op == "all_to_all":
+        if of(op).splits:
             want["send_splits"] = tuple(send_splits) if send_splits is not None else None
             have["send_splits"] = self.send_splits
             if world_size == 1 and want["send_splits"] in (None, (m,)):

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from . import add_rmsnorm as norm
 from . import api, fp8, registry
 from .backend import OverlapSpec
+from .checks import check_operands, check_rows
+from .ops import OPS, of
 from .plan import Plan, dtype_name
 
 NAMESPACE = "flashoverlap"
-STRING_OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
+STRING_OPS = OPS
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
@@ -109,8 +111,8 @@ def _through_custom_op(a, b, op, group, plan, out, send_splits, recv_splits, bac
         # Every check api.overlap makes before device work, with its messages. (Under
         # torch.compile the fake kernel checks what shapes can tell: dynamo does not trace these.)
         checked = api.check_arguments(a, b, op, group, plan, out, send_splits, recv_splits)
-        if op == "all_to_all":  # the backward pass needs both
-            _all_to_all_rows(checked["m"], checked["world_size"], send_splits, recv_splits)
+        if checked["op"] == "all_to_all":
+            _check_rows_known(checked["world_size"], send_splits, recv_splits)
     if not isinstance(op, str) or op not in STRING_OPS:
         raise ValueError(f"op must be one of {STRING_OPS} or a callable op(region, index), "
                          f"got {op!r}")
@@ -234,45 +236,25 @@ def _fake_kernel(op: str):
     return fake
 
 
-def result_rows(op: str, a, b, world: int, send_splits=None, recv_splits=None) -> int:
-    """Rows of ``op``'s result, with the checks a shape-only (fake) run can make: the fake
-    kernel's, so also the checks under torch.compile."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    (m, k), (kb, _) = a.shape, b.shape
-    if k != kb:
-        raise ValueError(f"a is [{m}, {k}] and b is [{kb}, {b.shape[1]}]: "
-                         "a.shape[1] must equal b.shape[0]")
-    if a.dtype != b.dtype:
-        raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
-    if op == "reduce_scatter":
-        if m % world:
-            raise ValueError(f"reduce_scatter needs M divisible by the world size: "
-                             f"M={m}, W={world}")
-        return m // world
-    if op == "allgather":
-        return world * m
-    if op == "all_to_all":
-        return _all_to_all_rows(m, world, send_splits, recv_splits)
-    return m
+def result_rows(op: str, a, b, world: int, send_splits=None, recv_splits=None,
+                out_dtype=None) -> int:
+    """Rows of ``op``'s result, with the checks a shape-only (fake) run can make (those of
+    ``api.check_arguments`` that need no process group, plan or out): the fake kernel's, so
+    also the checks under torch.compile."""
+    m = check_operands(a, b, op, out_dtype)[0]
+    if of(op).splits:
+        _check_rows_known(world, send_splits, recv_splits)
+    return check_rows(op, m, world, send_splits, recv_splits)[2]
 
 
-def _all_to_all_rows(m, world, send_splits, recv_splits) -> int:
-    if world == 1 and recv_splits is None:
-        return m
-    if recv_splits is None or send_splits is None:
+def _check_rows_known(world, send_splits, recv_splits) -> None:
+    """all_to_all as a custom op: the result's rows must be known without communicating, and
+    the backward pass needs both splits."""
+    if (recv_splits is None and world > 1) or (recv_splits is not None and send_splits is None):
         raise ValueError(
             f"all_to_all at world size {world} under torch.compile, autograd or fake tensors "
             "needs explicit send_splits and recv_splits (the result's rows must be known "
             "without communicating)")
-    for name, splits in (("send_splits", send_splits), ("recv_splits", recv_splits)):
-        if len(splits) != world:
-            raise ValueError(f"{name} must have {world} entries (one per rank), got {list(splits)}")
-    if sum(send_splits) != m:
-        raise ValueError(f"send_splits must sum to M={m}, got {list(send_splits)}")
-    return sum(recv_splits)
 
 
 def _define(op: str):
@@ -310,9 +292,8 @@ def _backward_backend(ctx, op: str, a, b) -> str | None:
     except registry.BackendError:  # unavailable here: the forward's call says so
         return None
     world = world_size(ctx.group_name)
-    rows = a.shape[0] * world if op == "allgather" else a.shape[0]
-    spec = OverlapSpec(rows, b.shape[1], a.shape[1], op, world, dtype_name(a.dtype),
-                       a.device.type, api.b_layout(b))
+    spec = OverlapSpec(of(op).result_rows(a.shape[0], world), b.shape[1], a.shape[1], op,
+                       world, dtype_name(a.dtype), a.device.type, api.b_layout(b))
     if chosen.device_type not in (None, spec.device_type) or chosen.unsupported_reasons(spec):
         return None
     return ctx.backend
@@ -411,7 +392,8 @@ def _fp8_real_kernel(op: str):
 
 def _fp8_fake_kernel(op: str):
     def fake(a, b, scale_a, scale_b, group_name, group_size, out_dtype, *, plan=None, backend=None):
-        return a.new_empty((result_rows(op, a, b, group_size), b.shape[1]), dtype=out_dtype)
+        return a.new_empty((result_rows(op, a, b, group_size, out_dtype=out_dtype), b.shape[1]),
+                           dtype=out_dtype)
     return fake
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashoverlap_core as fo
-from flashoverlap_core import api, registry
+from flashoverlap_core import api, planning, registry
 from flashoverlap_core.reference import ReferenceBackend
 from flashoverlap_core.tools.ranks import RankPool
 from test_torch_ops_ranks import ranks as shared_ranks
@@ -56,7 +56,7 @@ def test_a_prepared_key_skips_selection_and_planning(fresh, monkeypatch):
         raise AssertionError("a prepared key must not select a backend or make a plan again")
 
     monkeypatch.setattr(registry, "select", refuse)
-    monkeypatch.setattr(api, "make_plan", refuse)
+    monkeypatch.setattr(planning, "make_plan", refuse)
     a2 = torch.randn(33, 17)  # fresh inputs, same key
     out = torch.full((33, 29), float("nan"))
     assert fo.overlap(a2, b, out=out) is out

@@ -1,5 +1,5 @@
 """The cuda backend's allgather, the parts that need no GPU: the GEMM's item table and each
-item's arrival flag (``backends/cuda/gather.py``), the grid that leaves SMs to the transfer,
+item's arrival flag (``backends/cuda/gather_call.py``), the grid that leaves SMs to the transfer,
 the test knobs, and that the backend now takes the op. The kernel architecture is forced
 through ``FLASHOVERLAP_CUDA_ARCH``, so nothing asks a device."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import flashoverlap_core as fo
 from flashoverlap_backends.cuda import CudaBackend, kernels
-from flashoverlap_backends.cuda import gather
+from flashoverlap_backends.cuda import gather_call
 from flashoverlap_backends.cuda.backend import ENV_ARCH, ENV_RESERVED_SMS
 from flashoverlap_core.grouping import wave_group_sizes
 from flashoverlap_core.plan import group_unit
@@ -50,7 +50,7 @@ def test_items_run_own_tiles_first_then_chunks_in_order_each_waiting_for_its_row
     them their chunk's flag too), then chunk by chunk, each tile waiting for its own rows."""
     rank = data.draw(st.integers(0, plan.world_size - 1))
     own_waits = data.draw(st.booleans())
-    items, wait = gather.gather_items(plan, rank, waits=True, own_waits=own_waits)
+    items, wait = gather_call.gather_items(plan, rank, waits=True, own_waits=own_waits)
     assert items.dtype == torch.int64 and wait.dtype == torch.int32
     assert items.shape == (plan.num_tiles, 4) and wait.shape == (plan.num_tiles,)
     rects = [tile_of(plan, it) for it in items.tolist()]
@@ -78,16 +78,16 @@ def test_items_run_own_tiles_first_then_chunks_in_order_each_waiting_for_its_row
 @settings(max_examples=20, deadline=None)
 @given(plan=plans)
 def test_without_waits_every_item_waits_for_nothing(plan):
-    items, wait = gather.gather_items(plan, 0, waits=False)
+    items, wait = gather_call.gather_items(plan, 0, waits=False)
     assert (wait == -1).all()
-    with_waits, _ = gather.gather_items(plan, 0, waits=True)
+    with_waits, _ = gather_call.gather_items(plan, 0, waits=True)
     assert sorted(map(tuple, items.tolist())) == sorted(map(tuple, with_waits.tolist()))
 
 
 @settings(max_examples=30, deadline=None)
 @given(plan=plans)
 def test_chunk_table_is_the_plan_chunks(plan):
-    table = gather.chunk_table(plan)
+    table = gather_call.chunk_table(plan)
     assert len(table) == 2 * plan.num_groups
     assert table[0] == 0 and table[-1] == plan.shard_rows
     assert table == [r for g in range(plan.num_groups) for r in plan.chunk_rows(g)]
@@ -97,7 +97,7 @@ def test_world_one_item_table_keeps_the_plan_order():
     """At world size 1 without the loopback nothing is gathered: the order is the plan's
     execution order (its swizzle across all bands, not chunk by chunk)."""
     plan = gather_plan(1000, 1000, 64, 1, (128, 256), 3)
-    items, _ = gather.gather_items(plan, 0, waits=False)
+    items, _ = gather_call.gather_items(plan, 0, waits=False)
     expect = [(t.block, t.row0 // 128, t.col0 // 256) for t in plan.grid.execution_order]
     assert [tuple(r[:3]) for r in items.tolist()] == expect
 
@@ -108,13 +108,13 @@ def test_default_schedule_items_fit_the_cluster_build(world):
     table that did not fit would run the 1x1 build: correct, slower)."""
     plan = gather_plan(2048, 4096, 64, world, (128, 256), 4)
     for rank in range(world):
-        items, _ = gather.gather_items(plan, rank, waits=True)
+        items, _ = gather_call.gather_items(plan, rank, waits=True)
         assert kernels.cluster_fits(items, (2, 1))
 
 
 def test_flag_index_is_shard_major():
     plan = gather_plan(256, 64, 8, 3, (16, 32), 4)
-    assert [gather.flag_index(plan, s, g) for s in range(3) for g in range(plan.num_groups)] == \
+    assert [gather_call.flag_index(plan, s, g) for s in range(3) for g in range(plan.num_groups)] == \
         list(range(3 * plan.num_groups))
 
 
@@ -130,30 +130,30 @@ def test_flag_index_is_shard_major():
     (132, 132, 132, 0, 2, 132),   # nothing waits: the plan's wave
 ])
 def test_gather_grid(wave, sms, max_ctas, reserve, multiple, grid):
-    assert gather.gather_grid(wave, sms, max_ctas, reserve, multiple) == grid
+    assert gather_call.gather_grid(wave, sms, max_ctas, reserve, multiple) == grid
 
 
 def test_gather_grid_that_cannot_fit_says_what_to_change():
     with pytest.raises(ValueError, match="FLASHOVERLAP_CUDA_RESERVED_SMS"):
-        gather.gather_grid(128, 4, 132, 4, 2)
+        gather_call.gather_grid(128, 4, 132, 4, 2)
 
 
 def test_reserve(monkeypatch):
     monkeypatch.setenv(ENV_RESERVED_SMS, "0")
-    options = gather.GatherOptions(nccl_ctas=6)
-    assert gather.gather_reserve(1, options) == 0  # nothing waits
-    own_copy = gather.GatherOptions(nccl_ctas=6, loopback=gather.LOOPBACK_OWN_COPY)
-    assert gather.gather_reserve(1, own_copy) == 0  # own rows copied first: nothing waits
-    chunks = gather.GatherOptions(nccl_ctas=6, loopback=gather.LOOPBACK_CHUNKS)
-    assert gather.gather_reserve(1, chunks) == gather.MIN_FREE_SMS  # loopback: no NCCL
-    assert gather.gather_reserve(2, options) == 6  # every NCCL CTA has a free SM
-    assert gather.gather_reserve(2, chunks) == 6  # the loopback is for world size 1 only
+    options = gather_call.GatherOptions(nccl_ctas=6)
+    assert gather_call.gather_reserve(1, options) == 0  # nothing waits
+    own_copy = gather_call.GatherOptions(nccl_ctas=6, loopback=gather_call.LOOPBACK_OWN_COPY)
+    assert gather_call.gather_reserve(1, own_copy) == 0  # own rows copied first: nothing waits
+    chunks = gather_call.GatherOptions(nccl_ctas=6, loopback=gather_call.LOOPBACK_CHUNKS)
+    assert gather_call.gather_reserve(1, chunks) == gather_call.MIN_FREE_SMS  # loopback: no NCCL
+    assert gather_call.gather_reserve(2, options) == 6  # every NCCL CTA has a free SM
+    assert gather_call.gather_reserve(2, chunks) == 6  # the loopback is for world size 1 only
     monkeypatch.setenv(ENV_RESERVED_SMS, "9")
-    assert gather.gather_reserve(2, options) == 9
+    assert gather_call.gather_reserve(2, options) == 9
 
 
 def test_loopback_modes():
-    off, chunks, own = (gather.GatherOptions(loopback=v) for v in (0, 1, 2))
+    off, chunks, own = (gather_call.GatherOptions(loopback=v) for v in (0, 1, 2))
     assert [o.gathers(1) for o in (off, chunks, own)] == [False, True, True]
     assert [o.own_chunks(1) for o in (off, chunks, own)] == [False, True, False]
     assert all(o.gathers(2) and not o.own_chunks(2) for o in (off, chunks, own))
@@ -162,24 +162,25 @@ def test_loopback_modes():
 # ---- knobs ----------------------------------------------------------------------------------------
 
 def test_options_from_the_environment(monkeypatch):
-    for name in (gather.ENV_LOOPBACK, gather.ENV_DELAY, gather.ENV_NO_WAIT, gather.ENV_NCCL_CTAS):
+    for name in (gather_call.ENV_LOOPBACK, gather_call.ENV_DELAY, gather_call.ENV_NO_WAIT,
+                 gather_call.ENV_NCCL_CTAS):
         monkeypatch.delenv(name, raising=False)
-    assert gather.GatherOptions.from_env() == gather.GatherOptions()
-    monkeypatch.setenv(gather.ENV_LOOPBACK, "1")
-    monkeypatch.setenv(gather.ENV_DELAY, "250")
-    monkeypatch.setenv(gather.ENV_NO_WAIT, "1")
-    monkeypatch.setenv(gather.ENV_NCCL_CTAS, "2")
-    assert gather.GatherOptions.from_env() == gather.GatherOptions(2, 1, 250, True)
+    assert gather_call.GatherOptions.from_env() == gather_call.GatherOptions()
+    monkeypatch.setenv(gather_call.ENV_LOOPBACK, "1")
+    monkeypatch.setenv(gather_call.ENV_DELAY, "250")
+    monkeypatch.setenv(gather_call.ENV_NO_WAIT, "1")
+    monkeypatch.setenv(gather_call.ENV_NCCL_CTAS, "2")
+    assert gather_call.GatherOptions.from_env() == gather_call.GatherOptions(2, 1, 250, True)
 
 
 @pytest.mark.parametrize("name, value", [
-    (gather.ENV_DELAY, "-5"), (gather.ENV_DELAY, "soon"), (gather.ENV_NCCL_CTAS, "0"),
-    (gather.ENV_LOOPBACK, "yes"), (gather.ENV_LOOPBACK, "3"),
+    (gather_call.ENV_DELAY, "-5"), (gather_call.ENV_DELAY, "soon"), (gather_call.ENV_NCCL_CTAS, "0"),
+    (gather_call.ENV_LOOPBACK, "yes"), (gather_call.ENV_LOOPBACK, "3"),
 ])
 def test_bad_knobs_are_value_errors_naming_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        gather.GatherOptions.from_env()
+        gather_call.GatherOptions.from_env()
 
 
 # ---- the backend takes the op -------------------------------------------------------------------

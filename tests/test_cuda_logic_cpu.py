@@ -229,29 +229,47 @@ def test_tracing_an_allgather_call_is_a_clear_error():
         CudaBackend().trace(call)
 
 
-def test_the_call_kinds_sit_over_one_module_of_device_state_without_a_circle():
-    """backends/cuda: device_state imports no call kind; the call kinds (signal_call, gather)
-    import device_state, never backend (but for type hints); backend imports them."""
+CALL_KINDS = ("overlap_call", "all_to_all_call", "gather_call")
+
+
+def test_the_call_kinds_sit_over_the_gemm_and_their_base_without_a_circle():
+    """backends/cuda: device_state imports no other part; the GEMM (gemm) and the calls' base
+    (call_base) import no call kind; each call kind imports them, never backend (not even for
+    type hints) and no other call kind; backend imports them all."""
     import ast
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[1] / "backends" / "cuda"
 
     def imported(name):
-        tree = ast.parse((folder / f"{name}.py").read_text())
-        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in guarded:
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
                 found.add(node.module or "")
                 found.update(a.name for a in node.names if not node.module)
         return found
 
-    assert not imported("device_state") & {"backend", "signal_call", "gather"}
-    for kind in ("signal_call", "gather"):
-        assert "device_state" in imported(kind) and "backend" not in imported(kind), kind
-    assert {"signal_call", "gather", "device_state"} <= imported("backend")
+    parts = {"backend", "gemm", "call_base", *CALL_KINDS}
+    assert not imported("device_state") & (parts | {"device_state"})
+    assert not imported("gemm") & (parts - {"gemm"})
+    assert not imported("call_base") & (parts - {"call_base"})
+    for kind in CALL_KINDS:
+        assert {"device_state", "call_base"} <= imported(kind), kind
+        assert not imported(kind) & (parts - {"gemm", "call_base"}), kind
+    assert {*CALL_KINDS, "gemm", "call_base", "device_state"} <= imported("backend")
+
+
+def test_no_part_but_the_backend_knows_the_backend():
+    """The call kinds and their helpers name neither CudaBackend nor its private helpers: the
+    backend builds them and hands them what they use."""
+    import re
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "backends" / "cuda"
+    for path in folder.glob("*.py"):
+        if path.name not in ("backend.py", "__init__.py"):  # __init__ re-exports it
+            text = path.read_text()
+            assert not re.search(r"CudaBackend|backend\._", text), path.name
 
 
 # ---- fp8 (issue 23) ---------------------------------------------------------------------------

@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Bottom to top; a module may import modules of its own layer and of the layers below. A
 # module is placed by its name, or by the first package of its name ("tuning", "tools").
 LAYERS = (
-    ("model", {"tiles", "plan", "grouping", "reorder"}),
+    ("model", {"ops", "tiles", "plan", "grouping", "reorder"}),
     ("contract", {"backend", "tile_trace", "registry", "collectives", "gather", "devices"}),
-    ("api", {"api", "all_to_all", "add_rmsnorm", "fp8", "transfers"}),
+    ("api", {"api", "checks", "planning", "agreement", "all_to_all", "add_rmsnorm", "fp8",
+             "transfers"}),
     ("backends", {"reference", "decomposition"}),
     ("torch integration", {"torch_ops", "nn"}),
     ("tuning", {"tuning"}),

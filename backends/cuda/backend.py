@@ -23,14 +23,18 @@ so every kernel it uses (GEMM, waiter, NCCL's, reorder) is loaded before any cal
 under CUDA's lazy loading a kernel's first launch waits for an idle device, which would
 serialise or deadlock an overlapped call (docs/design.md, "The call path"). Such a first call inside CUDA-graph
 capture raises a ValueError that says to run it once outside capture first.
+
+Each call kind has one home: :mod:`.overlap_call` (allreduce, reduce_scatter, callable ops; the
+fused norm is its phase), :mod:`.all_to_all_call` and :mod:`.gather_call`, over what they share
+(:mod:`.call_base`: per-stream state, warm-up, errors; :mod:`.gemm`: the GEMM and its operands).
+This module only builds them, handing them its :class:`~.gemm.Gemms` and
+:class:`~.call_base.WarmUps`; none of them imports it.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import threading
-from collections import OrderedDict
 
 import torch
 
@@ -39,11 +43,11 @@ from flashoverlap_core.plan import GATHER_OP
 from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
-from . import all_to_all, kernels, nccl
-from .device_state import (ENV_ARCH, ENV_RESERVED_SMS, PlanTables, aligned_rows, b_col_major,
-                           gemm_scales, kernel_scale, outside_graph_pools, reserved_sms)
-from .gather import CudaGatherCall
-from .signal_call import CudaCall
+from . import all_to_all_call, gemm, kernels, nccl
+from .call_base import WarmUps
+from .device_state import ENV_ARCH, ENV_RESERVED_SMS, PlanTables, outside_graph_pools, reserved_sms
+from .gather_call import CudaGatherCall
+from .overlap_call import CudaCall
 
 log = logging.getLogger("flashoverlap")
 
@@ -56,12 +60,11 @@ class CudaBackend(Backend):
     priority = 100
     native_fp8 = True  # sm_90a: the e4m3 signaling GEMM (fp8_reasons says what it declines)
 
-    MAX_PLANS = 64  # device tables kept for this many recent (plan, device) pairs
+    MAX_PLANS = gemm.MAX_PLANS  # device tables kept for this many recent (plan, device) pairs
 
     def __init__(self):
-        self._tables: OrderedDict = OrderedDict()
-        self._warmed: set = set()  # (kernel library, group, op, dtype) that ran once with syncs
-        self._lock = threading.Lock()
+        self.gemms = gemm.Gemms(self.MAX_PLANS)  # the plans' device tables, their kernels
+        self.warm_ups = WarmUps()  # (kernel library, group, op, dtype) that ran once with syncs
 
     # ---- discovery ---------------------------------------------------------------------------
     def probe(self) -> str | None:
@@ -104,7 +107,7 @@ class CudaBackend(Backend):
             reasons.append(f"the signaling GEMM takes {sorted(kernels.DTYPES)}, not {spec.dtype} "
                            "(use backend='decomposition' or 'reference')")
         if spec.op == "all_to_all":
-            reasons += all_to_all.unsupported(None, spec.world_size)
+            reasons += all_to_all_call.unsupported(None, spec.world_size)
         if spec.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             if major < 8:
@@ -127,7 +130,7 @@ class CudaBackend(Backend):
                            "cores read both operands K-major")
         forced = os.environ.get(ENV_ARCH)
         if forced or (spec.device_type == "cuda" and torch.cuda.is_available()):
-            if self._arch() != 90:
+            if gemm.arch() != 90:
                 why = (f"{ENV_ARCH}={forced}" if forced else
                        "this GPU is sm_%d%d" % torch.cuda.get_device_capability())
                 reasons.append(f"fp8 needs sm_90a's e4m3 tensor cores (wgmma); {why} runs the "
@@ -135,24 +138,13 @@ class CudaBackend(Backend):
                                "is not built)")
         return reasons
 
-    def _arch(self) -> int:
-        """90 (sm_90a kernels) on Hopper, else 80; FLASHOVERLAP_CUDA_ARCH=80 forces the
-        Ampere/Ada kernels (they run on Hopper too, which is how they are tested here)."""
-        forced = os.environ.get(ENV_ARCH)
-        if forced:
-            if forced not in ("80", "90"):
-                raise ValueError(f"{ENV_ARCH} must be 80 or 90, got {forced!r}")
-            return int(forced)
-        major, _ = torch.cuda.get_device_capability()
-        return 90 if major == 9 else 80
-
     def prebuild(self, archs=None, jobs=None) -> list[str]:
         """Every kernel configuration a plan can pick, for ``archs`` (default 90 and 80)."""
         configs = kernels.all_configs(archs or sorted(kernels.CONFIGS, reverse=True))
         return [str(p) for p in kernels.build.prebuild(configs, jobs)]
 
     def default_tile(self, spec: OverlapSpec) -> tuple[int, int]:
-        return kernels.default_tile(self._arch(), spec, self.wave_size(spec, None))
+        return kernels.default_tile(gemm.arch(), spec, self.wave_size(spec, None))
 
     def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -172,12 +164,12 @@ class CudaBackend(Backend):
         if plan.op == "all_to_all" and plan.layout == "rows":
             reasons.append("all_to_all runs 'tiles' plans on cuda (its per-call layout has no "
                            "'rows' form yet)")
-        tiles = kernels.supported_tiles(self._arch())
+        tiles = kernels.supported_tiles(gemm.arch())
         if tuple(plan.tile) not in tiles:
-            reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{self._arch()}; "
+            reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{gemm.arch()}; "
                            f"available: {sorted(tiles)}")
         if plan.op == "all_to_all":
-            reasons += all_to_all.unsupported(plan, plan.world_size)
+            reasons += all_to_all_call.unsupported(plan, plan.world_size)
             if plan.grouping != "destinations" and len(set(plan.block_rows)) > 1:
                 reasons.append("an all_to_all plan of grouping 'waves' runs equal destination "
                                "blocks only; the 'destinations' grouping (fo.plan's default for "
@@ -186,108 +178,38 @@ class CudaBackend(Backend):
 
     # ---- per-plan tables and kernels ----------------------------------------------------------
     def plan_tables(self, plan, device) -> PlanTables:
-        key = (plan, device)
-        with self._lock:
-            tables = self._tables.get(key)
-            if tables is None:
-                items, groups = plan.item_table()
-                tables = PlanTables(items, items.to(device), groups.to(device),
-                                    torch.zeros(plan.num_groups, dtype=torch.int32, device=device))
-                self._tables[key] = tables
-                while len(self._tables) > self.MAX_PLANS:
-                    self._tables.popitem(last=False)
-            self._tables.move_to_end(key)
-            return tables
+        return self.gemms.plan_tables(plan, device)
 
     def gemm_for(self, plan, tables: PlanTables, b: torch.Tensor):
         """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b."""
-        arch = self._arch()
-        # sm80 loads 8-element vectors along K, and along N for a row-major b: such a b with
-        # N % 8 != 0 runs as the column-major kernel on a transposed copy.
-        col = b_col_major(b) or (arch == 80 and b.shape[1] % 8 != 0)
-        cluster = kernels.preferred_cluster(arch, plan.tile)
-        fits = tables.cluster_fits.get(cluster)
-        if fits is None:
-            fits = tables.cluster_fits[cluster] = kernels.cluster_fits(tables.items_host, cluster)
-        if not fits:
-            cluster = (1, 1)
-        config = kernels.gemm_config(arch, plan.tile, plan.dtype, col, cluster,
-                                    out_dtype=plan.out_dtype)
-        return kernels.gemm_library(config), col, arch
+        return self.gemms.gemm_for(plan, tables, b)
 
-    def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
-                    signal: bool = True, monitor: torch.Tensor | None = None,
-                    stream: torch.cuda.Stream | None = None,
-                    counters: torch.Tensor | None = None, scales=None) -> PlanTables:
-        """Launch the signaling GEMM of ``plan`` writing ``packed`` (no waits, no collective;
-        a "rows" plan writes whole rows, row stride N).
-
-        ``signal=False`` runs the same kernel with no counters (for measuring what signaling
-        costs); ``counters`` default to the plan's benchmark counters (``tables.counters``);
-        ``monitor`` (uint64 [T, 2]) records each tile's completion; ``scales``: an fp8 plan's
-        (scale_a, scale_b), float32, 0-dim or [M, 1] and 0-dim or [1, N].
-        """
-        tables = self.plan_tables(plan, a.device)
-        gemm, col, arch = self.gemm_for(plan, tables, b)
-        a_op, b_op, k = self._operands(arch, a, b, col)
-        blocks, rows = len(plan.block_rows), plan.block_rows[0]
-        stream = stream or torch.cuda.current_stream(a.device)
-        counters = counters if counters is not None else tables.counters
-        params = kernels.runtime_library().GemmParams(
-            a=a_op.data_ptr(), lda=a_op.stride(0), b=b_op.data_ptr(), ldb=b_op.stride(0),
-            out=packed.data_ptr(), ldo=plan.n if plan.layout == "rows" else 0, L=blocks,
-            block_rows=rows, N=plan.n, K=k, items=tables.items.data_ptr(),
-            item_group=tables.item_group.data_ptr(), num_items=plan.num_tiles,
-            counters=counters.data_ptr() if signal else None, num_ctas=plan.wave_size,
-            monitor=monitor.data_ptr() if monitor is not None else None)
-        if gemm.fp8:
-            scale_a, scale_b = (kernel_scale(t) for t in scales)
-            params.scales = gemm_scales(scale_a, scale_b)
-        gemm.launch(params, stream.cuda_stream)
-        return tables
-
-    @staticmethod
-    def _workspace(gemm, plan, k, device) -> torch.Tensor | None:
-        size = gemm.workspace_size(len(plan.block_rows), plan.block_rows[0], plan.n, k,
-                                   plan.wave_size)
-        return torch.empty(size, dtype=torch.uint8, device=device) if size else None
-
-    @staticmethod
-    def _operands(arch: int, a: torch.Tensor, b: torch.Tensor, col: bool):
-        """(a rows, b rows, K) as the kernel takes them: 16-byte aligned row strides; for sm80
-        also K padded with zeros to a multiple of 8 (zeros add nothing to the products)."""
-        b_rows = b.t() if col else b
-        k = a.shape[1]
-        if arch == 80 and k % 8:
-            k = -(-k // 8) * 8
-            a_pad = a.new_zeros(a.shape[0], k)
-            a_pad[:, :a.shape[1]] = a
-            if col:
-                b_pad = b.new_zeros(b.shape[1], k)
-                b_pad[:, :a.shape[1]] = b_rows
-            else:
-                b_pad = b.new_zeros(k, b.shape[1])
-                b_pad[:a.shape[1]] = b_rows
-            return a_pad, b_pad, k
-        return aligned_rows(a), aligned_rows(b_rows), k
+    def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor,
+                    **options) -> PlanTables:
+        """Launch the signaling GEMM of ``plan`` writing ``packed``, outside a call
+        (:meth:`.gemm.Gemms.launch_gemm` says what ``options`` take)."""
+        return self.gemms.launch_gemm(plan, a, b, packed, **options)
 
     # ---- the call ----------------------------------------------------------------------------
     def prepare(self, template: OverlapCall) -> PreparedCall:
         stream = torch.cuda.current_stream(template.a.device)
-        if template.plan.op == GATHER_OP:  # the gather feeds a waiting GEMM (gather.py)
+        if template.plan.op == GATHER_OP:  # the gather feeds a waiting GEMM (gather_call.py)
             return outside_graph_pools(
-                lambda: CudaGatherCall(self, template, stream=stream.cuda_stream), stream)
-        return outside_graph_pools(lambda: CudaCall(self, template, stream=stream.cuda_stream),
-                                   stream)
+                lambda: CudaGatherCall(self, template, self.gemms, self.warm_ups,
+                                       stream=stream.cuda_stream), stream)
+        return outside_graph_pools(
+            lambda: CudaCall(self, template, self.gemms, self.warm_ups, stream=stream.cuda_stream),
+            stream)
 
     def prepare_all_to_all(self, template: OverlapCall):
-        """all_to_all laid out per call from its own splits (:mod:`.all_to_all`) on NCCL groups
+        """all_to_all laid out per call from its own splits (:mod:`.all_to_all_call`) on NCCL groups
         (or none); None (a plan per split) on a group of another collective library."""
         group = template.group
         if group is not None and template.world_size > 1 and not nccl.uses_nccl(group):
             return None
         stream = torch.cuda.current_stream(template.a.device)
-        return outside_graph_pools(lambda: all_to_all.CudaAllToAllCall(self, template), stream)
+        return outside_graph_pools(
+            lambda: all_to_all_call.CudaAllToAllCall(template, self.warm_ups), stream)
 
     def run(self, call: OverlapCall) -> torch.Tensor:
         """One call without a kept preparation (``fo.overlap`` prepares once per key)."""
@@ -299,15 +221,7 @@ class CudaBackend(Backend):
     def warm_up(self, key) -> bool:
         """Whether a call of this (library, group, op, dtype) must run with host syncs first
         (then marked as done); in CUDA-graph capture that is an error that says what to do."""
-        if key in self._warmed:
-            return False
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "the first call of this shape, op and process group cannot be captured in a CUDA "
-                "graph: it loads its kernels with host synchronisation. Run it once outside the "
-                "capture (a warm-up call, as torch.cuda.graphs recommends), then capture")
-        self._warmed.add(key)
-        return True
+        return self.warm_ups.first(key)
 
     def trace(self, call: OverlapCall):
         """Run the call with the monitor on: each tile's completion (GPU global timer) and CTA,
@@ -322,7 +236,7 @@ class CudaBackend(Backend):
                              "trace it with backend='reference'")
         monitor = torch.zeros(plan.num_tiles, 2, dtype=torch.int64, device=call.a.device)
         stamps: dict = {}
-        prepared = CudaCall(self, call, python_path=True)
+        prepared = CudaCall(self, call, self.gemms, self.warm_ups, python_path=True)
         prepared.run_python(call, prepared.state(), monitor, stamps)
         torch.cuda.synchronize(call.a.device)
         origin = stamps["launch"][0]

@@ -3,11 +3,12 @@
 Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
 compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; it exports the
 C ABI of ``csrc/cuda/flashoverlap_cuda.h`` and depends on the ABI of no torch or Python build.
-The device-side waits, counter resets, post-reorders and the prepared calls live in the
-runtime, a Python extension module (pybind11) built from ``RUNTIME_SOURCES``: the runtime's
-sources and ``runtime_binding.cpp``, the one file that lists what Python may call. It is built
-for the Python that runs it (its ABI is in the file name and the hash) and loads the GEMM
-libraries itself. Everything links the CUDA runtime statically and needs no torch headers.
+The device-side waits, counter resets, post-reorders, the prepared calls and NCCL's entry points
+live in the runtime, a Python extension module (pybind11) linked from its translation units
+(``RUNTIME_SOURCES``, one per call kind) and ``runtime_binding.cpp``, the one file that lists
+what Python may call. It is built for the Python that runs it (its ABI is in the file name and
+the hash) and loads the GEMM libraries itself. Everything links the CUDA runtime statically and
+needs no torch headers.
 
 Objects are cached under ``$FLASHOVERLAP_CACHE_DIR`` (default ``~/.cache/flashoverlap``), in
 ``cuda/{config name}-{hash of sources and flags}-{hash of the toolchain}.so`` (the runtime:
@@ -340,20 +341,24 @@ def _gemm_job(config: GemmConfig) -> Job:
     return Job(config_name(config), tuple(flags), (source,), needs_cutlass=True)
 
 
-# The runtime: its sources, one translation unit each, and the binding (compiled by the host
-# compiler through nvcc), linked into one extension module.
-RUNTIME_SOURCES = ("runtime.cu", "runtime_binding.cpp")
-RUNTIME_JOB = Job("runtime", tuple(GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS), RUNTIME_SOURCES,
-                  python=True)
+# The runtime object's translation units (csrc/cuda), one per call kind; together they define
+# every runtime function of flashoverlap_cuda.h (tests/test_cuda_sources_cpu.py checks it).
+RUNTIME_SOURCES = ("runtime.cu", "nccl.cu", "overlap_call.cu", "add_rmsnorm.cu", "gather_call.cu",
+                   "all_to_all_call.cu")
+# Their Python binding (pybind11, compiled by the host compiler through nvcc), linked with them
+# into one extension module.
+BINDING_SOURCE = "runtime_binding.cpp"
+RUNTIME_JOB = Job("runtime", tuple(GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS),
+                  RUNTIME_SOURCES + (BINDING_SOURCE,), python=True)
 
 
-def command(job: Job, output: str | Path, sources: tuple[str, ...] | None = None) -> list[str]:
-    """The nvcc command line of a job (of some of its sources: ``-c`` takes one)."""
+def command(job: Job, output: str | Path) -> list[str]:
+    """The nvcc command line of a job."""
     src = source_dir()
     includes = [src] + (cutlass_include_dirs() if job.needs_cutlass else []) + (
         python_include_dirs() if job.python else [])
     return ([nvcc_path()] + list(job.flags) + [f"-I{d}" for d in includes]
-            + [str(src / s) for s in sources or job.sources] + ["-o", str(output)])
+            + [str(src / s) for s in job.sources] + ["-o", str(output)])
 
 
 # ---- building --------------------------------------------------------------------------------
@@ -497,33 +502,36 @@ def selftest_job(config: GemmConfig) -> Job:
 
 
 def compile_check(out_dir: str | Path, jobs: int = 2, selftests: bool = True) -> bool:
-    """Compile every CUDA source to an object (-c) for its architectures, in representative
-    configurations, and each runtime source (the binding too), and build and run the sm90
-    layout self-tests (host programs, no GPU); print one line per compilation. True when all
-    passed."""
+    """Compile every CUDA source for its architectures, in representative configurations, link
+    the runtime's translation units, compile its Python binding, and build and run the sm90
+    layout self-tests (host programs, no GPU); print one line per job. True when all passed."""
     import time
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # (job, its sources in one compilation)
-    checks = [(j, j.sources) for j in [_gemm_job(c) for c in CHECK_CONFIGS]]
-    checks += [(RUNTIME_JOB, (s,)) for s in RUNTIME_JOB.sources]
+    checks = [_gemm_job(c) for c in CHECK_CONFIGS] + [
+        replace(RUNTIME_JOB, sources=RUNTIME_SOURCES, python=False),  # linked: see run
+        replace(RUNTIME_JOB, name="runtime_binding", sources=(BINDING_SOURCE,))]
     if selftests:
-        checks += [(j, j.sources) for j in [selftest_job(c) for c in SELFTEST_CONFIGS]]
+        checks += [selftest_job(c) for c in SELFTEST_CONFIGS]
 
-    def run(check):
-        job, sources = check
+    def run(job: Job):
         program = job.name.startswith("selftest_")
-        name = job.name if len(job.sources) == 1 else f"{job.name}:{sources[0]}"
-        if not program:
-            job = replace(job, flags=tuple(f for f in job.flags if f not in LINK_FLAGS) + ("-c",))
-        output = out_dir / (job.name if program else f"{name.replace(':', '-')}.o")
-        cmd = command(job, output, sources)
+        # One source compiles to an object (-c); several are linked into their shared object,
+        # which must then leave no symbol undefined (a definition missing from every unit).
+        # (The binding's references to them are resolved when the runtime is imported.)
+        linked, flags = len(job.sources) > 1, job.flags
+        if linked:
+            flags += ("-Xlinker", "--no-undefined")
+        elif not program:
+            flags = tuple(f for f in flags if f not in LINK_FLAGS) + ("-c",)
+        output = out_dir / (job.name if program else f"{job.name}.so" if linked else f"{job.name}.o")
+        cmd = command(replace(job, flags=flags), output)
         start = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
         if program and done.returncode == 0:
             done = subprocess.run([str(output)], capture_output=True, text=True)
-        return name, done, time.monotonic() - start, cmd
+        return job.name, done, time.monotonic() - start, cmd
 
     ok = True
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -1,8 +1,8 @@
-"""What every call kind of the ``cuda`` backend shares: the settings read from the environment,
-the per-plan device tables, the per-stream state of a prepared call (counters, packed and
-staging buffers, communication stream), and the small helpers of the hot path. The call kinds
-(:mod:`.signal_call`, :mod:`.gather`) and the backend (:mod:`.backend`) build on it; it imports
-none of them.
+"""What every part of the ``cuda`` backend shares: the settings read from the environment, the
+per-plan device tables, and the small helpers of the hot path. The GEMM (:mod:`.gemm`), the
+calls' common base (:mod:`.call_base`), the call kinds (:mod:`.overlap_call`,
+:mod:`.all_to_all_call`, :mod:`.gather_call`) and the backend (:mod:`.backend`) build on it; it
+imports none of them.
 """
 from __future__ import annotations
 
@@ -94,34 +94,7 @@ class PlanTables:
     cluster_fits: dict = field(default_factory=dict)  # cluster shape -> bool
 
 
-class StreamState:
-    """What the calls of one key on one compute stream use, and no other call: the group
-    counters, the packed and staging buffers and the communication stream."""
-
-    def __init__(self, plan, device: torch.device, dtype: torch.dtype, staging_numel: int | None,
-                 packed: bool = True):
-        low, high = torch.cuda.Stream.priority_range()
-        self.comm = torch.cuda.Stream(device=device, priority=high)
-        self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-        # a "rows" allreduce writes the call's output itself: packed=False, no buffers
-        self.packed = torch.empty(plan.packed_numel, dtype=dtype, device=device) if packed else None
-        self.staging = (self.packed if staging_numel is None
-                        else torch.empty(staging_numel, dtype=dtype, device=device))
-        if plan.layout == "rows" and staging_numel is None:
-            self.staging = None  # what the fused norm reads: made on its first call
-        for t in (self.counters, self.packed, self.staging):
-            if t is not None:
-                t.record_stream(self.comm)  # freed only once the communication stream is done
-        self.handle = None  # the native call (fo_call), when the key takes the native path
-        self.runtime = None
-
-    def __del__(self):
-        if self.handle is not None and self.runtime is not None:
-            self.runtime.call_destroy(self.handle)
-
-
 NCCL_DTYPES = {"bfloat16": 9, "float16": 6, "float32": 7}
-COLLECTIVES = {"allreduce": 1, "reduce_scatter": 2, "all_to_all": 3}
 
 
 def _current_stream_getter():

@@ -1,11 +1,14 @@
-// C ABI of FlashOverlap's CUDA kernels. The fo_gemm_* functions and fo_load_kernels live in
-// one shared object per GEMM configuration; fo_wait_counter, fo_reset_counters and
-// fo_unpack_tiles (and their own fo_load_kernels) in one runtime object.
+// C ABI of FlashOverlap's CUDA kernels: every exported function is declared here. The fo_gemm_*
+// functions and fo_load_kernels live in one shared object per GEMM configuration (gemm_abi.cuh);
+// the rest, and the runtime's own fo_load_kernels and fo_last_error, in one runtime object made
+// of one translation unit per call kind (runtime.cu: wait, counter reset, post-reorder; nccl.cu;
+// overlap_call.cu; add_rmsnorm.cu; gather_call.cu; all_to_all_call.cu).
 //
 // Each kernel library (one shared object per GEMM configuration, built by the JIT in
-// backends/cuda/build.py) exports these symbols with C linkage, so that Python loads it with
-// ctypes: no dependency on the ABI of a particular torch or Python build, and the same object
-// runs under any torch that shares the CUDA driver. Every function returns a cudaError_t
+// backends/cuda/build.py) exports these symbols with C linkage, and the runtime (a Python
+// extension module: these units and runtime_binding.cpp) loads it with dlopen: no dependency on
+// the ABI of a particular torch or Python build, and the same object runs under any torch that
+// shares the CUDA driver. Every function returns a cudaError_t
 // (0 = success) and never synchronizes the device; fo_last_error() describes the last failure.
 //
 // Work items. A persistent GEMM of G CTAs processes work items i = cta, cta + G, ... in the
@@ -102,13 +105,34 @@ FO_API size_t fo_gemm_workspace_size(int L, int block_rows, int N, int K, int nu
 //        arrive_flags[item_wait[i]] != 0 (acquire at GPU scope, then on sm90 a proxy fence for
 //        the TMA loads): the consumer side of allgather, whose rows of A arrive during the GEMM.
 //        Whatever sets a flag must make the rows visible first (a stream write-value after the
-//        copy does), and must not need the SMs that this GEMM's CTAs occupy (gather_call.cuh).
+//        copy does), and must not need the SMs that this GEMM's CTAs occupy (gather_call.cu).
 FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L, int block_rows,
                                   int N, int K, int64_t lda, int64_t ldb, int64_t ldo,
                                   const int64_t* items, const int32_t* item_group,
                                   const int32_t* item_wait, const uint32_t* arrive_flags,
                                   int num_flags, int num_items, int32_t* counters, int num_ctas,
                                   uint64_t* monitor, void* workspace, cudaStream_t stream);
+
+// The signaling GEMM over destination blocks of unequal rows (all_to_all, whose rows and splits
+// are each call's own): block l is rows [block_starts[l], block_starts[l + 1]) of a's M rows
+// (block_starts: L + 1 int32 in device memory, non-decreasing from 0 to M; a block may be
+// empty); `packed` holds packed_numel >= M * N elements. The items are fo_gemm_run's, their
+// band counted from their block's first row. Nothing is launched when num_items is 0 (a rank
+// with no rows: a may then be empty). Needs a build with FO_BLOCKS=1.
+FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed,
+                                      int64_t packed_numel, int M, int N, int K, int64_t lda,
+                                      int64_t ldb, const int32_t* block_starts, int L,
+                                      const int64_t* items, const int32_t* item_group,
+                                      int num_items, int32_t* counters, int num_ctas,
+                                      cudaStream_t stream);
+
+// A graph's captured launch of this GEMM (fo_gemm_run inside stream capture) re-pointed at new
+// operands and tables, checked as fo_gemm_run checks them.
+FO_API cudaError_t fo_gemm_set_node(cudaGraphExec_t exec, cudaGraphNode_t node, const void* a,
+                                    const void* b, void* packed, int L, int block_rows, int N,
+                                    int K, int64_t lda, int64_t ldb, const int64_t* items,
+                                    const int32_t* item_group, int num_items, int32_t* counters,
+                                    int num_ctas);
 
 // ---- fp8 (e4m3) builds: the scaled signaling GEMM -----------------------------------------
 // A library with dtype FO_DTYPE_E4M3 takes a and b in float8 e4m3 (both K-major: b is [N, K]
@@ -187,16 +211,20 @@ FO_API cudaError_t fo_unpack_tiles(const void* src, void* dst, int64_t ldd, cons
                             const int64_t* src_offsets, int num_tiles, int elem_size,
                             cudaStream_t stream);
 
-// ---- NCCL, reached at run time (runtime object) ------------------------------------------
+// ---- NCCL, reached at run time (runtime object, nccl.cu) ---------------------------------
 // fo_nccl_load resolves NCCL from the libnccl.so.2 already loaded in the process (torch's), else
 // from `path`. Communicators are plain ncclComm_t handles (void* here); a unique id is 128 bytes.
 FO_API cudaError_t fo_nccl_load(const char* path);
 FO_API cudaError_t fo_nccl_version(int* version);
 FO_API cudaError_t fo_nccl_unique_id(void* id128);
 FO_API cudaError_t fo_nccl_comm_init(void** comm, int nranks, const void* id128, int rank, int device);
+// ncclCommInitRankConfig with at most `max_ctas` CTAs per NCCL kernel and no CTA clusters
+// (NCCL >= 2.17): allgather's communicator, whose kernels must fit beside the waiting GEMM.
+FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
+                                             int device, int max_ctas);
 FO_API cudaError_t fo_nccl_comm_destroy(void* comm);
 
-// ---- a prepared overlapped call (runtime object) -------------------------------------------
+// ---- a prepared overlapped call (runtime object, overlap_call.cu) -------------------------
 // Everything one call of a fixed shape needs, built once (fo_call_create copies the host
 // arrays); fo_call_run then issues the whole call with no host synchronisation:
 //   compute: [wait for prior work of `comm_stream`'s previous call is implied by stream order]
@@ -283,7 +311,43 @@ FO_API void fo_call_destroy(fo_call* call);
 // made (then it runs launch by launch; fo_last_error said why when it failed).
 FO_API int fo_call_graph_state(const fo_call* call);
 
-// ---- allgather: a gather that feeds a waiting GEMM (runtime object, gather_call.cuh) ---------
+// ---- the post-reorder fused into residual add + RMSNorm (runtime object, add_rmsnorm.cu) ----
+// fo.overlap_add_rmsnorm: residual_out = residual + result, normed = residual_out *
+// rsqrt(mean(residual_out^2) + eps) * weight (float32 math on the unrounded sum), written in one
+// pass that reads the received tiles and the residual once (one CTA per row).
+// The result's rows come from `src` through a table of bands: band_offsets[b * col_tiles + j]
+// (int64, device, col_tiles = ceil(N / tile_n)) is the element offset in src of the tile of rows
+// [b * tile_m, ...) and columns [j * tile_n, ...), stored row-major at its real size
+// (flashoverlap_core/reorder.py, band_offsets). With N and tile_n multiples of 8 every offset
+// must be a multiple of 8 too (true of tiles stored back to back).
+// dtype: 0 bf16, 1 fp16 (src, residual, normed, residual_out); weight_dtype: 0 the same,
+// 1 float32. Strides in elements. 16-byte accesses where N, tile_n and the strides are multiples
+// of 8 and the pointers 16-byte aligned; element accesses otherwise.
+FO_API cudaError_t fo_add_rmsnorm_tiles(const void* src, const int64_t* band_offsets, int rows,
+                                        int N, int tile_m, int tile_n, int dtype,
+                                        const void* residual, int64_t ld_residual,
+                                        const void* weight, int weight_dtype, float eps,
+                                        void* normed, void* residual_out, int64_t ld_out,
+                                        cudaStream_t stream);
+// A prepared call's fused form (overlap_call.cu: the call's last phase). fo_call_set_add_rmsnorm
+// gives a call that writes one block of rows (allreduce, reduce_scatter) the band table of that
+// block in its staging buffer (the call keeps the device pointer); fo_call_run_add_rmsnorm is
+// fo_call_run with the fused kernel in place of the post-reorder (it zeroes the counters
+// likewise). With use_graph it replays a graph of its own, captured on its first call outside
+// stream capture (or its second, when the first is `warm`), re-pointed when a, b, residual,
+// weight, the outputs or eps change.
+FO_API cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_offsets, int rows,
+                                           int tile_m, int tile_n, int dtype);
+FO_API cudaError_t fo_call_run_add_rmsnorm(fo_call* call, const void* a, int64_t lda,
+                                           const void* b, int64_t ldb, const void* residual,
+                                           int64_t ld_residual, const void* weight,
+                                           int weight_dtype, float eps, void* normed,
+                                           void* residual_out, int64_t ld_out,
+                                           cudaStream_t stream, int warm);
+// As fo_call_graph_state, for the calls of fo_call_run_add_rmsnorm.
+FO_API int fo_call_add_rmsnorm_graph_state(const fo_call* call);
+
+// ---- allgather: a gather that feeds a waiting GEMM (runtime object, gather_call.cu) ----------
 // A prepared allgather call of rank `rank` of `world`: every rank's a is [block_rows, copy_cols];
 // `gathered` is [world * block_rows, ldg] row-major (rows s * block_rows .. of rank s, so a row of
 // gathered is the same row of out). fo_gather_run issues, with no host synchronisation:
@@ -334,12 +398,8 @@ FO_API cudaError_t fo_gather_run(fo_gather* gather, const void* a, int64_t lda, 
 FO_API void fo_gather_destroy(fo_gather* gather);
 // Force-loads the kernels only fo_gather_run launches (the tests' delay kernel).
 FO_API cudaError_t fo_gather_load_kernels(void);
-// ncclCommInitRankConfig with at most `max_ctas` CTAs per NCCL kernel and no CTA clusters
-// (NCCL >= 2.17): allgather's communicator, whose kernels must fit beside the waiting GEMM.
-FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
-                                             int device, int max_ctas);
 
-// ---- all_to_all with each call's rows and splits (runtime object, all_to_all_call.cuh) -------
+// ---- all_to_all with each call's rows and splits (runtime object, all_to_all_call.cu) --------
 // Expert parallelism: every call has its own rows M and splits, on every rank. Created once per
 // shared layout (tile, tile order, N, K, groups, world); fo_a2a_run then lays out and issues one
 // call: on `stream` a table kernel (work items, block starts, post-reorder tiles, from the

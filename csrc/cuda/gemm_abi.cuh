@@ -177,12 +177,7 @@ FO_API cudaError_t fo_gemm_run_scaled(const void* a, const void* b, const fo_gem
   return fo::gemm::checked_launch(args, err, stream);
 }
 
-// The signaling GEMM over destination blocks of unequal rows (all_to_all, whose rows and splits
-// are each call's own): block l is rows [block_starts[l], block_starts[l + 1]) of a's M rows
-// (block_starts: L + 1 int32 in device memory, non-decreasing from 0 to M; a block may be
-// empty); `packed` holds packed_numel >= M * N elements. The items are fo_gemm_run's, their
-// band counted from their block's first row. Nothing is launched when num_items is 0 (a rank
-// with no rows: a may then be empty). Needs a build with FO_BLOCKS=1.
+// Destination blocks of unequal rows (all_to_all's; flashoverlap_cuda.h).
 FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed,
                                       int64_t packed_numel, int M, int N, int K, int64_t lda,
                                       int64_t ldb, const int32_t* block_starts, int L,
@@ -213,9 +208,8 @@ FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed
   return fo::gemm::checked_launch(args, err, stream);
 }
 
-// A graph's captured launch of this GEMM (fo_gemm_run inside stream capture) re-pointed at new
-// operands and tables, checked as fo_gemm_run checks them: a prepared call replays its captured
-// graph and only updates this node when a or b moved (overlap_call.cuh).
+// A graph's captured launch re-pointed (flashoverlap_cuda.h): a prepared call replays its
+// captured graph and only updates this node when a or b moved (overlap_call.cu).
 FO_API cudaError_t fo_gemm_set_node_scaled(cudaGraphExec_t exec, cudaGraphNode_t node,
                                            const void* a, const void* b,
                                            const fo_gemm_scales* scales, void* packed, int L,

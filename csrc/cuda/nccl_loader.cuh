@@ -2,15 +2,12 @@
 // calls and resolves them with dlopen/dlsym from the libnccl.so.2 that the process already has
 // (the one torch loaded) or from a path the caller gives. So the library builds without NCCL's
 // headers and uses the very NCCL build of the installed torch. Enum values are NCCL's public ABI.
+// The loading and the fo_nccl_* C functions are nccl.cu's; the call kinds use the entry points
+// through api() and send_recv_step.
 #pragma once
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 #include <stddef.h>
-
-#include <climits>
-#include <cstring>
-#include <mutex>
-#include <type_traits>
+#include <stdint.h>
 
 #include "common.cuh"
 
@@ -42,28 +39,6 @@ struct Api {
   Result (*CommInitRankConfig)(Comm*, int, UniqueId, int, void*);  // NCCL >= 2.14; may be null
 };
 
-// ncclConfig_t as of NCCL 2.17 (nccl.h). Later versions append fields; NCCL reads `size` bytes
-// of the struct it is given and takes its defaults for the rest, so this prefix stays valid.
-struct ConfigPrefix {
-  size_t size;
-  unsigned int magic;    // 0xcafebeef
-  unsigned int version;  // NCCL_VERSION of the struct: 21700
-  int blocking;
-  int cgaClusterSize;
-  int minCTAs;
-  int maxCTAs;
-  const char* netName;
-};
-constexpr int kConfigUndefined = INT_MIN;  // NCCL_CONFIG_UNDEF_INT
-
-inline ConfigPrefix bounded_config(int max_ctas) {
-  ConfigPrefix c;
-  c.size = sizeof(ConfigPrefix), c.magic = 0xcafebeef, c.version = 21700;
-  c.blocking = 1, c.cgaClusterSize = 1, c.minCTAs = kConfigUndefined, c.maxCTAs = max_ctas;
-  c.netName = nullptr;
-  return c;
-}
-
 inline Api& api() {
   static Api a = {};
   return a;
@@ -73,44 +48,7 @@ inline bool loaded() { return api().GroupEnd != nullptr; }
 
 // Resolves every entry point from `path` (nullptr or "": the libnccl.so.2 already loaded in
 // the process). Idempotent; the first successful load wins.
-inline cudaError_t load(const char* path) {
-  static std::mutex lock;
-  std::lock_guard<std::mutex> guard(lock);
-  if (loaded()) return cudaSuccess;
-  void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
-  if (!lib && path && *path) lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (!lib)
-    return fail(cudaErrorSharedObjectInitFailed,
-                "NCCL is not loaded in this process and %s could not be opened: %s",
-                path && *path ? path : "no path was given", dlerror());
-  Api a = {};
-  const char* missing = nullptr;
-  auto sym = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-    if (!fn && !missing) missing = name;
-  };
-  sym(a.GetVersion, "ncclGetVersion");
-  sym(a.GetUniqueId, "ncclGetUniqueId");
-  sym(a.CommInitRank, "ncclCommInitRank");
-  sym(a.CommDestroy, "ncclCommDestroy");
-  sym(a.CommAbort, "ncclCommAbort");
-  sym(a.CommGetAsyncError, "ncclCommGetAsyncError");
-  sym(a.AllReduce, "ncclAllReduce");
-  sym(a.ReduceScatter, "ncclReduceScatter");
-  sym(a.AllGather, "ncclAllGather");
-  sym(a.Send, "ncclSend");
-  sym(a.Recv, "ncclRecv");
-  sym(a.GroupStart, "ncclGroupStart");
-  sym(a.GroupEnd, "ncclGroupEnd");
-  sym(a.GetErrorString, "ncclGetErrorString");
-  if (missing)
-    return fail(cudaErrorSymbolNotFound, "the loaded NCCL has no %s (NCCL 2.7 or newer is needed)",
-                missing);
-  a.CommInitRankConfig = reinterpret_cast<decltype(a.CommInitRankConfig)>(
-      dlsym(lib, "ncclCommInitRankConfig"));  // optional: only allgather's communicator needs it
-  api() = a;
-  return cudaSuccess;
-}
+cudaError_t load(const char* path);
 
 }  // namespace fo::nccl
 
@@ -122,3 +60,39 @@ inline cudaError_t load(const char* path) {
       return ::fo::fail(cudaErrorUnknown, "%s failed: NCCL error %d (%s)", #expr, fo_res_,  \
                         ::fo::nccl::api().GetErrorString(fo_res_));                        \
   } while (0)
+
+namespace fo::nccl {
+
+// What moves between this rank and one peer in one step, in elements (a count <= 0: nothing).
+struct PeerTransfer {
+  const void* send;
+  int64_t send_count;
+  void* recv;
+  int64_t recv_count;
+};
+
+// One step of point-to-point transfers on `stream`, as one NCCL group: for each peer p in
+// [0, peers), `transfer(p, &t)` says whether p takes part and fills t; a peer that takes part
+// gets its send, then its receive. The group opens at the first peer that takes part, so a step
+// in which none does issues no NCCL call at all.
+template <class Transfer>
+inline cudaError_t send_recv_step(int peers, int dtype, Comm comm, cudaStream_t stream,
+                                  Transfer&& transfer) {
+  const Api& n = api();
+  bool grouped = false;
+  for (int peer = 0; peer < peers; ++peer) {
+    PeerTransfer t;
+    if (!transfer(peer, &t)) continue;
+    if (!grouped) FO_NCCL_CHECK(n.GroupStart());
+    grouped = true;
+    Result r = 0;
+    if (t.send_count > 0) r = n.Send(t.send, size_t(t.send_count), dtype, peer, comm, stream);
+    if (r == 0 && t.recv_count > 0)
+      r = n.Recv(t.recv, size_t(t.recv_count), dtype, peer, comm, stream);
+    if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
+  }
+  if (grouped) FO_NCCL_CHECK(n.GroupEnd());
+  return cudaSuccess;
+}
+
+}  // namespace fo::nccl

@@ -1,12 +1,13 @@
 // FlashOverlap runtime kernels: the device-side wait on a group counter, the counter reset and
-// the post-communication reorder (unpack of packed tiles into row-major rows). One shared object,
-// loaded with ctypes; C ABI in flashoverlap_cuda.h.
+// the post-communication reorder (unpack of packed tiles into row-major rows). One translation
+// unit of the runtime object, whose other units are the call kinds that launch these kernels
+// (through runtime.cuh); C ABI in flashoverlap_cuda.h.
 #include <cuda.h>  // driver types only: the driver is reached through cudaGetDriverEntryPoint
 
 #include <mutex>
 
 #include "common.cuh"
-#include "nccl_loader.cuh"
+#include "runtime.cuh"
 
 namespace fo::runtime {
 
@@ -117,51 +118,41 @@ unpack_tiles(const char* __restrict__ src, char* __restrict__ dst, int64_t ldd,
     copy_tile(reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint16_t*>(d), ldd_bytes / 2, rows, int(row_bytes / 2), part);
 }
 
-// The launch of unpack_tiles for one block: its grid and its argument values (kept together
-// so that a replayed graph's node can be re-pointed at a new `dst` with the same launch).
-struct UnpackLaunch {
-  static constexpr int kArgs = 8;
-  dim3 grid;
-  const char* src;
-  char* dst;
-  int64_t ldd;
-  const int32_t* tiles;
-  const int64_t* src_offsets;
-  int elem_size;
-  int32_t* reset;
-  int num_reset;
+UnpackLaunch::UnpackLaunch(const void* src_, void* dst_, int64_t ldd_, const int32_t* tiles_,
+                           const int64_t* src_offsets_, int num_tiles, int elem_size_,
+                           int32_t* reset_, int num_reset_)
+    : grid(num_tiles, kUnpackParts), src(static_cast<const char*>(src_)),
+      dst(static_cast<char*>(dst_)), ldd(ldd_), tiles(tiles_), src_offsets(src_offsets_),
+      elem_size(elem_size_), reset(reset_), num_reset(num_reset_) {}
 
-  UnpackLaunch(const void* src_, void* dst_, int64_t ldd_, const int32_t* tiles_,
-               const int64_t* src_offsets_, int num_tiles, int elem_size_, int32_t* reset_,
-               int num_reset_)
-      : grid(num_tiles, kUnpackParts), src(static_cast<const char*>(src_)),
-        dst(static_cast<char*>(dst_)), ldd(ldd_), tiles(tiles_), src_offsets(src_offsets_),
-        elem_size(elem_size_), reset(reset_), num_reset(num_reset_) {}
+cudaKernelNodeParams UnpackLaunch::node(void** args) {
+  args[0] = &src, args[1] = &dst, args[2] = &ldd, args[3] = &tiles, args[4] = &src_offsets;
+  args[5] = &elem_size, args[6] = &reset, args[7] = &num_reset;
+  cudaKernelNodeParams p = {};
+  p.func = reinterpret_cast<void*>(unpack_tiles);
+  p.gridDim = grid, p.blockDim = dim3(kUnpackThreads), p.sharedMemBytes = 0;
+  p.kernelParams = args;
+  return p;
+}
 
-  // Node parameters pointing at this object's fields (valid while it lives).
-  cudaKernelNodeParams node(void** args) {
-    args[0] = &src, args[1] = &dst, args[2] = &ldd, args[3] = &tiles, args[4] = &src_offsets;
-    args[5] = &elem_size, args[6] = &reset, args[7] = &num_reset;
-    cudaKernelNodeParams p = {};
-    p.func = reinterpret_cast<void*>(unpack_tiles);
-    p.gridDim = grid, p.blockDim = dim3(kUnpackThreads), p.sharedMemBytes = 0;
-    p.kernelParams = args;
-    return p;
-  }
-};
-
-inline cudaError_t launch_unpack(const UnpackLaunch& u, cudaStream_t stream) {
+cudaError_t launch_unpack(const UnpackLaunch& u, cudaStream_t stream) {
   unpack_tiles<<<u.grid, kUnpackThreads, 0, stream>>>(u.src, u.dst, u.ldd, u.tiles, u.src_offsets,
                                                       u.elem_size, u.reset, u.num_reset);
   FO_CUDA_CHECK(cudaGetLastError());
   return cudaSuccess;
 }
 
-inline cudaError_t launch_unpack(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
-                                 const int64_t* src_offsets, int num_tiles, int elem_size,
-                                 int32_t* reset, int num_reset, cudaStream_t stream) {
+cudaError_t launch_unpack(const void* src, void* dst, int64_t ldd, const int32_t* tiles,
+                          const int64_t* src_offsets, int num_tiles, int elem_size,
+                          int32_t* reset, int num_reset, cudaStream_t stream) {
   return launch_unpack(UnpackLaunch(src, dst, ldd, tiles, src_offsets, num_tiles, elem_size, reset,
                                     num_reset), stream);
+}
+
+cudaError_t launch_reset(int32_t* counters, int n, cudaStream_t stream) {
+  reset_counters<<<1, 256, 0, stream>>>(counters, n);
+  FO_CUDA_CHECK(cudaGetLastError());
+  return cudaSuccess;
 }
 
 cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
@@ -185,11 +176,6 @@ cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaSt
 
 }  // namespace fo::runtime
 
-#include "add_rmsnorm.cuh"  // the post-reorder fused into residual add + RMSNorm
-#include "overlap_call.cuh"
-#include "gather_call.cuh"  // allgather: the gather that feeds a waiting GEMM
-#include "all_to_all_call.cuh"  // all_to_all with each call's own rows and splits
-
 using namespace fo::runtime;
 
 extern "C" {
@@ -199,8 +185,8 @@ FO_API cudaError_t fo_load_kernels(void) {
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, spin_wait));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, reset_counters));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_tiles));
-  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, a2a_tables));
-  cudaError_t err = load_norm_kernels();
+  cudaError_t err = load_a2a_kernels();
+  if (err == cudaSuccess) err = load_norm_kernels();
   if (err != cudaSuccess) return err;
   StreamWaitValue32 fn;
   return stream_wait_value32(&fn);

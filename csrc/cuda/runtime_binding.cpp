@@ -29,25 +29,6 @@
 
 namespace py = pybind11;
 
-// Until flashoverlap_cuda.h declares them (they are declared beside their kernels, in
-// add_rmsnorm.cuh, which only nvcc compiles). The same declarations there make a mismatch a
-// compile error once both are seen together.
-extern "C" {
-cudaError_t fo_add_rmsnorm_tiles(const void* src, const int64_t* band_offsets, int rows, int N,
-                                 int tile_m, int tile_n, int dtype, const void* residual,
-                                 int64_t ld_residual, const void* weight, int weight_dtype,
-                                 float eps, void* normed, void* residual_out, int64_t ld_out,
-                                 cudaStream_t stream);
-cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_offsets, int rows,
-                                    int tile_m, int tile_n, int dtype);
-cudaError_t fo_call_run_add_rmsnorm(fo_call* call, const void* a, int64_t lda, const void* b,
-                                    int64_t ldb, const void* residual, int64_t ld_residual,
-                                    const void* weight, int weight_dtype, float eps, void* normed,
-                                    void* residual_out, int64_t ld_out, cudaStream_t stream,
-                                    int warm);
-int fo_call_add_rmsnorm_graph_state(const fo_call* call);
-}
-
 namespace fo::binding {
 
 // A device or host address from Python: an int, or None for null.
@@ -151,7 +132,7 @@ class GemmLibrary {
     run_scaled_ = symbol<decltype(&fo_gemm_run_scaled)>("fo_gemm_run_scaled");
     launch_ = symbol<decltype(&fo_gemm_launch)>("fo_gemm_launch");
     set_node_params_ = symbol<decltype(&fo_gemm_set_node_params)>("fo_gemm_set_node_params");
-    run_blocks_ = symbol<void*>("fo_gemm_run_blocks");
+    run_blocks_ = symbol<decltype(&fo_gemm_run_blocks)>("fo_gemm_run_blocks");
   }
 
   const std::string& path() const { return path_; }
@@ -253,7 +234,7 @@ class GemmLibrary {
   decltype(&fo_gemm_run_scaled) run_scaled_ = nullptr;
   decltype(&fo_gemm_launch) launch_ = nullptr;
   decltype(&fo_gemm_set_node_params) set_node_params_ = nullptr;
-  void* run_blocks_ = nullptr;
+  decltype(&fo_gemm_run_blocks) run_blocks_ = nullptr;
 };
 
 // The runtime's check, with the GEMM library's own last error in `what` when it has one.

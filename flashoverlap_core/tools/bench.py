@@ -32,6 +32,7 @@ from ..backend import OverlapSpec, call_reasons
 from ..collectives import all_gather_single, reduce_scatter_single, resolve_group
 from ..devices import current_device, device_name
 from ..grouping import equal_splits
+from ..ops import OPS, of
 from ..plan import DTYPES, FP8_DTYPES
 from ..tuning.measure import timed
 from .args import at_least, choices_arg, shapes_arg
@@ -43,7 +44,6 @@ from .table import format_table
 CPU_SHAPES = "512x512x256,1024x1024x512,2048x1024x512"
 # Per-rank [M, N, K] of tensor-parallel LLM layers (tokens x hidden x sharded inner size).
 ACCELERATOR_SHAPES = "4096x8192x3584,8192x8192x3584,8192x8192x8192"
-OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
 SEED = 1234
 ROUNDING_UNITS = 4  # output-dtype epsilons (times the largest |value|) always allowed
 FP8_OUT = torch.bfloat16  # fp8 runs: e4m3 a and b with row-wise scales, bf16 out
@@ -270,7 +270,7 @@ def _skip_reason(hw: Hardware, shape, op: str, dtype: str) -> str:
         return f"reduce_scatter needs M divisible by the world size {world}"
     send = tuple(equal_splits(m, world)) if op == "all_to_all" else None
     fp8 = dtype in FP8_DTYPES and op != "all_to_all"  # an fp8 all_to_all runs as float32
-    spec = OverlapSpec(m * world if op == "allgather" else m, n, k, op, world,
+    spec = OverlapSpec(of(op).result_rows(m, world), n, k, op, world,
                        "float32" if dtype in FP8_DTYPES and not fp8 else dtype,
                        hw.device_type, "col", send, "bfloat16" if fp8 else None)
     reasons = call_reasons(registry.get(hw.target), spec)

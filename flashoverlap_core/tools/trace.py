@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..api import plan as make_plan
+from ..planning import plan as make_plan
 from ..grouping import equal_splits
 from ..plan import DTYPES, Plan
 from ..tile_trace import TileTrace

@@ -23,11 +23,13 @@ from functools import lru_cache
 import torch
 
 from .. import registry
-from ..api import make_plan, overlap
+from ..api import overlap
 from ..backend import OverlapCall, OverlapSpec
 from ..collectives import resolve_group
 from ..grouping import equal_splits
+from ..ops import CUSTOM_OP, of
 from ..plan import Plan
+from ..planning import make_plan
 from ..tile_trace import TileTrace
 from ..transfers import HostOffload
 from .cache import Context, TuningCache, context_for, plan_key, transfer_key
@@ -67,7 +69,7 @@ class Job:
 
     @property
     def plan_op(self) -> str:
-        return "custom" if self.op == OFFLOAD else self.op
+        return CUSTOM_OP if self.op == OFFLOAD else self.op
 
     @property
     def transfer(self) -> str:
@@ -97,8 +99,7 @@ class Workload:
             self.send = equal_splits(job.m, self.world)
             self.recv = [self.send[self.rank]] * self.world
         self.base = self._plan(job.plan_op)
-        rows = {"reduce_scatter": job.m // self.world,
-                "all_to_all": sum(self.recv) if self.recv else job.m}.get(job.op, job.m)
+        rows = of(job.plan_op).output_rows(job.m, self.world, self.recv)
         self.out = torch.empty(rows, job.n, dtype=dtype, device=self.device)
         # a custom op's plan returns all M rows, whatever the job's collective
         self.gemm_out = (self.out if rows == job.m
@@ -124,7 +125,7 @@ class Workload:
         return dataclasses.replace(self.base, group_sizes=tuple(group_sizes))
 
     def run(self, plan: Plan, op=None):
-        if plan.op == "custom":  # the offload: all rows, no splits
+        if plan.op == CUSTOM_OP:  # the offload: all rows, no splits
             return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
                            out=self.gemm_out, backend=self.backend.name)
         return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,

@@ -1,4 +1,4 @@
-"""GPU tests of the cuda backend's allgather (backends/cuda/gather.py): at world size 1, the
+"""GPU tests of the cuda backend's allgather (backends/cuda/gather_call.py): at world size 1, the
 plain in-place GEMM, the loopback path, which gathers through the buffer and its flags so that
 the GEMM's tiles really wait (FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1), and the own rows' path of the
 other world sizes (=2: one copy on the compute stream, the GEMM on the gathered buffer).

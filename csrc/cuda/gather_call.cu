@@ -1,5 +1,5 @@
 // allgather's prepared call (fo_gather_* in flashoverlap_cuda.h): the gather that feeds a GEMM
-// whose tiles wait for their rows. Included by runtime.cu after overlap_call.cuh.
+// whose tiles wait for their rows. One translation unit of the runtime object.
 //
 // One call, rank r of W, a chunk g = rows chunk_rows[g] of every rank's shard:
 //     compute: own rows a -> gathered (one device copy, the whole device: the GEMM has not
@@ -37,14 +37,12 @@
 //    communication side to its end, then the GEMM, with host syncs (under lazy loading a first
 //    launch waits for an idle device, which a spinning GEMM would never leave).
 // So every flag is set in finite time whatever the GEMM does, and then the GEMM finishes.
-#pragma once
 #include <cuda.h>
 
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
-#include "flashoverlap_cuda.h"
+#include "call_skeleton.cuh"
 #include "nccl_loader.cuh"
 
 using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -53,18 +51,12 @@ struct fo_gather {
   fo_gather_desc d;
   std::vector<int32_t> chunk_rows;
   StreamWriteValue32 write_value = nullptr;
-  cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
-  cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
+  fo::runtime::CallEvents events;
 };
 
 namespace fo::gather {
 
-using GemmRunEx = cudaError_t (*)(const void*, const void*, void*, int, int, int, int, int64_t,
-                                  int64_t, int64_t, const int64_t*, const int32_t*,
-                                  const int32_t*, const uint32_t*, int, int, int32_t*, int,
-                                  uint64_t*, void*, cudaStream_t);
-static_assert(std::is_same<decltype(&fo_gemm_run_ex), GemmRunEx>::value,
-              "GemmRunEx must be fo_gemm_run_ex's type (flashoverlap_cuda.h)");
+using runtime::GemmRunEx;
 
 // The tests' slow transfer: one thread spins `us` microseconds on the global timer.
 __global__ void delay_kernel(uint32_t us) {
@@ -174,24 +166,20 @@ inline cudaError_t copy_own_rows(const fo_gather& c, const void* a, int64_t lda,
 // shard; then the peers' flags.
 inline cudaError_t exchange_chunks(const fo_gather& c) {
   const fo_gather_desc& d = c.d;
-  const nccl::Api& n = nccl::api();
   auto comm = static_cast<nccl::Comm>(d.nccl_comm);
   for (int g = 0; g < d.num_chunks && d.world > 1; ++g) {
     const int start = c.chunk_rows[2 * g];
-    const size_t count = size_t(c.chunk_rows[2 * g + 1] - start) * size_t(d.ldg);
-    FO_NCCL_CHECK(n.GroupStart());
+    const int64_t count = int64_t(c.chunk_rows[2 * g + 1] - start) * d.ldg;  // > 0
+    cudaError_t err = nccl::send_recv_step(d.world, d.nccl_dtype, comm, d.comm_stream,
+                                           [&](int peer, nccl::PeerTransfer* t) {
+                                             *t = {shard_rows(c, d.rank, start), count,
+                                                   shard_rows(c, peer, start), count};
+                                             return peer != d.rank;
+                                           });
+    if (err != cudaSuccess) return err;
     for (int peer = 0; peer < d.world; ++peer) {
       if (peer == d.rank) continue;
-      nccl::Result r = n.Send(shard_rows(c, d.rank, start), count, d.nccl_dtype, peer, comm,
-                              d.comm_stream);
-      if (r == 0)
-        r = n.Recv(shard_rows(c, peer, start), count, d.nccl_dtype, peer, comm, d.comm_stream);
-      if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
-    }
-    FO_NCCL_CHECK(n.GroupEnd());
-    for (int peer = 0; peer < d.world; ++peer) {
-      if (peer == d.rank) continue;
-      cudaError_t err = set_flag(c, peer, g);
+      err = set_flag(c, peer, g);
       if (err != cudaSuccess) return err;
     }
   }
@@ -225,8 +213,7 @@ inline cudaError_t launch_gemm(const fo_gather& c, const void* b, int64_t ldb, v
       d.gathered, b, out, d.world, d.block_rows, d.N, d.K, d.ldg, ldb, ldo, d.items, d.item_group,
       d.item_wait, d.wait_flags, d.world * d.num_chunks, d.num_items, nullptr, d.num_ctas, nullptr,
       d.workspace, stream);
-  if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
-    return fail(err, "the allgather GEMM could not be launched (cudaError %d)", int(err));
+  if (err != cudaSuccess) return runtime::gemm_failed(err, "allgather");
   return gemm_turn(stream, false);
 }
 
@@ -236,20 +223,20 @@ inline cudaError_t run(fo_gather& c, const void* a, int64_t lda, const void* b, 
   cudaError_t err = d.own_chunks ? cudaSuccess : copy_own_rows(c, a, lda, stream);
   if (err != cudaSuccess) return err;
   // After the own rows' copy: the sends read them from gathered.
-  FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
-  FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
-  if (d.own_chunks) err = copy_own_rows(c, a, lda, d.comm_stream);
+  err = c.events.fork(stream, d.comm_stream);
+  if (err == cudaSuccess && d.own_chunks) err = copy_own_rows(c, a, lda, d.comm_stream);
   if (err == cudaSuccess && !warm) err = launch_gemm(c, b, ldb, out, ldo, stream);
   if (err == cudaSuccess) err = exchange_chunks(c);
+  if (err == cudaSuccess) err = c.events.comm_finished(d.comm_stream);
   if (err != cudaSuccess) return err;
-  FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
   if (warm) {  // the communication side to its end, then the GEMM (its waits all pass)
     FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
     err = launch_gemm(c, b, ldb, out, ldo, stream);
     if (err != cudaSuccess) return err;
     FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
-  FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
+  err = c.events.join(stream);
+  if (err != cudaSuccess) return err;
   FO_CUDA_CHECK(cudaMemsetAsync(d.arrive_flags, 0, sizeof(uint32_t) * d.world * d.num_chunks, stream));
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   return cudaSuccess;
@@ -268,8 +255,7 @@ FO_API cudaError_t fo_gather_load_kernels(void) {
 
 FO_API void fo_gather_destroy(fo_gather* gather) {
   if (!gather) return;
-  if (gather->inputs_ready) cudaEventDestroy(gather->inputs_ready);
-  if (gather->comm_done) cudaEventDestroy(gather->comm_done);
+  gather->events.destroy();
   delete gather;
 }
 
@@ -282,8 +268,7 @@ FO_API cudaError_t fo_gather_create(const fo_gather_desc* desc, fo_gather** out)
   c->chunk_rows.assign(desc->chunk_rows, desc->chunk_rows + 2 * desc->num_chunks);
   c->d.chunk_rows = c->chunk_rows.data();  // the caller's host array is the caller's
   err = fo::gather::driver_write_value(&c->write_value);
-  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->inputs_ready, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->comm_done, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = c->events.create();
   if (err != cudaSuccess) {
     fo_gather_destroy(c);
     return fo::fail(err, "fo_gather_create: %s", fo::last_error_text().empty()
@@ -302,32 +287,6 @@ FO_API cudaError_t fo_gather_run(fo_gather* gather, const void* a, int64_t lda, 
                     "fo_gather_run: gather, a, b and out must be non-null, lda >= %d, ldo >= %d",
                     gather ? gather->d.copy_cols : 0, gather ? gather->d.N : 0);
   return fo::gather::run(*gather, a, lda, b, ldb, out, ldo, stream, warm != 0);
-}
-
-FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
-                                             int device, int max_ctas) {
-  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
-  if (!fo::nccl::api().CommInitRankConfig)
-    return fo::fail(cudaErrorSymbolNotFound,
-                    "the loaded NCCL has no ncclCommInitRankConfig (NCCL 2.17 or newer is needed "
-                    "to bound its CTAs beside allgather's waiting GEMM)");
-  int version = 0;
-  FO_NCCL_CHECK(fo::nccl::api().GetVersion(&version));
-  if (version < 21700)  // older NCCL takes maxCTAs from its defaults, silently
-    return fo::fail(cudaErrorNotSupported,
-                    "NCCL %d cannot bound its CTAs per communicator (2.17 or newer is needed)",
-                    version);
-  if (!comm || !id128 || nranks < 1 || rank < 0 || rank >= nranks || max_ctas < 1)
-    return fo::fail(cudaErrorInvalidValue,
-                    "fo_nccl_comm_init_bounded: bad arguments (nranks %d, rank %d, max_ctas %d)",
-                    nranks, rank, max_ctas);
-  FO_CUDA_CHECK(cudaSetDevice(device));
-  fo::nccl::UniqueId id;
-  memcpy(&id, id128, sizeof(id));
-  fo::nccl::ConfigPrefix config = fo::nccl::bounded_config(max_ctas);
-  FO_NCCL_CHECK(fo::nccl::api().CommInitRankConfig(reinterpret_cast<fo::nccl::Comm*>(comm), nranks,
-                                                   id, rank, &config));
-  return cudaSuccess;
 }
 
 }  // extern "C"

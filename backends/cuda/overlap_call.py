@@ -1,60 +1,88 @@
-"""The output-side signaling call of the ``cuda`` backend (allreduce, reduce_scatter,
-all_to_all and callable ops): the signaling GEMM writes the packed layout and bumps each group's
-counter; the communication stream waits on each counter and runs the group's collective; the
-post-reorder restores the layout (see :mod:`.backend` for the whole picture). For
-``fo.overlap_add_rmsnorm`` the post-reorder is the fused residual add + RMSNorm kernel
-(:mod:`.add_rmsnorm`).
+"""The overlapped call of the ``cuda`` backend (allreduce, reduce_scatter, callable ops, and
+all_to_all with a plan per split; csrc/cuda/overlap_call.cuh): the signaling GEMM writes the
+packed layout and bumps each group's counter; the communication stream waits on each counter
+and runs the group's collective; the post-reorder restores the layout (see :mod:`.backend` for
+the whole picture). For ``fo.overlap_add_rmsnorm`` the post-reorder is the fused residual add +
+RMSNorm kernel, a phase of this call (its helpers: :mod:`.add_rmsnorm`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
 from flashoverlap_core.backend import OverlapCall, PreparedCall
 from flashoverlap_core.collectives import (RegionExchange, collective_steps, packed_buffer,
                                            unpack_layouts)
+from flashoverlap_core.plan import CUSTOM_OP
 from flashoverlap_core.reorder import add_rmsnorm
 
 from . import kernels, nccl
 from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_operand
-from .device_state import (ALIGN_BYTES, COLLECTIVES, NCCL_DTYPES, StreamState, _current_device,
-                           _current_stream_getter, kernel_scale, outside_graph_pools,
-                           replay_graphs, wait_mode)
-from .runtime import ABI_VERSION, WAIT_MODES
+from .call_base import CallState, NativeCall, WarmUps, new_description
+from .device_state import NCCL_DTYPES, _current_device, kernel_scale, replay_graphs, wait_mode
+from .gemm import Gemms, Operands, bases_aligned, workspace
+from .runtime import WAIT_MODES
 
-if TYPE_CHECKING:
-    from .backend import CudaBackend
+# What an op is to the native call: fo_call_desc.collective (0: none, no process group); ops
+# without a code (callables) take the Python path.
+COLLECTIVES = {"allreduce": 1, "reduce_scatter": 2, "all_to_all": 3}
 
-class CudaCall(PreparedCall):
+
+def op_kind(op) -> str:
+    """The kind of call ``op`` asks for: its name, or "custom" for a callable."""
+    return op if isinstance(op, str) else CUSTOM_OP
+
+
+class StreamState(CallState):
+    """The state of one compute stream (:class:`CallState`): the group counters, the packed
+    and staging buffers."""
+
+    def __init__(self, plan, device: torch.device, dtype: torch.dtype, staging_numel: int | None,
+                 packed: bool = True):
+        super().__init__(device)
+        self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+        # a "rows" allreduce writes the call's output itself: packed=False, no buffers
+        self.packed = torch.empty(plan.packed_numel, dtype=dtype, device=device) if packed else None
+        self.staging = (self.packed if staging_numel is None
+                        else torch.empty(staging_numel, dtype=dtype, device=device))
+        if plan.layout == "rows" and staging_numel is None:
+            self.staging = None  # what the fused norm reads: made on its first call
+        self.keep_for_comm((self.counters, self.packed, self.staging))
+
+    def destroy(self) -> None:
+        self.runtime.call_destroy(self.handle)
+
+
+class CudaCall(NativeCall, PreparedCall):
     """The prepared calls of one key on the cuda backend (see the module docstring).
 
     ``run`` costs a few microseconds of Python: find this stream's state, check the operands'
     alignment, one native call that issues the GEMM, every wait and collective, and the
     post-reorder (``run_add_rmsnorm``: the fused residual add + RMSNorm in its place)."""
 
-    def __init__(self, backend: CudaBackend, call: OverlapCall, python_path: bool = False,
-                 stream: int | None = None):
-        super().__init__(backend, call)
+    def __init__(self, backend, call: OverlapCall, gemms: Gemms, warm_ups: WarmUps,
+                 python_path: bool = False, stream: int | None = None):
+        PreparedCall.__init__(self, backend, call)
+        NativeCall.__init__(self, call.a.device, warm_ups)
         plan, a, device = call.plan, call.a, call.a.device
-        self.device, self.index = device, device.index
-        self.kind = call.op if isinstance(call.op, str) else "custom"
-        self.tables = backend.plan_tables(plan, device)
-        self.gemm, self.col, self.arch = backend.gemm_for(plan, self.tables, call.b)
-        self.k = a.shape[1] if self.arch != 80 else -(-a.shape[1] // 8) * 8
-        self.direct = self._takes_directly(a, call.b)
-        self.workspace = backend._workspace(self.gemm, plan, self.k, device)
+        self.gemms = gemms
+        self.kind = op_kind(call.op)
+        self.tables = gemms.plan_tables(plan, device)
+        self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b)
+        # The key fixes the strides: what the kernel takes as lda and ldb, and whether it
+        # reads a and b in place (per call only their base addresses are checked).
+        self.operands = Operands(self.arch, a, call.b, self.col)
+        self.k, self.direct = self.operands.k, self.operands.direct
+        self.lda, self.ldb = self.operands.lda, self.operands.ldb
+        self.workspace = workspace(self.gemm, plan, self.k, device)
         self.wait = wait_mode()
         self.use_graph = replay_graphs()
         self.runtime = kernels.runtime_library()
         self.call_run = self.runtime.call_run
         self.norm_run = self.runtime.call_run_add_rmsnorm
         self.warmed = False  # this key's first call ran (with host syncs where needed)
-        # The key fixes the strides: what the kernel takes as lda and ldb.
-        self.lda, self.ldb = a.stride(0), (call.b.stride(1) if self.col else call.b.stride(0))
-        self.current_stream = _current_stream_getter()
         group = call.group
-        self.python_path = python_path or self.kind == "custom" or (
+        self.python_path = python_path or self.kind == CUSTOM_OP or (
             group is not None and not nccl.uses_nccl(group)) or (
             self.kind == "all_to_all" and call.world_size > 1 and call.recv_splits is None)
         self.comm = nccl.communicator(group, device) if group is not None and not self.python_path else None
@@ -71,7 +99,6 @@ class CudaCall(PreparedCall):
         # of its own (until its fused norm, which reduces a buffer of the call's rows).
         self.rows = plan.layout == "rows"
         self.packed_needed = not self.rows or self.kind in ("reduce_scatter", "all_to_all")
-        self._states: dict[int, StreamState] = {}
         first = StreamState(plan, device, plan.result_dtype, None, self.packed_needed)
         self._states[self.current_stream(self.index) if stream is None else stream] = first
         with torch.cuda.device(device):
@@ -82,30 +109,12 @@ class CudaCall(PreparedCall):
             if not self.rows and exchange.staging is not first.packed:
                 self.staging_numel = exchange.staging.numel()
                 first.staging = exchange.staging
-                first.staging.record_stream(first.comm)
+                first.keep_for_comm((first.staging,))
             self.blocks = self._unpack_tables(exchange)  # none for a "rows" plan
             self.norm = band_table(exchange, device)  # (table, rows, tile) of the fused norm
             self.steps, self.num_steps, self.per_step = collective_steps(exchange)
         if not self.python_path:
             self._make_native(first)
-
-    # ---- operands ------------------------------------------------------------------------
-    def _takes_directly(self, a, b) -> bool:
-        """Whether the key's strides let the kernel read a and b in place (per call only
-        their base addresses are checked for 16-byte alignment)."""
-        b_rows = b.t() if self.col else b
-        ok = lambda t: t.stride(1) == 1 and t.stride(0) % (ALIGN_BYTES // t.element_size()) == 0  # noqa: E731
-        return ok(a) and ok(b_rows) and self.k == a.shape[1]
-
-    def operands(self, a, b):
-        """(a, lda, b, ldb, copies) for the kernel; copies only when a and b cannot be read in
-        place. The caller keeps ``copies`` alive until the launch is queued, and no longer:
-        kept on the call, they would sit in a CUDA-graph pool as tensors no graph output owns
-        (torch.compile's cudagraph trees refuse that)."""
-        if self.direct and (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0:
-            return a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if self.col else b.stride(0), None
-        a_op, b_op, _ = self.backend._operands(self.arch, a, b, self.col)
-        return a_op.data_ptr(), a_op.stride(0), b_op.data_ptr(), b_op.stride(0), (a_op, b_op)
 
     # ---- tables built once -----------------------------------------------------------------
     def _unpack_tables(self, exchange) -> list:
@@ -117,8 +126,7 @@ class CudaCall(PreparedCall):
 
     def _make_native(self, state: StreamState) -> None:
         plan = self.template.plan
-        desc = self.runtime.CallDescription()
-        desc.abi_version = ABI_VERSION
+        desc = new_description(self.runtime.CallDescription)
         desc.gemm_launch = self.gemm.launch_address
         desc.L, desc.block_rows = len(plan.block_rows), plan.block_rows[0]
         desc.N, desc.K = plan.n, self.k
@@ -169,29 +177,21 @@ class CudaCall(PreparedCall):
             state.staging = state.packed
         else:  # an allreduce's GEMM output, reduced in place
             state.staging = torch.empty(plan.m * plan.n, dtype=plan.result_dtype, device=self.device)
-        state.staging.record_stream(state.comm)
+        state.keep_for_comm((state.staging,))
         if state.packed is None:
             state.packed = state.staging
         if not self.python_path:
             self._make_native(state)
 
     # ---- per stream --------------------------------------------------------------------------
-    def state(self, stream: int | None = None) -> StreamState:
-        """This compute stream's state, made on its first call (outside graph pools)."""
-        if stream is None:
-            stream = self.current_stream(self.index)
-        state = self._states.get(stream)
-        if state is None:
-            plan = self.template.plan
-            current = torch.cuda.current_stream(self.device)
-            state = outside_graph_pools(
-                lambda: StreamState(plan, self.device, plan.result_dtype, self.staging_numel,
-                                    self.packed_needed),
-                current)
-            if not self.python_path:
-                self._make_native(state)
-            self._states[stream] = state
-        return state
+    def new_state(self) -> StreamState:
+        plan = self.template.plan
+        return StreamState(plan, self.device, plan.result_dtype, self.staging_numel,
+                           self.packed_needed)
+
+    def state_made(self, state: StreamState) -> None:
+        if not self.python_path:
+            self._make_native(state)
 
     def workspace_bytes(self) -> int:
         seen, total = set(), 0
@@ -220,8 +220,7 @@ class CudaCall(PreparedCall):
         stream = self.current_stream(self.index)
         state = self._states.get(stream)
         if (state is not None and self.warmed and self.direct and state.handle is not None
-                and (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0
-                and _current_device() == self.index):
+                and bases_aligned(a, b) and _current_device() == self.index):
             return state, stream
         return None
 
@@ -233,7 +232,7 @@ class CudaCall(PreparedCall):
         err = self.call_run(state.handle, a.data_ptr(), self.lda, b.data_ptr(), self.ldb,
                             out.data_ptr(), stream, 0)
         if err:
-            self._raise(err)
+            self.raise_error(err)
         return out
 
     def run_scaled(self, a, b, scale_a, scale_b, out, op):
@@ -246,7 +245,7 @@ class CudaCall(PreparedCall):
         err = self.call_run_scaled(state.handle, a.data_ptr(), self.lda, b.data_ptr(), self.ldb,
                                    scale_a.data_ptr(), scale_b.data_ptr(), out.data_ptr(), stream, 0)
         if err:
-            self._raise(err)
+            self.raise_error(err)
         return out
 
     def _run(self, a, b, out, op, scales=None):
@@ -299,7 +298,7 @@ class CudaCall(PreparedCall):
             state, stream = steady
             err = issue(state.handle, a.data_ptr(), self.lda, b.data_ptr(), self.ldb, stream, 0)
             if err:
-                self._raise(err)
+                self.raise_error(err)
         return normed, resid_out
 
     def _run_native(self, a, b, issue) -> None:
@@ -311,16 +310,13 @@ class CudaCall(PreparedCall):
                 return self._run_native(a, b, issue)
         stream = self.current_stream(self.index)
         state = self._states.get(stream) or self.state(stream)
-        warm = self.backend.warm_up(self.warm_key)
-        a_ptr, lda, b_ptr, ldb, copies = self.operands(a, b)
+        warm = self.needs_warm_up()
+        a_ptr, lda, b_ptr, ldb, copies = self.operands.of_key(a, b)
         err = issue(state.handle, a_ptr, lda, b_ptr, ldb, stream, int(warm))
         del copies  # queued: the caching allocator orders their reuse after these kernels
         if err:
-            self._raise(err)
+            self.raise_error(err)
         self.warmed = True
-
-    def _raise(self, err: int) -> None:
-        self.runtime.check(err, "the native call", self.gemm)
 
     def run_python(self, call: OverlapCall, state: StreamState, monitor=None,
                    stamps: dict | None = None) -> None:
@@ -344,11 +340,11 @@ class CudaCall(PreparedCall):
             exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
             stamp("launch", compute)
-            self.backend.launch_gemm(plan, call.a, call.b, packed, monitor=monitor,
+            self.gemms.launch_gemm(plan, call.a, call.b, packed, monitor=monitor,
                                      stream=compute, counters=state.counters,
                                      scales=(call.scale_a, call.scale_b))
             stamp("gemm_end", compute)
-            first = self.backend.warm_up(self.warm_key)
+            first = self.needs_warm_up()
             if first:  # load every kernel of the call on an idle device (see module doc)
                 compute.synchronize()
             with torch.cuda.stream(comm):

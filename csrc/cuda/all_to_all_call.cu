@@ -11,11 +11,11 @@
 //            which also zeroes the counters.
 // No host synchronisation and no per-call allocation: the buffers belong to the caller, who
 // grows them when a call reports that they are too small (fo_a2a_run's `needs`).
-// Included by runtime.cu after the runtime kernels.
-#pragma once
+// One translation unit of the runtime object.
 #include "a2a_layout.cuh"
-#include "flashoverlap_cuda.h"
+#include "call_skeleton.cuh"
 #include "nccl_loader.cuh"
+#include "runtime.cuh"
 
 namespace fo::runtime {
 
@@ -64,9 +64,11 @@ __global__ void __launch_bounds__(kTableThreads) a2a_tables(const __grid_constan
   }
 }
 
-using GemmRunBlocks = cudaError_t (*)(const void*, const void*, void*, int64_t, int, int, int,
-                                      int64_t, int64_t, const int32_t*, int, const int64_t*,
-                                      const int32_t*, int, int32_t*, int, cudaStream_t);
+cudaError_t load_a2a_kernels() {
+  cudaFuncAttributes attr;
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, a2a_tables));
+  return cudaSuccess;
+}
 
 }  // namespace fo::runtime
 
@@ -74,9 +76,8 @@ struct fo_a2a {
   fo_a2a_desc d;
   fo::a2a::Geometry geo;
   fo_a2a_buffers buf = {};
-  cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
-  cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
-  fo::a2a::Side send, recv;            // this call's layout (host scratch)
+  fo::runtime::CallEvents events;
+  fo::a2a::Side send, recv;  // this call's layout (host scratch)
 };
 
 namespace fo::runtime {
@@ -115,28 +116,16 @@ inline cudaError_t a2a_step(const fo_a2a& c, int g) {
   const fo_a2a_desc& d = c.d;
   const a2a::Geometry& geo = c.geo;
   const int64_t es = d.elem_size;
-  const nccl::Api& n = nccl::api();
-  auto comm = static_cast<nccl::Comm>(d.nccl_comm);
   char* packed = static_cast<char*>(c.buf.packed);
   char* staging = static_cast<char*>(c.buf.staging);
-  bool grouped = false;  // the NCCL group opens at this rank's first transfer in the step
-  for (int peer = 0; peer < d.world; ++peer) {
-    const int64_t sent = a2a::part_numel(geo, c.send, g, peer);
-    const int64_t got = a2a::part_numel(geo, c.recv, g, peer);
-    if (sent == 0 && got == 0) continue;
-    if (!grouped) FO_NCCL_CHECK(n.GroupStart());
-    grouped = true;
-    nccl::Result r = 0;
-    if (sent > 0)
-      r = n.Send(packed + c.send.part[g][peer] * es, size_t(sent), d.nccl_dtype, peer, comm,
-                 d.comm_stream);
-    if (r == 0 && got > 0)
-      r = n.Recv(staging + c.recv.part[g][peer] * es, size_t(got), d.nccl_dtype, peer, comm,
-                 d.comm_stream);
-    if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
-  }
-  if (grouped) FO_NCCL_CHECK(n.GroupEnd());
-  return cudaSuccess;
+  return nccl::send_recv_step(d.world, d.nccl_dtype, static_cast<nccl::Comm>(d.nccl_comm),
+                              d.comm_stream, [&](int peer, nccl::PeerTransfer* t) {
+                                const int64_t sent = a2a::part_numel(geo, c.send, g, peer);
+                                const int64_t got = a2a::part_numel(geo, c.recv, g, peer);
+                                *t = {packed + c.send.part[g][peer] * es, sent,
+                                      staging + c.recv.part[g][peer] * es, got};
+                                return sent != 0 || got != 0;
+                              });
 }
 
 inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b, int64_t ldb,
@@ -173,12 +162,10 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
   if ((send_tiles > 0 && (!a || !b)) || (recv_tiles > 0 && !out))
     return fail(cudaErrorInvalidValue, "fo_a2a_run: a, b (rows to send) and out (rows to receive) "
                 "must be non-null");
-  if (communicate) {
-    // The communication stream follows what the caller queued before this call (the inputs,
-    // and the previous call's post-reorder, which read the staging buffer).
-    FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
-    FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
-  }
+  // The communication stream follows what the caller queued before this call (the inputs, and
+  // the previous call's post-reorder, which read the staging buffer).
+  cudaError_t err = communicate ? c.events.fork(stream, d.comm_stream) : cudaSuccess;
+  if (err != cudaSuccess) return err;
   if (send_tiles + recv_tiles > 0) {
     A2aTablesArgs args;
     args.geo = geo;
@@ -193,11 +180,10 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
   }
   // The GEMM before any wait: a waiter queued before its producer could deadlock.
   int32_t* counters = communicate ? buf.counters : nullptr;
-  cudaError_t err = reinterpret_cast<GemmRunBlocks>(d.gemm_run_blocks)(
+  err = reinterpret_cast<GemmRunBlocks>(d.gemm_run_blocks)(
       a, b, buf.packed, buf.packed_numel, M, geo.n, d.K, lda, ldb, buf.block_starts, d.world,
       buf.items, buf.item_group, send_tiles, counters, d.num_ctas, stream);
-  if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
-    return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
+  if (err != cudaSuccess) return gemm_failed(err, "signaling");
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (communicate) {
     for (int g = 0; g < geo.groups; ++g) {
@@ -210,8 +196,9 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
       if (err != cudaSuccess) return err;
     }
     if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
-    FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
-    FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
+    err = c.events.comm_finished(d.comm_stream);
+    if (err == cudaSuccess) err = c.events.join(stream);
+    if (err != cudaSuccess) return err;
   }
   if (recv_tiles > 0) {
     err = launch_unpack(communicate ? buf.staging : buf.packed, out, geo.n, buf.unpack_tiles,
@@ -219,8 +206,8 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
                         communicate ? geo.groups : 0, stream);
     if (err != cudaSuccess) return err;
   } else if (communicate) {  // nothing to unpack: zero the counters on their own
-    reset_counters<<<1, 256, 0, stream>>>(counters, geo.groups);
-    FO_CUDA_CHECK(cudaGetLastError());
+    err = launch_reset(counters, geo.groups, stream);
+    if (err != cudaSuccess) return err;
   }
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   return cudaSuccess;
@@ -238,8 +225,7 @@ FO_API cudaError_t fo_a2a_create(const fo_a2a_desc* desc, fo_a2a** out) {
   c->d = *desc;
   c->geo = fo::a2a::Geometry{desc->tile_m, desc->tile_n, desc->N, desc->raster_m, desc->swizzle,
                              desc->groups};
-  err = cudaEventCreateWithFlags(&c->inputs_ready, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->comm_done, cudaEventDisableTiming);
+  err = c->events.create();
   if (err != cudaSuccess) {
     fo_a2a_destroy(c);
     return fo::fail(err, "fo_a2a_create: cudaEventCreate: %s", cudaGetErrorString(err));
@@ -275,8 +261,7 @@ FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const vo
 
 FO_API void fo_a2a_destroy(fo_a2a* call) {
   if (!call) return;
-  if (call->inputs_ready) cudaEventDestroy(call->inputs_ready);
-  if (call->comm_done) cudaEventDestroy(call->comm_done);
+  call->events.destroy();
   delete call;
 }
 

@@ -44,9 +44,9 @@ import torch
 from flashoverlap_core.backend import OverlapCall, PreparedCall
 
 from . import kernels, nccl
-from .device_state import (ALIGN_BYTES, NCCL_DTYPES, PlanTables, _current_device,
-                           _current_stream_getter, aligned_rows, outside_graph_pools, reserved_sms)
-from .runtime import ABI_VERSION
+from .call_base import CallState, NativeCall, WarmUps, new_description
+from .device_state import NCCL_DTYPES, PlanTables, _current_device, reserved_sms
+from .gemm import Gemms, a_operand, b_operand, padded_k, workspace
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
 ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
@@ -160,39 +160,34 @@ def round_up(x: int, step: int) -> int:
 
 # ---- the prepared call -------------------------------------------------------------------------
 
-class GatherState:
-    """What the calls of one key on one compute stream use, and no other call: the gathered
-    rows, the arrival flags and the communication stream."""
+class GatherState(CallState):
+    """The state of one compute stream (:class:`CallState`): the gathered rows and the arrival
+    flags."""
 
     def __init__(self, call: "CudaGatherCall"):
         plan, device = call.template.plan, call.device
-        _, high = torch.cuda.Stream.priority_range()
-        self.comm = torch.cuda.Stream(device=device, priority=high)
+        super().__init__(device, call.runtime)
         # zeros: sm80 reads K padded to 8, whose padding must stay zero (copies write K columns)
         self.gathered = torch.zeros(plan.m, call.ldg, dtype=plan.torch_dtype, device=device)
         flags = plan.world_size * plan.num_groups
         self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
         self.wait_flags = torch.ones_like(self.flags) if call.options.no_wait else self.flags
-        for t in (self.gathered, self.flags, self.wait_flags):
-            t.record_stream(self.comm)  # freed only once the communication stream is done
-        self.runtime = call.runtime
+        self.keep_for_comm((self.gathered, self.flags, self.wait_flags))
         self.handle = self.runtime.gather_create(call.description(self))
 
-    def __del__(self):
-        handle = getattr(self, "handle", None)
-        if handle:
-            self.runtime.gather_destroy(handle)
+    def destroy(self) -> None:
+        self.runtime.gather_destroy(self.handle)
 
 
-class CudaGatherCall(PreparedCall):
+class CudaGatherCall(NativeCall, PreparedCall):
     """The prepared allgather calls of one key on the cuda backend (module doc)."""
 
-    def __init__(self, backend, call: OverlapCall, options: GatherOptions | None = None,
-                 stream: int | None = None):
-        super().__init__(backend, call)
+    def __init__(self, backend, call: OverlapCall, gemms: Gemms, warm_ups: WarmUps,
+                 options: GatherOptions | None = None, stream: int | None = None):
+        PreparedCall.__init__(self, backend, call)
+        NativeCall.__init__(self, call.a.device, warm_ups)
         plan, device = call.plan, call.a.device
         self.options = options if options is not None else GatherOptions.from_env()
-        self.device, self.index = device, device.index
         self.world, self.rank = call.world_size, call.rank
         self.gathers = self.options.gathers(self.world)
         self.own_chunks = self.options.own_chunks(self.world)
@@ -204,14 +199,12 @@ class CudaGatherCall(PreparedCall):
                                  torch.zeros(items.shape[0], dtype=torch.int32, device=device),
                                  counters=None)
         self.item_wait = self.item_wait_host.to(device)
-        self.gemm, self.col, self.arch = backend.gemm_for(plan, self.tables, call.b)
-        self.k = round_up(plan.k, ROW_ALIGN) if self.arch == 80 else plan.k
+        self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b)
+        self.k = padded_k(self.arch, plan.k)
         self.ldg = round_up(plan.k, ROW_ALIGN)
-        self.workspace = backend._workspace(self.gemm, plan, self.k, device)
+        self.workspace = workspace(self.gemm, plan, self.k, device)
         self.runtime = kernels.runtime_library()
-        self.current_stream = _current_stream_getter()
         self.ctas = plan.wave_size
-        self._states: dict[int, GatherState] = {}
         if not self.gathers:
             return
         reserve = gather_reserve(self.world, self.options)
@@ -229,8 +222,8 @@ class CudaGatherCall(PreparedCall):
 
     def description(self, state: GatherState):
         """The runtime's GatherDescription of this key's calls on ``state``'s stream."""
-        plan, d = self.template.plan, self.runtime.GatherDescription()
-        d.abi_version, d.gemm_run_ex = ABI_VERSION, self.gemm.run_ex_address
+        plan, d = self.template.plan, new_description(self.runtime.GatherDescription)
+        d.gemm_run_ex = self.gemm.run_ex_address
         d.world, d.rank, d.block_rows = self.world, self.rank, plan.shard_rows
         d.N, d.K, d.copy_cols = plan.n, self.k, plan.k
         d.items, d.item_group = self.tables.items.data_ptr(), self.tables.item_group.data_ptr()
@@ -246,29 +239,15 @@ class CudaGatherCall(PreparedCall):
         d.comm_stream = state.comm.cuda_stream
         return d
 
-    def state(self, stream: int) -> GatherState:
-        """This compute stream's state, made on its first call (outside graph pools)."""
-        state = self._states.get(stream)
-        if state is None:
-            current = torch.cuda.current_stream(self.device)
-            state = self._states[stream] = outside_graph_pools(lambda: GatherState(self), current)
-        return state
+    def new_state(self) -> GatherState:
+        return GatherState(self)
 
     # ---- operands ----------------------------------------------------------------------------
     def b_operand(self, b: torch.Tensor):
-        """(b's address, its row stride, a temporary to keep alive or None) as the kernel takes
-        b: rows of K (column-major b) or of N, 16-byte aligned; sm80: K padded with zeros."""
-        rows = b.t() if self.col else b
-        k = self.template.plan.k
-        if self.k != k:
-            pad = b.new_zeros((rows.shape[0], self.k) if self.col else (self.k, rows.shape[1]))
-            (pad[:, :k] if self.col else pad[:k]).copy_(rows)
-            return pad.data_ptr(), pad.stride(0), pad
-        step = ALIGN_BYTES // rows.element_size()
-        if rows.stride(1) == 1 and rows.stride(0) % step == 0 and rows.data_ptr() % ALIGN_BYTES == 0:
-            return rows.data_ptr(), rows.stride(0), None
-        copy = aligned_rows(rows)
-        return copy.data_ptr(), copy.stride(0), copy
+        """(b's address, its row stride, the operand to keep alive) as the kernel takes b
+        (:func:`.gemm.b_operand`)."""
+        rows = b_operand(b, self.col, self.k)
+        return rows.data_ptr(), rows.stride(0), rows
 
     @staticmethod
     def a_rows(a: torch.Tensor) -> torch.Tensor:
@@ -286,24 +265,20 @@ class CudaGatherCall(PreparedCall):
         if not self.gathers:
             return self.run_plain(a, b, out, stream)
         state = self._states.get(stream) or self.state(stream)
-        warm = self.backend.warm_up(self.warm_key)
+        warm = self.needs_warm_up()
         a_rows = self.a_rows(a)
         lda = a_rows.stride(0) if a_rows.shape[0] > 1 else a_rows.shape[1]
         b_ptr, ldb, _keep = self.b_operand(b)
         err = self.runtime.gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
                                       out.data_ptr(), out.stride(0), stream, int(warm))
         if err:
-            self.runtime.check(err, "fo_gather_run", self.gemm)
+            self.raise_error(err, "fo_gather_run")
         return out
 
     def run_plain(self, a, b, out, stream: int):
         """World size 1: the GEMM on a, written in place, nothing to wait for."""
         plan = self.template.plan
-        a_op = a
-        if self.k != plan.k:
-            a_op = a.new_zeros(a.shape[0], self.k)
-            a_op[:, :plan.k] = a
-        a_op = aligned_rows(a_op)
+        a_op = a_operand(a, self.k)
         # One row: its stride means nothing (a [1, K] view may have any); the kernel wants one
         # >= K and a multiple of 8, and reads no second row.
         lda = a_op.stride(0)

@@ -1,13 +1,13 @@
 // A prepared overlapped call (fo_call_* in flashoverlap_cuda.h): the whole call issued by one
 // native function, so that a call costs microseconds of host time whatever its group count.
-// Included by runtime.cu after the runtime kernels.
-#pragma once
-#include <type_traits>
+// Its last phase is the post-reorder, or the fused residual add + RMSNorm (add_rmsnorm.cu).
+// One translation unit of the runtime object.
 #include <vector>
 
 #include "add_rmsnorm.cuh"
-#include "flashoverlap_cuda.h"
+#include "call_skeleton.cuh"
 #include "nccl_loader.cuh"
+#include "runtime.cuh"
 
 // A call's captured graph (use_graph): the nodes a later call may have to re-point, and what
 // they point at now. A call has two: one ending in the post-reorder, one in the fused residual
@@ -38,8 +38,7 @@ struct fo_call {
   std::vector<const int32_t*> block_tiles;
   std::vector<const int64_t*> block_offsets;
   std::vector<int32_t> block_num_tiles;
-  cudaEvent_t inputs_ready = nullptr;  // compute stream -> communication stream
-  cudaEvent_t comm_done = nullptr;     // communication stream -> compute stream
+  fo::runtime::CallEvents events;
   cudaStream_t capture = nullptr;      // where the graph is captured (never runs work)
   fo_call_graph g;
   // The fused residual add + RMSNorm (fo_call_set_add_rmsnorm): the output block's rows.
@@ -50,11 +49,6 @@ struct fo_call {
 };
 
 namespace fo::runtime {
-
-using GemmLaunch = cudaError_t (*)(const fo_gemm_params*, cudaStream_t);
-using GemmSetNodeParams = cudaError_t (*)(cudaGraphExec_t, cudaGraphNode_t, const fo_gemm_params*);
-static_assert(std::is_same_v<GemmLaunch, decltype(&fo_gemm_launch)>);
-static_assert(std::is_same_v<GemmSetNodeParams, decltype(&fo_gemm_set_node_params)>);
 
 inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
@@ -120,24 +114,13 @@ inline cudaError_t launch_step(const fo_call& c, int s, const CallBuffers& b) {
         FO_NCCL_CHECK(n.ReduceScatter(packed + e[0] * es, staging + e[2] * es, size_t(e[3]),
                                       d.nccl_dtype, nccl::kSum, comm, d.comm_stream));
       return cudaSuccess;
-    case 3: {
-      FO_NCCL_CHECK(n.GroupStart());
-      for (int peer = 0; peer < d.per_step; ++peer) {
-        const int64_t* p = e + 4 * peer;
-        if (p[1] > 0) {
-          nccl::Result r = n.Send(packed + p[0] * es, size_t(p[1]), d.nccl_dtype, peer, comm,
-                                  d.comm_stream);
-          if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
-        }
-        if (p[3] > 0) {
-          nccl::Result r = n.Recv(staging + p[2] * es, size_t(p[3]), d.nccl_dtype, peer, comm,
-                                  d.comm_stream);
-          if (r != 0) { n.GroupEnd(); FO_NCCL_CHECK(r); }
-        }
-      }
-      FO_NCCL_CHECK(n.GroupEnd());
-      return cudaSuccess;
-    }
+    case 3:  // every peer takes part (its entry may move nothing)
+      return nccl::send_recv_step(d.per_step, d.nccl_dtype, comm, d.comm_stream,
+                                  [&](int peer, nccl::PeerTransfer* t) {
+                                    const int64_t* p = e + 4 * peer;
+                                    *t = {packed + p[0] * es, p[1], staging + p[2] * es, p[3]};
+                                    return true;
+                                  });
     default:
       return cudaSuccess;  // world size 1 without a communicator: the identity
   }
@@ -201,10 +184,8 @@ struct UnpackPhase {
       }
       reset = true;
     }
-    if (!reset) {  // nothing to unpack (a rank that receives no rows): reset on its own
-      reset_counters<<<1, 256, 0, stream>>>(d.counters, d.num_groups);
-      FO_CUDA_CHECK(cudaGetLastError());
-    }
+    if (!reset)  // nothing to unpack (a rank that receives no rows): reset on its own
+      return launch_reset(d.counters, d.num_groups, stream);
     return cudaSuccess;
   }
 
@@ -239,9 +220,7 @@ struct RowsPhase {
   }
 
   cudaError_t issue(const fo_call& c, cudaStream_t stream, fo_call_graph*) const {
-    reset_counters<<<1, 256, 0, stream>>>(c.d.counters, c.d.num_groups);
-    FO_CUDA_CHECK(cudaGetLastError());
-    return cudaSuccess;
+    return launch_reset(c.d.counters, c.d.num_groups, stream);
   }
 
   void remember(fo_call_graph& g) const { g.out = out; }
@@ -311,18 +290,15 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
   // Without a collective (world size 1, no communicator) there is nothing to overlap: the
   // GEMM and the post-reorder run on the caller's stream, which orders them.
   const bool communicate = d.collective != 0;
-  if (communicate) {
-    // The communication stream's work must follow whatever the caller queued before this
-    // call (the inputs, and the previous call's reads of the packed buffer).
-    FO_CUDA_CHECK(cudaEventRecord(c.inputs_ready, stream));
-    FO_CUDA_CHECK(cudaStreamWaitEvent(d.comm_stream, c.inputs_ready, 0));
-  }
+  // The communication stream's work must follow whatever the caller queued before this call
+  // (the inputs, and the previous call's reads of the packed buffer).
+  cudaError_t err = communicate ? c.events.fork(stream, d.comm_stream) : cudaSuccess;
+  if (err != cudaSuccess) return err;
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
   const CallBuffers buffers = phase.buffers(c);
   const fo_gemm_params params = gemm_params(c, op, buffers.gemm_out);
-  cudaError_t err = reinterpret_cast<GemmLaunch>(d.gemm_launch)(&params, stream);
-  if (err != cudaSuccess)  // the GEMM library keeps the details in its own fo_last_error
-    return fail(err, "the signaling GEMM could not be launched (cudaError %d)", int(err));
+  err = reinterpret_cast<GemmLaunch>(d.gemm_launch)(&params, stream);
+  if (err != cudaSuccess) return gemm_failed(err, "signaling");
   if (g) {
     err = captured_node(stream, &g->gemm);
     if (err != cudaSuccess) return err;
@@ -338,8 +314,9 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
   }
   if (communicate) {
     if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
-    FO_CUDA_CHECK(cudaEventRecord(c.comm_done, d.comm_stream));
-    FO_CUDA_CHECK(cudaStreamWaitEvent(stream, c.comm_done, 0));
+    err = c.events.comm_finished(d.comm_stream);
+    if (err == cudaSuccess) err = c.events.join(stream);
+    if (err != cudaSuccess) return err;
   }
   err = phase.issue(c, stream, g);
   if (err != cudaSuccess) return err;
@@ -436,38 +413,6 @@ inline cudaError_t run_call(fo_call& c, const GemmOperands& op, const Phase& pha
 
 extern "C" {
 
-FO_API cudaError_t fo_nccl_load(const char* path) { return fo::nccl::load(path); }
-
-FO_API cudaError_t fo_nccl_version(int* version) {
-  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
-  FO_NCCL_CHECK(fo::nccl::api().GetVersion(version));
-  return cudaSuccess;
-}
-
-FO_API cudaError_t fo_nccl_unique_id(void* id128) {
-  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
-  FO_NCCL_CHECK(fo::nccl::api().GetUniqueId(static_cast<fo::nccl::UniqueId*>(id128)));
-  return cudaSuccess;
-}
-
-FO_API cudaError_t fo_nccl_comm_init(void** comm, int nranks, const void* id128, int rank, int device) {
-  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
-  if (!comm || !id128 || nranks < 1 || rank < 0 || rank >= nranks)
-    return fo::fail(cudaErrorInvalidValue, "fo_nccl_comm_init: bad arguments (nranks %d, rank %d)",
-                    nranks, rank);
-  FO_CUDA_CHECK(cudaSetDevice(device));
-  fo::nccl::UniqueId id;
-  memcpy(&id, id128, sizeof(id));
-  FO_NCCL_CHECK(fo::nccl::api().CommInitRank(reinterpret_cast<fo::nccl::Comm*>(comm), nranks, id, rank));
-  return cudaSuccess;
-}
-
-FO_API cudaError_t fo_nccl_comm_destroy(void* comm) {
-  if (!comm || !fo::nccl::loaded()) return cudaSuccess;
-  FO_NCCL_CHECK(fo::nccl::api().CommDestroy(static_cast<fo::nccl::Comm>(comm)));
-  return cudaSuccess;
-}
-
 FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** out) {
   if (!desc || !out) return fo::fail(cudaErrorInvalidValue, "fo_call_create: null argument");
   cudaError_t err = fo::runtime::check_desc(*desc);
@@ -487,8 +432,7 @@ FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** out) {
   c->d.block_tiles = c->block_tiles.data();
   c->d.block_offsets = c->block_offsets.data();
   c->d.block_num_tiles = c->block_num_tiles.data();
-  err = cudaEventCreateWithFlags(&c->inputs_ready, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&c->comm_done, cudaEventDisableTiming);
+  err = c->events.create();
   if (err != cudaSuccess) {
     fo_call_destroy(c);
     return fo::fail(err, "fo_call_create: cudaEventCreate: %s", cudaGetErrorString(err));
@@ -570,8 +514,7 @@ FO_API void fo_call_destroy(fo_call* call) {
   fo::runtime::drop_graph(call->g);
   fo::runtime::drop_graph(call->norm_graph);
   if (call->capture) cudaStreamDestroy(call->capture);
-  if (call->inputs_ready) cudaEventDestroy(call->inputs_ready);
-  if (call->comm_done) cudaEventDestroy(call->comm_done);
+  call->events.destroy();
   delete call;
 }
 

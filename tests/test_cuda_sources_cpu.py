@@ -1,0 +1,134 @@
+"""The C sources keep one home per export (csrc/cuda; issue 29). flashoverlap_cuda.h declares every
+exported function (``FO_API``). Each export is defined once in the object that exports it: the
+GEMM libraries' in gemm_abi.cuh, the runtime's in one of its translation units
+(``build.RUNTIME_SOURCES``). No other header defines one or opens an ``extern "C"`` block.
+The sources are read as text; no compiler is needed (but for the last test, which links the
+runtime with FLASHOVERLAP_COMPILE_TESTS=1 and nvcc)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+from collections import Counter
+
+import pytest
+
+from flashoverlap_backends.cuda import build
+
+SRC = build.source_dir()
+HEADER = "flashoverlap_cuda.h"
+GEMM_ABI = "gemm_abi.cuh"  # the C functions every GEMM source (one object each) shares
+GEMM_SOURCES = {"gemm_sm90.cu", "gemm_sm80.cu"}
+PROGRAMS = {"gemm_sm90_selftest.cu"}  # a host program that includes gemm_sm90.cu, no object
+
+EXPORT = re.compile(r"\bFO_API\s+[\w\s*]*?\b(fo_\w+)\s*\(")
+NOISE = re.compile(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def strip(text: str) -> str:
+    """C text without comments, and string literals emptied (but "C", of extern "C")."""
+    return NOISE.sub(lambda m: '"C"' if m.group(0) == '"C"' else '""' if m.group(0)[0] == '"'
+                     else " ", text)
+
+
+def code(name: str) -> str:
+    return strip((SRC / name).read_text())
+
+
+def exports_in(text: str) -> tuple[list[str], list[str]]:
+    """(declared, defined): the FO_API functions of stripped text, told apart by what follows
+    their parameter list (``;`` or ``{``)."""
+    declared, defined = [], []
+    for m in EXPORT.finditer(text):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        (defined if text[i:].lstrip().startswith("{") else declared).append(m.group(1))
+    return declared, defined
+
+
+def exports(name: str) -> tuple[list[str], list[str]]:
+    return exports_in(code(name))
+
+
+def sources(suffix: str) -> list[str]:
+    return sorted(p.name for p in SRC.glob(f"*{suffix}"))
+
+
+def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
+    declared, defined_there = exports(HEADER)
+    assert not defined_there, f"{HEADER} defines {defined_there}"
+    assert len(declared) == len(set(declared)), "declared twice: " + str(
+        [n for n, k in Counter(declared).items() if k > 1])
+    gemm = exports(GEMM_ABI)[1]
+    runtime = [n for source in build.RUNTIME_SOURCES for n in exports(source)[1]]
+    for name, defined in ((GEMM_ABI, gemm), ("the runtime", runtime)):
+        twice = [n for n, k in Counter(defined).items() if k > 1]
+        assert not twice, f"{name} defines {twice} more than once"
+        assert set(defined) <= set(declared), (
+            f"{name} exports {sorted(set(defined) - set(declared))}, which {HEADER} does not declare")
+    missing = set(declared) - set(gemm) - set(runtime)
+    assert not missing, f"{HEADER} declares {sorted(missing)}, which no object defines"
+
+
+def test_no_header_but_the_gemm_abi_defines_an_export():
+    for header in sources(".cuh") + sources(".h"):
+        if header in (GEMM_ABI, HEADER):
+            continue
+        declared, defined = exports(header)
+        assert not declared + defined, f"{header} declares or defines {declared + defined}: " \
+                                       f"exports belong in {HEADER} and a .cu"
+        assert 'extern "C"' not in code(header), f'{header} opens an extern "C" block'
+
+
+def test_every_translation_unit_is_a_gemm_source_a_program_or_the_runtime():
+    units = set(sources(".cu"))
+    assert set(build.RUNTIME_SOURCES) <= units, "RUNTIME_SOURCES names a missing file"
+    assert units == GEMM_SOURCES | PROGRAMS | set(build.RUNTIME_SOURCES), (
+        f"{sorted(units - GEMM_SOURCES - PROGRAMS - set(build.RUNTIME_SOURCES))} belong to no object")
+    for unit in units - PROGRAMS:  # translation units include headers only
+        included = re.findall(r'^\s*#\s*include\s+"([^"]+)"', code(unit), re.M)
+        assert not [h for h in included if h.endswith(".cu")], f"{unit} includes {included}"
+
+
+def test_the_check_reads_declarations_and_definitions():
+    text = strip('FO_API int fo_a(int (*f)(void), char x);\nFO_API void* fo_b(void) { return 0; }\n'
+                 '// FO_API int fo_c(void) {}\n/* FO_API int fo_d(void) {} */\n'
+                 'const char* s = "FO_API int fo_e(void); //";\nextern "C" {}\n')
+    assert exports_in(text) == (["fo_a"], ["fo_b"])
+    assert 'extern "C"' in text
+
+
+@pytest.mark.skipif(os.environ.get("FLASHOVERLAP_COMPILE_TESTS") != "1" or build.find_nvcc() is None,
+                    reason="set FLASHOVERLAP_COMPILE_TESTS=1 (and have nvcc) to link the runtime")
+def test_each_runtime_unit_reports_through_the_one_fo_last_error(tmp_path):
+    """The units share one error text (and one NCCL table): an argument check of each, which
+    runs before any CUDA call (no GPU needed), is read back through runtime.cu's fo_last_error."""
+    so = tmp_path / "runtime.so"
+    done = subprocess.run(build.command(build.RUNTIME_JOB, so), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lib = ctypes.CDLL(str(so))
+    lib.fo_last_error.restype = ctypes.c_char_p
+    desc, handle, p = ctypes.create_string_buffer(4096), ctypes.c_void_p(), ctypes.c_void_p(16)
+    i64 = ctypes.c_int64
+    calls = {  # unit: (call, the start of its message)
+        "overlap_call.cu": (lambda: lib.fo_call_create(desc, ctypes.byref(handle)),
+                            "fo_call_create: descriptor ABI 0"),
+        "all_to_all_call.cu": (lambda: lib.fo_a2a_create(desc, ctypes.byref(handle)),
+                               "fo_a2a_create: descriptor ABI 0"),
+        "gather_call.cu": (lambda: lib.fo_gather_create(desc, ctypes.byref(handle)),
+                           "fo_gather_create: descriptor ABI 0"),
+        "add_rmsnorm.cu": (lambda: lib.fo_add_rmsnorm_tiles(p, p, 4, 8, 128, 128, 5, p, i64(8), p, 0,
+                                                            ctypes.c_float(1e-6), p, p, i64(8), None),
+                           "add_rmsnorm: dtype 5 is not"),
+        "nccl.cu": (lambda: lib.fo_nccl_version(ctypes.byref(ctypes.c_int())),
+                    "NCCL is not loaded (fo_nccl_load)"),
+        "runtime.cu": (lambda: lib.fo_unpack_tiles(None, None, i64(1), None, None, 1, 3, None),
+                       "fo_unpack_tiles: num_tiles=1"),
+    }
+    assert set(calls) == set(build.RUNTIME_SOURCES)
+    for unit, (call, message) in calls.items():
+        assert call() == 1, unit  # cudaErrorInvalidValue
+        assert lib.fo_last_error().decode().startswith(message), unit
