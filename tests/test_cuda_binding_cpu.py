@@ -100,8 +100,10 @@ def test_a_description_reads_back_what_python_set(native):
     desc = native.CallDescription(L=3, N=4096, ldo=1 << 40, packed=0x7F0012345600, staging=None,
                                   group_sizes=(5, 6, 7), steps=range(8),
                                   block_tiles=[0x7F00AA000000], use_graph=True)
-    assert (desc.L, desc.N, desc.ldo, desc.packed, desc.staging) == (3, 4096, 1 << 40, 0x7F0012345600, 0)
-    assert (desc.group_sizes, desc.steps, desc.block_tiles) == ([5, 6, 7], list(range(8)), [0x7F00AA000000])
+    assert (desc.L, desc.N, desc.ldo) == (3, 4096, 1 << 40)
+    assert (desc.packed, desc.staging) == (0x7F0012345600, 0)
+    assert (desc.group_sizes, desc.steps) == ([5, 6, 7], list(range(8)))
+    assert desc.block_tiles == [0x7F00AA000000]
     assert desc.abi_version == runtime.ABI_VERSION and desc.use_graph == 1
     desc.comm_stream, desc.wait_mode = 0x5500, runtime.WAIT_MODES["spin_kernel"]
     assert (desc.comm_stream, desc.wait_mode, desc.K) == (0x5500, 1, 0)
@@ -152,7 +154,8 @@ def test_host_arrays_are_checked_against_their_counts(native):
 def test_failures_raise_kernel_errors_that_name_the_library(native):
     native.check(0, "nothing")
     path = re.escape(native.__file__)
-    with pytest.raises(runtime.KernelError, match=r"^some call failed \(cudaError 2\): .* \[" + path + r"\]$"):
+    with pytest.raises(runtime.KernelError,
+                       match=r"^some call failed \(cudaError 2\): .* \[" + path + r"\]$"):
         native.check(2, "some call")
     with pytest.raises(runtime.KernelError, match=r"fo_reset_counters failed \(cudaError 1\): "
                                                   r"fo_reset_counters: need n >= 0 counters"):
@@ -170,7 +173,8 @@ def test_a_description_reaches_the_c_side(native, field, value, message):
                                   counters=0x3000, num_groups=1, group_sizes=[4], per_step=1,
                                   elem_size=2)
     setattr(desc, field, value)
-    with pytest.raises(runtime.KernelError, match=r"fo_call_create failed \(cudaError 1\): .*" + message):
+    with pytest.raises(runtime.KernelError,
+                       match=r"fo_call_create failed \(cudaError 1\): .*" + message):
         native.call_create(desc)
 
 
@@ -180,7 +184,8 @@ def _cuda_include() -> Path | None:
     nvcc = build.find_nvcc()
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
              str(Path(nvcc).resolve().parents[1]) if nvcc else None]
-    found = [Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime.h").is_file()]
+    found = [Path(h) / "include" for h in homes
+             if h and (Path(h) / "include" / "cuda_runtime.h").is_file()]
     return found[0] if found else None
 
 
@@ -189,7 +194,8 @@ def fake_library(tmp_path: Path, abi: int | None = None) -> Path:
     if cxx is None or include is None:
         pytest.skip("needs a C++ compiler and the CUDA headers")
     out = tmp_path / f"fake_gemm_{abi}.so"
-    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-I{build.source_dir()}", f"-I{include}",
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-I{build.source_dir()}",
+                    f"-I{include}",
                     *([f"-DFAKE_ABI={abi}"] if abi is not None else []),
                     str(ROOT / "tests" / "native" / "fake_gemm_library.cpp"), "-o", str(out)],
                    check=True, capture_output=True, timeout=120)
@@ -201,11 +207,14 @@ def test_a_gemm_library_loads_through_the_runtime(native, tmp_path):
     lib = native.GemmLibrary(str(path))
     assert lib.path == str(path) and lib.fp8
     d = lib.description
-    assert (d.abi_version, d.arch, d.tile_m, d.tile_n, d.cta_multiple) == (runtime.ABI_VERSION, 90, 128, 256, 2)
+    assert d.abi_version == runtime.ABI_VERSION
+    assert (d.arch, d.tile_m, d.tile_n, d.cta_multiple) == (90, 128, 256, 2)
     assert lib.max_ctas(0) == 132 and lib.workspace_size(2, 128, 512, 64, 128) == 1024
-    assert all((lib.launch_address, lib.set_node_address, lib.run_ex_address, lib.run_blocks_address))
+    assert all((lib.launch_address, lib.set_node_address, lib.run_ex_address,
+                lib.run_blocks_address))
     lib.load_kernels()
-    with pytest.raises(runtime.KernelError, match=r"^fo_gemm_run failed \(cudaError 1\): fake run L=2 "
+    with pytest.raises(runtime.KernelError,
+                       match=r"^fo_gemm_run failed \(cudaError 1\): fake run L=2 "
                        r"rows=128 N=512 K=64 lda=64 ldb=72 items=9 ctas=128 monitor=\(nil\) \["):
         lib.run(0x1000, 0x2000, 0x3000, 2, 128, 512, 64, 64, 72, 0x4000, 0x5000, 9, None, 128, None,
                 None, 0)
@@ -221,15 +230,16 @@ def test_a_gemm_library_loads_through_the_runtime(native, tmp_path):
     params.scales = scales
     lib.launch(params, 0)
     assert lib.last_error() == "fake launch without scales, N=512"
-    with pytest.raises(runtime.KernelError, match=r"^the native call \(GEMM library: fake launch "
-                                                  r"without scales, N=512\) failed \(cudaError 4\)"):
+    with pytest.raises(runtime.KernelError, match=r"^the native call \(GEMM library: fake "
+                       r"launch without scales, N=512\) failed \(cudaError 4\)"):
         native.check(4, "the native call", lib)
 
 
 def test_a_gemm_library_of_another_abi_is_refused(native, tmp_path):
     path = fake_library(tmp_path, abi=1)
     with pytest.raises(runtime.KernelError, match=re.escape(
-            f"{path} has ABI version 1, expected {runtime.ABI_VERSION}: rebuild it (flashoverlap build)")):
+            f"{path} has ABI version 1, expected {runtime.ABI_VERSION}: "
+            "rebuild it (flashoverlap build)")):
         native.GemmLibrary(str(path))
     with pytest.raises(OSError):
         native.GemmLibrary(str(tmp_path / "missing.so"))

@@ -104,7 +104,7 @@ auto unlocked(F&& f) {
   return f();
 }
 
-// ---- a GEMM kernel library (its C ABI, dlopen'ed) ------------------------------------------------
+// ---- a GEMM kernel library (its C ABI, dlopen'ed) -----------------------------------------------
 
 class GemmLibrary {
  public:
@@ -244,7 +244,7 @@ void check_call(int err, const std::string& what, const GemmLibrary* gemm) {
   check(err, detail.empty() ? what : what + " (GEMM library: " + detail + ")");
 }
 
-// ---- descriptions: the C structs, and the host arrays they point at -------------------------------
+// ---- descriptions: the C structs, and the host arrays they point at -----------------------------
 
 // A C struct of flashoverlap_cuda.h as Python fills it (pointer fields take ints or None).
 template <class C>
@@ -326,7 +326,7 @@ void keyword_init(py::class_<W>& cls) {
   }));
 }
 
-// ---- prepared calls: opaque handles that destroy their native call ----------------------------------
+// ---- prepared calls: opaque handles that destroy their native call ------------------------------
 
 struct Call {
   fo_call* p = nullptr;
@@ -418,7 +418,7 @@ std::unique_ptr<A2a> a2a_create(const A2aDescription& d) {
   return call;
 }
 
-// ---- NCCL ------------------------------------------------------------------------------------------
+// ---- NCCL ---------------------------------------------------------------------------------------
 
 constexpr size_t kUniqueIdBytes = 128;
 
@@ -457,7 +457,8 @@ PYBIND11_MODULE(fo_runtime, m) {
         "Raise KernelError when err != 0: '<what> failed (cudaError N): <detail> [<path>]'; "
         "with `gemm`, its library's last error goes into <what>.");
   m.def("last_error", [] { return std::string(fo_last_error()); });
-  m.def("load_kernels", [] { check(unlocked([] { return fo_load_kernels(); }), "fo_load_kernels"); });
+  m.def("load_kernels",
+        [] { check(unlocked([] { return fo_load_kernels(); }), "fo_load_kernels"); });
 
   // ---- descriptions ----
   py::class_<fo_gemm_config>(m, "GemmDescription", py::module_local())
@@ -479,7 +480,8 @@ PYBIND11_MODULE(fo_runtime, m) {
   py::class_<GemmScales> scales(m, "GemmScales", py::module_local());
   scales.def(py::init([](Ptr a, Ptr b, int a_per_row, int b_per_col) {
                 GemmScales s;
-                s.c = fo_gemm_scales{a.as<const float*>(), b.as<const float*>(), a_per_row, b_per_col};
+                s.c = fo_gemm_scales{a.as<const float*>(), b.as<const float*>(), a_per_row,
+                                     b_per_col};
                 return s;
               }),
               py::arg("a") = Ptr{}, py::arg("b") = Ptr{}, py::arg("a_per_row") = 0,
@@ -704,7 +706,10 @@ PYBIND11_MODULE(fo_runtime, m) {
   // ---- all_to_all with each call's rows and splits (fo_a2a_*) ----
   py::class_<A2a>(m, "A2a", py::module_local())
       .def_property_readonly(
-          "needs", [](const A2a& c) { return py::make_tuple(c.needs[0], c.needs[1], c.needs[2], c.needs[3]); },
+          "needs",
+          [](const A2a& c) {
+            return py::make_tuple(c.needs[0], c.needs[1], c.needs[2], c.needs[3]);
+          },
           "What the last call needed: (work items, received tiles, packed and staging elements).");
   m.def("a2a_create", &a2a_create);
   m.def("a2a_destroy", [](A2a& c) { c.destroy(); });
