@@ -369,12 +369,17 @@ def replace_config(cfg, **kw):
     return replace(cfg, **kw)
 
 
-def test_fp8_scales_as_the_kernel_reads_them():
+def test_fp8_scales_as_the_kernel_reads_them(monkeypatch):
+    from types import SimpleNamespace
+
     from flashoverlap_backends.cuda.device_state import gemm_scales, kernel_scale
 
     column = torch.rand(6, 3)[:, 1:2]  # [6, 1], stride 3: copied
     assert kernel_scale(column) is not column and kernel_scale(column).stride(0) == 1
     for t in (torch.rand(()), torch.rand(6, 1), torch.rand(1, 5), torch.rand(5, 2)[:1, :1]):
         assert kernel_scale(t) is t
+    # the runtime's GemmScales(a, b, a_per_row, b_per_col) (tests/test_cuda_binding_cpu.py)
+    fields = lambda a, b, a_per_row, b_per_col: SimpleNamespace(**locals())  # noqa: E731
+    monkeypatch.setattr(kernels, "runtime_library", lambda: SimpleNamespace(GemmScales=fields))
     s = gemm_scales(torch.rand(6, 1), torch.rand(()))
     assert (s.a_per_row, s.b_per_col) == (1, 0) and s.a and s.b

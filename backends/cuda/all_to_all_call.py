@@ -15,8 +15,6 @@ buffers grow when a call needs more (the native call says how much), and stay.
 """
 from __future__ import annotations
 
-import ctypes
-from ctypes import c_int32, c_int64
 
 import torch
 
@@ -27,7 +25,7 @@ from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import NCCL_DTYPES, _current_device, outside_graph_pools, wait_mode
 from .gemm import Operands, arch, takes_col_major
-from .runtime import WAIT_MODES, A2aBuffers, A2aDescription
+from .runtime import WAIT_MODES
 
 MAX_RANKS = 64  # a2a_layout.cuh's kMaxRanks
 MAX_GROUPS = 16  # and kMaxGroups
@@ -50,19 +48,14 @@ class _StreamState(CallState):
     communicator): the counters and the buffers, which grow when a call needs more."""
 
     def __init__(self, call: "CudaAllToAllCall"):
-        device, world = call.device, call.world
+        device = call.device
         super().__init__(device, call.runtime, comm=call.comm is not None)
         self.counters = torch.zeros(call.groups, dtype=torch.int32, device=device)
-        self.tensors = {"block_starts": torch.empty(world + 1, dtype=torch.int32, device=device),
+        self.tensors = {"block_starts": torch.empty(call.world + 1, dtype=torch.int32, device=device),
                         "counters": self.counters}
-        self.buffers = A2aBuffers()
+        self.buffers = self.runtime.A2aBuffers()
         self.buffers.block_starts = self.tensors["block_starts"].data_ptr()
         self.buffers.counters = self.counters.data_ptr()
-        self.rows = (c_int32 * (2 * world))()  # this call's send rows, then its receive rows
-        self.send_ptr = ctypes.addressof(self.rows)
-        self.recv_ptr = self.send_ptr + 4 * world
-        self.needs = (c_int64 * 4)()
-        self.needs_ptr = ctypes.addressof(self.needs)
         call.desc.comm_stream = self.comm.cuda_stream if self.comm is not None else None
         self.handle = self.runtime.a2a_create(call.desc)
         self.keep_for_comm(self.tensors.values())
@@ -70,7 +63,7 @@ class _StreamState(CallState):
 
     def grow(self, call: "CudaAllToAllCall") -> None:
         """Make every buffer hold what the last call asked for (``needs``), with room to spare."""
-        tiles, received, packed, staging = self.needs
+        tiles, received, packed, staging = self.handle.needs
         b, device, dtype = self.buffers, call.device, call.dtype
 
         def more(have: int, need: int) -> int:
@@ -133,10 +126,10 @@ class CudaAllToAllCall(NativeCall):
         self.desc = self.description(template)
         self.state()
 
-    def description(self, template: OverlapCall) -> A2aDescription:
+    def description(self, template: OverlapCall):
         """fo_a2a_desc of this key (each stream's state adds its communication stream)."""
         plan, b = template.plan, template.b
-        desc = new_description(A2aDescription)
+        desc = new_description(self.runtime.A2aDescription)
         desc.gemm_run_blocks = self.gemm.run_blocks_address
         desc.tile_m, desc.tile_n = plan.tile
         desc.N = plan.n
@@ -160,15 +153,12 @@ class CudaAllToAllCall(NativeCall):
                 return self.run(a, b, out, send, recv)
         stream = self.current_stream(self.index)
         state = self._states.get(stream) or self.state(stream)
-        world = self.world
-        state.rows[:world] = send
-        state.rows[world:] = recv
         a_ptr, lda, b_ptr, ldb, copies = self.operands.of_rows(a, b)
         warm = 0 if self.warmed else int(self.needs_warm_up())
-        args = (state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), a.shape[0], state.send_ptr,
-                state.recv_ptr, stream, warm, state.needs_ptr)
+        args = (state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), a.shape[0], send, recv,
+                stream, warm)
         err = self.run_native(*args)
-        if err == _TOO_SMALL and any(n > 0 for n in state.needs):
+        if err == _TOO_SMALL and any(n > 0 for n in state.handle.needs):
             state.grow(self)
             err = self.run_native(*args)
         del copies  # queued: the caching allocator orders their reuse after these kernels

@@ -1,18 +1,23 @@
-"""Just-in-time build of FlashOverlap's CUDA kernel libraries.
+"""Just-in-time build of FlashOverlap's CUDA kernel libraries and runtime.
 
 Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
-compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; the device-side
-wait, counter reset and post-reorder, the prepared calls and NCCL's entry points live in one
-runtime object compiled from ``RUNTIME_SOURCES`` (one translation unit per call kind). All export
-the C ABI of ``csrc/cuda/flashoverlap_cuda.h`` and link the CUDA runtime statically, so Python
-loads them with ctypes and they do not depend on the ABI of any torch or Python build.
+compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; it exports the
+C ABI of ``csrc/cuda/flashoverlap_cuda.h`` and depends on the ABI of no torch or Python build.
+The device-side waits, counter resets, post-reorders, the prepared calls and NCCL's entry points
+live in the runtime, a Python extension module (pybind11) linked from its translation units
+(``RUNTIME_SOURCES``, one per call kind) and ``runtime_binding.cpp``, the one file that lists
+what Python may call. It is built for the Python that runs it (its ABI is in the file name and
+the hash) and loads the GEMM libraries itself. Everything links the CUDA runtime statically and
+needs no torch headers.
 
 Objects are cached under ``$FLASHOVERLAP_CACHE_DIR`` (default ``~/.cache/flashoverlap``), in
-``cuda/{config name}-{hash of sources and flags}-{hash of nvcc and CUTLASS versions}.so``; a
-build runs under a file lock and is renamed into place atomically, so concurrent processes (one
-per rank) build once. ``FLASHOVERLAP_NO_JIT=1`` forbids compiling, and a machine without nvcc
-uses any object built from the same sources and flags (``flashoverlap build`` elsewhere, cache
-copied): a missing object is then an error that says how to prebuild it.
+``cuda/{config name}-{hash of sources and flags}-{hash of the toolchain}.so`` (the runtime:
+``.so`` is Python's extension suffix, e.g. ``.cpython-312-x86_64-linux-gnu.so``); the toolchain
+is nvcc's version, and CUTLASS's or pybind11's where the job uses them. A build runs under a
+file lock and is renamed into place atomically, so concurrent processes (one per rank) build
+once. ``FLASHOVERLAP_NO_JIT=1`` forbids compiling, and a machine without nvcc uses any object
+built from the same sources and flags (``flashoverlap build`` elsewhere, cache copied): a
+missing object is then an error that says how to prebuild it.
 
 This module imports no torch and creates no device context.
 """
@@ -25,9 +30,10 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -251,6 +257,26 @@ def cutlass_version(include: Path) -> str:
     return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
 
 
+def python_include_dirs() -> list[Path]:
+    """pybind11's headers and this Python's (Python.h), for the runtime's binding."""
+    try:
+        import pybind11
+    except ImportError:
+        raise BuildError("pybind11 is missing (the runtime's Python binding is built with it): "
+                         "pip install pybind11 (or pip install 'flashoverlap[cuda]')") from None
+    paths = sysconfig.get_paths()
+    dirs = list(dict.fromkeys(Path(paths[k]) for k in ("include", "platinclude") if paths.get(k)))
+    if not any((d / "Python.h").is_file() for d in dirs):
+        raise BuildError(f"this Python's C headers (Python.h) are not in {', '.join(map(str, dirs))}: "
+                         "install its development package (e.g. python3-dev, python3.12-dev)")
+    return [Path(pybind11.get_include())] + dirs
+
+
+def extension_suffix() -> str:
+    """The file suffix of this Python's extension modules (its ABI)."""
+    return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+
+
 def cache_dir() -> Path:
     """Where built objects live: $FLASHOVERLAP_CACHE_DIR, else ~/.cache/flashoverlap."""
     if os.environ.get("FLASHOVERLAP_CACHE_DIR"):
@@ -292,31 +318,47 @@ def gemm_defines(config: GemmConfig) -> list[str]:
          f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else [])
 
 
-def _gemm_job(config: GemmConfig) -> tuple[str, list[str], str, bool]:
-    """(name, flags, source file, needs CUTLASS) of one GEMM configuration."""
+@dataclass(frozen=True)
+class Job:
+    """One object to build: its name, nvcc flags, source files (of csrc/cuda), and what it
+    includes beyond them: CUTLASS, or Python and pybind11 (an extension module of this Python)."""
+
+    name: str
+    flags: tuple[str, ...]
+    sources: tuple[str, ...]
+    needs_cutlass: bool = False
+    python: bool = False
+
+    @property
+    def suffix(self) -> str:
+        return extension_suffix() if self.python else ".so"
+
+
+def _gemm_job(config: GemmConfig) -> Job:
+    """The job of one GEMM configuration."""
     source = "gemm_sm90.cu" if config.arch == 90 else "gemm_sm80.cu"
     flags = GENCODE[f"sm{config.arch}"] + COMMON_FLAGS + gemm_defines(config) + LINK_FLAGS
-    return config_name(config), flags, source, True
+    return Job(config_name(config), tuple(flags), (source,), needs_cutlass=True)
 
 
 # The runtime object's translation units (csrc/cuda), one per call kind; together they define
 # every runtime function of flashoverlap_cuda.h (tests/test_cuda_sources_cpu.py checks it).
 RUNTIME_SOURCES = ("runtime.cu", "nccl.cu", "overlap_call.cu", "add_rmsnorm.cu", "gather_call.cu",
                    "all_to_all_call.cu")
-RUNTIME_JOB = ("runtime", GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS, RUNTIME_SOURCES, False)
+# Their Python binding (pybind11, compiled by the host compiler through nvcc), linked with them
+# into one extension module.
+BINDING_SOURCE = "runtime_binding.cpp"
+RUNTIME_JOB = Job("runtime", tuple(GENCODE["runtime"] + COMMON_FLAGS + LINK_FLAGS),
+                  RUNTIME_SOURCES + (BINDING_SOURCE,), python=True)
 
 
-def _names(source: str | tuple[str, ...]) -> tuple[str, ...]:
-    """The source files of a job: one name, or the translation units of one object."""
-    return (source,) if isinstance(source, str) else tuple(source)
-
-
-def command(job, output: str | Path) -> list[str]:
+def command(job: Job, output: str | Path) -> list[str]:
     """The nvcc command line of a job."""
-    _, flags, source, needs_cutlass = job
     src = source_dir()
-    includes = [f"-I{src}"] + ([f"-I{d}" for d in cutlass_include_dirs()] if needs_cutlass else [])
-    return [nvcc_path()] + flags + includes + [str(src / n) for n in _names(source)] + ["-o", str(output)]
+    includes = [src] + (cutlass_include_dirs() if job.needs_cutlass else []) + (
+        python_include_dirs() if job.python else [])
+    return ([nvcc_path()] + list(job.flags) + [f"-I{d}" for d in includes]
+            + [str(src / s) for s in job.sources] + ["-o", str(output)])
 
 
 # ---- building --------------------------------------------------------------------------------
@@ -324,12 +366,11 @@ def command(job, output: str | Path) -> list[str]:
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
-def _sources(source: str | tuple[str, ...]) -> list[Path]:
-    """``source`` (one file or several) and every file of csrc/cuda they include, transitively
-    (quoted includes that name a file there; CUTLASS's headers are covered by the toolchain
-    digest)."""
+def _sources(*sources: str) -> list[Path]:
+    """``sources`` and every file of csrc/cuda they include, transitively (quoted includes that
+    name a file there; CUTLASS's and pybind11's headers are covered by the toolchain digest)."""
     src = source_dir()
-    seen, todo = [], list(_names(source))
+    seen, todo = [], list(sources)
     while todo:
         name = todo.pop()
         path = src / name
@@ -340,37 +381,44 @@ def _sources(source: str | tuple[str, ...]) -> list[Path]:
     return sorted(seen)
 
 
-def _digest(job) -> str:
-    """Hash of the job's source, the csrc/cuda files it includes, and its flags (include paths
-    vary by install): an edit elsewhere in csrc/cuda leaves this job's cached object valid."""
-    _, flags, source, _ = job
+def _digest(job: Job) -> str:
+    """Hash of the job's sources, the csrc/cuda files they include, its flags (include paths
+    vary by install) and, for an extension module, the Python ABI: an edit elsewhere in
+    csrc/cuda leaves this job's cached object valid."""
     h = hashlib.sha256()
-    for path in _sources(source):
+    for path in _sources(*job.sources):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update("\0".join(flags + list(_names(source))).encode())
+    h.update("\0".join(job.flags + job.sources).encode())
+    if job.python:
+        h.update(b"\0python " + extension_suffix().encode())
     return h.hexdigest()[:16]
 
 
-def _toolchain_digest(nvcc: str, needs_cutlass: bool) -> str:
+def _toolchain_digest(nvcc: str, job: Job) -> str:
     text = nvcc_version(nvcc)
-    if needs_cutlass:
-        try:
-            text += "\0cutlass " + importlib.metadata.version("nvidia-cutlass")
-        except importlib.metadata.PackageNotFoundError:
-            text += "\0cutlass at " + str(cutlass_include_dirs()[0])
+    # (used?, label, package, include dirs); "cutlass" keeps the cached GEMM objects' names
+    for used, label, package, where in (
+            (job.needs_cutlass, "cutlass", "nvidia-cutlass", cutlass_include_dirs),
+            (job.python, "pybind11", "pybind11", python_include_dirs)):
+        if used:
+            try:
+                text += f"\0{label} " + importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                text += f"\0{label} at " + str(where()[0])
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def _prebuilt(job) -> Path | None:
+def _prebuilt(job: Job) -> Path | None:
     """An object built from these sources and flags by any nvcc (for machines without nvcc)."""
-    found = sorted(cache_dir().glob(f"{job[0]}-{_digest(job)}-*.so"), key=lambda p: p.stat().st_mtime)
+    found = sorted(cache_dir().glob(f"{job.name}-{_digest(job)}-*{job.suffix}"),
+                   key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 
 
-def _build(job) -> Path:
+def _build(job: Job) -> Path:
     """The cached object of a job, compiled first (under a lock) if needed. Its file is
-    ``{name}-{hash of sources and flags}-{hash of the nvcc and CUTLASS versions}.so``."""
-    name = job[0]
+    ``{name}-{hash of sources and flags}-{hash of the toolchain}{suffix}``."""
+    name = job.name
     nvcc = find_nvcc()
     if nvcc is None or not jit_allowed():
         found = _prebuilt(job)
@@ -382,7 +430,7 @@ def _build(job) -> Path:
             f"{name} is not built and FLASHOVERLAP_NO_JIT is set: prebuild it with "
             f"`flashoverlap build` (same FLASHOVERLAP_CACHE_DIR={cache_dir().parent}) "
             "or unset FLASHOVERLAP_NO_JIT")
-    target = cache_dir() / f"{name}-{_digest(job)}-{_toolchain_digest(nvcc, job[3])}.so"
+    target = cache_dir() / f"{name}-{_digest(job)}-{_toolchain_digest(nvcc, job)}{job.suffix}"
     if target.is_file():
         return target
     from filelock import FileLock  # only needed when compiling
@@ -391,7 +439,7 @@ def _build(job) -> Path:
     with FileLock(str(target) + ".lock"):
         if target.is_file():  # built by another process while we waited
             return target
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=job.suffix, dir=target.parent)
         os.close(fd)
         cmd = command(job, tmp)
         try:
@@ -413,7 +461,8 @@ def build_gemm(config: GemmConfig) -> Path:
 
 
 def build_runtime() -> Path:
-    """Path of the runtime shared object: wait, counter reset, post-reorder (built if needed)."""
+    """Path of the runtime extension module: waits, counter resets, post-reorders, prepared
+    calls, and the loader of the GEMM libraries (built if needed; runtime.load imports it)."""
     return _build(RUNTIME_JOB)
 
 
@@ -445,42 +494,44 @@ SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule=
                     GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4))
 
 
-def selftest_job(config: GemmConfig):
+def selftest_job(config: GemmConfig) -> Job:
     """The job that builds the host self-test program of an sm90 configuration."""
-    name, flags, _, _ = _gemm_job(config)
-    flags = [f for f in flags if f not in LINK_FLAGS] + ["-DFO_LAYOUT_SELFTEST"]
-    return "selftest_" + name, flags, "gemm_sm90_selftest.cu", True
+    gemm = _gemm_job(config)
+    flags = [f for f in gemm.flags if f not in LINK_FLAGS] + ["-DFO_LAYOUT_SELFTEST"]
+    return Job("selftest_" + gemm.name, tuple(flags), ("gemm_sm90_selftest.cu",), needs_cutlass=True)
 
 
 def compile_check(out_dir: str | Path, jobs: int = 2, selftests: bool = True) -> bool:
-    """Compile every CUDA source to an object (-c) for its architectures, in representative
-    configurations, and build and run the sm90 layout self-tests (host programs, no GPU);
-    print one line per job. True when all passed."""
+    """Compile every CUDA source for its architectures, in representative configurations, link
+    the runtime's translation units, compile its Python binding, and build and run the sm90
+    layout self-tests (host programs, no GPU); print one line per job. True when all passed."""
     import time
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checks = [_gemm_job(c) for c in CHECK_CONFIGS] + [RUNTIME_JOB]
+    checks = [_gemm_job(c) for c in CHECK_CONFIGS] + [
+        replace(RUNTIME_JOB, sources=RUNTIME_SOURCES, python=False),  # linked: see run
+        replace(RUNTIME_JOB, name="runtime_binding", sources=(BINDING_SOURCE,))]
     if selftests:
         checks += [selftest_job(c) for c in SELFTEST_CONFIGS]
 
-    def run(job):
-        name, flags, source, needs_cutlass = job
-        program = name.startswith("selftest_")
+    def run(job: Job):
+        program = job.name.startswith("selftest_")
         # One source compiles to an object (-c); several are linked into their shared object,
         # which must then leave no symbol undefined (a definition missing from every unit).
-        linked = len(_names(source)) > 1
+        # (The binding's references to them are resolved when the runtime is imported.)
+        linked, flags = len(job.sources) > 1, job.flags
         if linked:
-            flags = flags + ["-Xlinker", "--no-undefined"]
+            flags += ("-Xlinker", "--no-undefined")
         elif not program:
-            flags = [f for f in flags if f not in LINK_FLAGS] + ["-c"]
-        output = out_dir / (name if program else f"{name}.so" if linked else f"{name}.o")
-        cmd = command((name, flags, source, needs_cutlass), output)
+            flags = tuple(f for f in flags if f not in LINK_FLAGS) + ("-c",)
+        output = out_dir / (job.name if program else f"{job.name}.so" if linked else f"{job.name}.o")
+        cmd = command(replace(job, flags=flags), output)
         start = time.monotonic()
         done = subprocess.run(cmd, capture_output=True, text=True)
         if program and done.returncode == 0:
             done = subprocess.run([str(output)], capture_output=True, text=True)
-        return job[0], done, time.monotonic() - start, cmd
+        return job.name, done, time.monotonic() - start, cmd
 
     ok = True
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -39,8 +39,8 @@ class WarmUps:
 
 
 def new_description(kind):
-    """An empty native call description of this ctypes ``kind``, stamped with the ABI version
-    the runtime checks."""
+    """An empty native call description of this ``kind`` (a description class of the runtime,
+    e.g. ``CallDescription``), stamped with the ABI version the runtime checks."""
     desc = kind()
     desc.abi_version = ABI_VERSION
     return desc
@@ -113,6 +113,4 @@ class NativeCall:
 
     def raise_error(self, err: int, what: str = "the native call") -> None:
         """The runtime's error for ``err`` from ``what``, with the GEMM library's own detail."""
-        gemm_detail = self.gemm.lib.fo_last_error()
-        self.runtime.check(err, what + (
-            f" (GEMM library: {gemm_detail.decode()})" if gemm_detail else ""))
+        self.runtime.check(err, what, self.gemm)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kernels
-from .runtime import GemmScales
 
 ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
 ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
@@ -117,10 +116,11 @@ def kernel_scale(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def gemm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor) -> GemmScales:
-    """fo_gemm_scales of kernel_scale'd scales (row-wise: [M, 1]; column-wise: [1, N])."""
-    return GemmScales(scale_a.data_ptr(), scale_b.data_ptr(), int(scale_a.dim() == 2),
-                      int(scale_b.dim() == 2))
+def gemm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor):
+    """fo_gemm_scales (the runtime's GemmScales) of kernel_scale'd scales (row-wise: [M, 1];
+    column-wise: [1, N])."""
+    return kernels.runtime_library().GemmScales(scale_a.data_ptr(), scale_b.data_ptr(),
+                                                int(scale_a.dim() == 2), int(scale_b.dim() == 2))
 
 
 def b_col_major(b: torch.Tensor) -> bool:

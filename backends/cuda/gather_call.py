@@ -37,7 +37,6 @@ GEMM flags that read as already set, so it does not wait and a stress test must 
 from __future__ import annotations
 
 import os
-from ctypes import c_int32
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +47,6 @@ from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import NCCL_DTYPES, PlanTables, _current_device, reserved_sms
 from .gemm import Gemms, a_operand, b_operand, padded_k, workspace
-from .runtime import GatherDescription
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
 ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
@@ -216,14 +214,15 @@ class CudaGatherCall(NativeCall, PreparedCall):
         self.runtime.gather_load_kernels()
         self.comm = (nccl.communicator(call.group, device, max_ctas=self.options.nccl_ctas)
                      if self.world > 1 else None)
-        self.chunks = (c_int32 * (2 * plan.num_groups))(*chunk_table(plan))
+        self.chunks = chunk_table(plan)
         self.warm_key = (self.gemm.path, call.group, "allgather", plan.dtype, self.options)
         with torch.cuda.device(device):
             first = self.current_stream(self.index) if stream is None else stream
             self._states[first] = GatherState(self)
 
-    def description(self, state: GatherState) -> GatherDescription:
-        plan, d = self.template.plan, new_description(GatherDescription)
+    def description(self, state: GatherState):
+        """The runtime's GatherDescription of this key's calls on ``state``'s stream."""
+        plan, d = self.template.plan, new_description(self.runtime.GatherDescription)
         d.gemm_run_ex = self.gemm.run_ex_address
         d.world, d.rank, d.block_rows = self.world, self.rank, plan.shard_rows
         d.N, d.K, d.copy_cols = plan.n, self.k, plan.k
@@ -270,8 +269,8 @@ class CudaGatherCall(NativeCall, PreparedCall):
         a_rows = self.a_rows(a)
         lda = a_rows.stride(0) if a_rows.shape[0] > 1 else a_rows.shape[1]
         b_ptr, ldb, _keep = self.b_operand(b)
-        err = self.runtime.lib.fo_gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
-                                             out.data_ptr(), out.stride(0), stream, int(warm))
+        err = self.runtime.gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
+                                      out.data_ptr(), out.stride(0), stream, int(warm))
         if err:
             self.raise_error(err, "fo_gather_run")
         return out

@@ -9,7 +9,6 @@ row-major b, so such a b with N % 8 != 0 runs as the column-major kernel on a tr
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections import OrderedDict
@@ -19,7 +18,6 @@ import torch
 from . import kernels
 from .device_state import (ALIGN_BYTES, ENV_ARCH, PlanTables, aligned_rows, b_col_major,
                            gemm_scales, kernel_scale)
-from .runtime import GemmParams
 
 SM80_K_STEP = 8  # elements: sm80's vector loads along K (and along N of a row-major b)
 MAX_PLANS = 64  # device tables kept for this many recent (plan, device) pairs
@@ -186,7 +184,7 @@ class Gemms:
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
         stream = stream or torch.cuda.current_stream(a.device)
         counters = counters if counters is not None else tables.counters
-        params = GemmParams(
+        params = kernels.runtime_library().GemmParams(
             a=a_op.data_ptr(), lda=a_op.stride(0), b=b_op.data_ptr(), ldb=b_op.stride(0),
             out=packed.data_ptr(), ldo=plan.n if plan.layout == "rows" else 0, L=blocks,
             block_rows=rows, N=plan.n, K=k, items=tables.items.data_ptr(),
@@ -195,7 +193,6 @@ class Gemms:
             monitor=monitor.data_ptr() if monitor is not None else None)
         if gemm.fp8:
             scale_a, scale_b = (kernel_scale(t) for t in scales)
-            held = gemm_scales(scale_a, scale_b)
-            params.scales = ctypes.pointer(held)
+            params.scales = gemm_scales(scale_a, scale_b)
         gemm.launch(params, stream.cuda_stream)
         return tables

@@ -1,7 +1,8 @@
 """Which compiled kernel serves a plan, built on first use and loaded once per process.
 
 The kernel configurations per architecture live here (tile, cluster, schedule); build.py turns
-a configuration into a shared object (JIT, cached) and runtime.py binds it.
+a configuration into a shared object (JIT, cached), and the runtime (an extension module that
+build.py also builds, loaded by runtime.py) loads it as a ``GemmLibrary``.
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from types import ModuleType
 
-from . import build
-from .runtime import WAIT_MODES, GemmLibrary, RuntimeLibrary
+from . import build, runtime
+from .runtime import WAIT_MODES
 
 DTYPES = ("bfloat16", "float16")  # what the kernels take (build.GemmConfig accepts these names)
 FP8_DTYPES = ("float8_e4m3fn",)  # scaled kernels (sm90), bf16 or fp16 out (FP8_CONFIGS)
@@ -187,12 +189,15 @@ def _load(key, make):
         return lib
 
 
-def gemm_library(config: build.GemmConfig) -> GemmLibrary:
-    return _load(config, lambda: GemmLibrary(str(build.build_gemm(config))))
+def gemm_library(config: build.GemmConfig):
+    """The runtime's ``GemmLibrary`` of ``config`` (csrc/cuda/runtime_binding.cpp)."""
+    native = runtime_library()
+    return _load(config, lambda: native.GemmLibrary(str(build.build_gemm(config))))
 
 
-def runtime_library() -> RuntimeLibrary:
-    return _load("runtime", lambda: RuntimeLibrary(str(build.build_runtime())))
+def runtime_library() -> ModuleType:
+    """The runtime extension module (csrc/cuda/runtime_binding.cpp lists what it exports)."""
+    return _load("runtime", lambda: runtime.load(build.build_runtime()))
 
 
 def toolchain_problem() -> str | None:
@@ -200,7 +205,7 @@ def toolchain_problem() -> str | None:
     if not build.jit_allowed():
         return None  # prebuilt objects only: a missing one is reported when first needed
     missing = []
-    for check in (build.nvcc_path, build.cutlass_include_dirs):
+    for check in (build.nvcc_path, build.cutlass_include_dirs, build.python_include_dirs):
         try:
             check()
         except build.BuildError as e:

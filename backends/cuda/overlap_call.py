@@ -7,7 +7,6 @@ RMSNorm kernel, a phase of this call (its helpers: :mod:`.add_rmsnorm`).
 """
 from __future__ import annotations
 
-from ctypes import c_int32, c_int64, c_void_p
 
 import torch
 
@@ -22,7 +21,7 @@ from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_opera
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import NCCL_DTYPES, _current_device, kernel_scale, replay_graphs, wait_mode
 from .gemm import Gemms, Operands, bases_aligned, workspace
-from .runtime import WAIT_MODES, CallDescription
+from .runtime import WAIT_MODES
 
 # What an op is to the native call: fo_call_desc.collective (0: none, no process group); ops
 # without a code (callables) take the Python path.
@@ -127,7 +126,7 @@ class CudaCall(NativeCall, PreparedCall):
 
     def _make_native(self, state: StreamState) -> None:
         plan = self.template.plan
-        desc = new_description(CallDescription)
+        desc = new_description(self.runtime.CallDescription)
         desc.gemm_launch = self.gemm.launch_address
         desc.L, desc.block_rows = len(plan.block_rows), plan.block_rows[0]
         desc.N, desc.K = plan.n, self.k
@@ -137,18 +136,18 @@ class CudaCall(NativeCall, PreparedCall):
         desc.packed, desc.staging = (t.data_ptr() if t is not None else None
                                      for t in (state.packed, state.staging))
         desc.counters, desc.num_groups = state.counters.data_ptr(), plan.num_groups
-        desc.group_sizes = (c_int32 * plan.num_groups)(*plan.group_sizes)
+        desc.group_sizes = plan.group_sizes
         desc.wait_mode = WAIT_MODES[self.wait]
         desc.collective = COLLECTIVES[self.kind] if self.comm is not None else 0
         desc.nccl_comm = self.comm
         desc.nccl_dtype = NCCL_DTYPES[plan.out_dtype or plan.dtype]
         desc.num_steps, desc.per_step = self.num_steps, self.per_step
-        desc.steps = (c_int64 * max(1, len(self.steps)))(*self.steps)
+        desc.steps = self.steps
         desc.num_blocks = len(self.blocks)
-        desc.block_out_offset = (c_int64 * max(1, len(self.blocks)))(*[b[0] for b in self.blocks])
-        desc.block_tiles = (c_void_p * max(1, len(self.blocks)))(*[b[1].data_ptr() for b in self.blocks])
-        desc.block_offsets = (c_void_p * max(1, len(self.blocks)))(*[b[2].data_ptr() for b in self.blocks])
-        desc.block_num_tiles = (c_int32 * max(1, len(self.blocks)))(*[b[1].shape[0] for b in self.blocks])
+        desc.block_out_offset = [b[0] for b in self.blocks]
+        desc.block_tiles = [b[1].data_ptr() for b in self.blocks]
+        desc.block_offsets = [b[2].data_ptr() for b in self.blocks]
+        desc.block_num_tiles = [b[1].shape[0] for b in self.blocks]
         desc.ldo, desc.elem_size = plan.n, plan.result_dtype.itemsize
         desc.comm_stream = state.comm.cuda_stream
         desc.gemm_set_node = self.gemm.set_node_address
@@ -350,8 +349,8 @@ class CudaCall(NativeCall, PreparedCall):
                 compute.synchronize()
             with torch.cuda.stream(comm):
                 for g, size in enumerate(plan.group_sizes):
-                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size, self.wait,
-                                         comm.cuda_stream)
+                    runtime.wait_counter(state.counters.data_ptr() + 4 * g, size,
+                                         WAIT_MODES[self.wait], comm.cuda_stream)
                     stamp("transfer_start", comm)
                     exchange.start(g)
                     if stamps is not None:

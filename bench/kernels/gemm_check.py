@@ -261,8 +261,8 @@ def check_waits(rt, lib, cfg, m, n, k, ctas, mode, runs):
         run_gemm(lib, ops, plan, items, groups, counters, packed, ctas)  # GEMM before the waits
         with torch.cuda.stream(comm):
             for r in plan.regions:
-                rt.wait_counter(ptr(counters) + 4 * r.index, plan.group_sizes[r.index], mode,
-                                comm.cuda_stream)
+                rt.wait_counter(ptr(counters) + 4 * r.index, plan.group_sizes[r.index],
+                                bind.WAIT_MODES[mode], comm.cuda_stream)
                 snap[r.offset:r.offset + r.numel].copy_(packed[r.offset:r.offset + r.numel])
         torch.cuda.synchronize()
         if not torch.equal(snap, packed) or torch.isnan(snap).any():
@@ -285,15 +285,14 @@ def main():
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "configs": {}}
-    rt = bind.RuntimeLibrary(str(build.build_runtime()))
-    rt.load_kernels()
+    rt = kernels.runtime_library()  # its kernels loaded
     libs = {}
     for cfg in CONFIGS:
         name = build.config_name(cfg)
         if wanted and not any(w in name for w in wanted):
             continue
         try:
-            lib = bind.GemmLibrary(str(build.build_gemm(cfg)))
+            lib = rt.GemmLibrary(str(build.build_gemm(cfg)))
             lib.load_kernels()
         except Exception as e:  # noqa: BLE001 (report and go on)
             report["configs"][name] = {"error": str(e)[:300]}

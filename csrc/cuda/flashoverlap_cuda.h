@@ -5,9 +5,10 @@
 // overlap_call.cu; add_rmsnorm.cu; gather_call.cu; all_to_all_call.cu).
 //
 // Each kernel library (one shared object per GEMM configuration, built by the JIT in
-// backends/cuda/build.py) exports these symbols with C linkage, so that Python loads it with
-// ctypes: no dependency on the ABI of a particular torch or Python build, and the same object
-// runs under any torch that shares the CUDA driver. Every function returns a cudaError_t
+// backends/cuda/build.py) exports these symbols with C linkage, and the runtime (a Python
+// extension module: these units and runtime_binding.cpp) loads it with dlopen: no dependency on
+// the ABI of a particular torch or Python build, and the same object runs under any torch that
+// shares the CUDA driver. Every function returns a cudaError_t
 // (0 = success) and never synchronizes the device; fo_last_error() describes the last failure.
 //
 // Work items. A persistent GEMM of G CTAs processes work items i = cta, cta + G, ... in the

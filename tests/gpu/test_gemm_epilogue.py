@@ -322,7 +322,8 @@ def test_counter_release_orders_the_data(cfg, mode, libraries, runtime):
         keep = _run(lib, cfg, layout, ops, k, packed, counters, ctas)  # before the waits
         with torch.cuda.stream(comm):
             for g, (lo, hi) in enumerate(spans):
-                runtime.wait_counter(counters.data_ptr() + 4 * g, layout.sizes[g], mode, comm.cuda_stream)
+                runtime.wait_counter(counters.data_ptr() + 4 * g, layout.sizes[g],
+                                     kernels.WAIT_MODES[mode], comm.cuda_stream)
                 snap[lo:hi].copy_(packed[lo:hi])
         torch.cuda.synchronize()
         del keep
