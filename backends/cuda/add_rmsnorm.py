@@ -1,5 +1,5 @@
 """The post-reorder fused into residual add + RMSNorm on the ``cuda`` backend
-(``fo.overlap_add_rmsnorm``; the kernel: csrc/cuda/add_rmsnorm.cuh).
+(``fo.overlap_add_rmsnorm``; the kernel: csrc/cuda/add_rmsnorm.cu).
 
 A prepared call whose result is one block of rows (allreduce, reduce_scatter) hands its native
 call the block's band table once (``fo_call_set_add_rmsnorm``); each fused call then passes the
@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from flashoverlap_core.collectives import RegionExchange
+from flashoverlap_core.ops import REDUCE_OPS
 from flashoverlap_core.reorder import band_offsets
 
 DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # the kernel's activation types (flashoverlap_cuda.h)
-FUSED_OPS = ("allreduce", "reduce_scatter")  # ops whose result is one block of rows
+FUSED_OPS = REDUCE_OPS  # ops whose result is one block of rows
 
 
 def band_table(exchange: RegionExchange, device: torch.device

@@ -1,7 +1,7 @@
 """all_to_all for expert parallelism on the ``cuda`` backend: every call's rows and splits are its
 own, on every rank (flashoverlap_core.all_to_all), so nothing of a call's layout is prepared.
 
-One native function per call (``fo_a2a_run``, csrc/cuda/all_to_all_call.cuh) lays the call out
+One native function per call (``fo_a2a_run``, csrc/cuda/all_to_all_call.cu) lays the call out
 from its splits and issues it: a table kernel writes the GEMM's work items and the
 post-reorder's tiles on the device, the signaling GEMM runs over the unequal destination blocks,
 the communication stream waits for each group's tiles and sends and receives the group's part

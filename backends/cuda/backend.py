@@ -39,7 +39,7 @@ import socket
 import torch
 
 from flashoverlap_core.backend import Backend, OverlapCall, OverlapSpec, PreparedCall
-from flashoverlap_core.plan import GATHER_OP
+from flashoverlap_core.ops import of
 from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
@@ -106,7 +106,7 @@ class CudaBackend(Backend):
         if spec.dtype not in kernels.DTYPES:
             reasons.append(f"the signaling GEMM takes {sorted(kernels.DTYPES)}, not {spec.dtype} "
                            "(use backend='decomposition' or 'reference')")
-        if spec.op == "all_to_all":
+        if of(spec.op).splits:
             reasons += all_to_all_call.unsupported(None, spec.world_size)
         if spec.device_type == "cuda" and torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
@@ -121,7 +121,7 @@ class CudaBackend(Backend):
         if spec.dtype not in kernels.FP8_DTYPES or spec.out_dtype not in kernels.DTYPES:
             reasons.append(f"the fp8 signaling GEMM takes {list(kernels.FP8_DTYPES)} a and b with "
                            f"a {list(kernels.DTYPES)} result, not {spec.dtype} -> {spec.out_dtype}")
-        if spec.op in ("all_to_all", "allgather"):
+        if of(spec.op).splits or of(spec.op).gathers:
             reasons.append(f"fp8 {spec.op} has no signaling GEMM path on cuda yet (allreduce, "
                            "reduce_scatter and callable ops do); it runs dequantized on "
                            "'decomposition'")
@@ -157,18 +157,18 @@ class CudaBackend(Backend):
 
     def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:
         # all_to_all's call lays out each call's tiles on the device, in the tile layout only
-        return ("tiles",) if spec.op == "all_to_all" else ("rows", "tiles")
+        return ("tiles",) if of(spec.op).splits else ("rows", "tiles")
 
     def plan_reasons(self, plan) -> list[str]:
         reasons = []
-        if plan.op == "all_to_all" and plan.layout == "rows":
+        if plan.kind.splits and plan.layout == "rows":
             reasons.append("all_to_all runs 'tiles' plans on cuda (its per-call layout has no "
                            "'rows' form yet)")
         tiles = kernels.supported_tiles(gemm.arch())
         if tuple(plan.tile) not in tiles:
             reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{gemm.arch()}; "
                            f"available: {sorted(tiles)}")
-        if plan.op == "all_to_all":
+        if plan.kind.splits:
             reasons += all_to_all_call.unsupported(plan, plan.world_size)
             if plan.grouping != "destinations" and len(set(plan.block_rows)) > 1:
                 reasons.append("an all_to_all plan of grouping 'waves' runs equal destination "
@@ -193,7 +193,7 @@ class CudaBackend(Backend):
     # ---- the call ----------------------------------------------------------------------------
     def prepare(self, template: OverlapCall) -> PreparedCall:
         stream = torch.cuda.current_stream(template.a.device)
-        if template.plan.op == GATHER_OP:  # the gather feeds a waiting GEMM (gather_call.py)
+        if template.plan.kind.gathers:  # the gather feeds a waiting GEMM (gather_call.py)
             return outside_graph_pools(
                 lambda: CudaGatherCall(self, template, self.gemms, self.warm_ups,
                                        stream=stream.cuda_stream), stream)
@@ -228,7 +228,7 @@ class CudaBackend(Backend):
         each group's transfer (CUDA events), on one clock whose origin is the GEMM's launch.
         The tile clock is aligned so that the last tile ends when the GEMM kernel does."""
         plan = call.plan
-        if plan.op == GATHER_OP:
+        if plan.kind.gathers:
             # Its GEMM waits for rows instead of signalling tiles: there is no monitored
             # signalling run to trace (and the tuner has no allgather workload).
             raise ValueError("the cuda backend cannot trace an allgather call (its GEMM waits for "

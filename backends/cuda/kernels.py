@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
 
+from flashoverlap_core.ops import of
+
 from . import build, runtime
 from .runtime import WAIT_MODES
 
@@ -106,10 +108,10 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     m, n, k, op, world_size, send_splits) and the plan's wave size, pingpong's 128x128 where
     the waves' raggedness makes up for its cost (PINGPONG_COST)."""
     tile = DEFAULT_TILE[arch]
-    if arch != 90 or spec is None or not wave_size or spec.op == "all_to_all":
+    if arch != 90 or spec is None or not wave_size or of(spec.op).splits:
         return tile  # all_to_all: the rows are each call's own, the tile is settled without them
     blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
-    if spec.op in ("reduce_scatter", "allgather") and spec.world_size > 1:
+    if of(spec.op).blocks == "ranks" and spec.world_size > 1:
         blocks = [spec.m // spec.world_size] * spec.world_size
 
     def waves(t) -> int:

@@ -1,5 +1,5 @@
 """The overlapped call of the ``cuda`` backend (allreduce, reduce_scatter, callable ops, and
-all_to_all with a plan per split; csrc/cuda/overlap_call.cuh): the signaling GEMM writes the
+all_to_all with a plan per split; csrc/cuda/overlap_call.cu): the signaling GEMM writes the
 packed layout and bumps each group's counter; the communication stream waits on each counter
 and runs the group's collective; the post-reorder restores the layout (see :mod:`.backend` for
 the whole picture). For ``fo.overlap_add_rmsnorm`` the post-reorder is the fused residual add +
@@ -13,7 +13,7 @@ import torch
 from flashoverlap_core.backend import OverlapCall, PreparedCall
 from flashoverlap_core.collectives import (RegionExchange, collective_steps, packed_buffer,
                                            unpack_layouts)
-from flashoverlap_core.plan import CUSTOM_OP
+from flashoverlap_core.ops import CUSTOM_OP, of
 from flashoverlap_core.reorder import add_rmsnorm
 
 from . import kernels, nccl
@@ -23,14 +23,9 @@ from .device_state import NCCL_DTYPES, _current_device, kernel_scale, replay_gra
 from .gemm import Gemms, Operands, bases_aligned, workspace
 from .runtime import WAIT_MODES
 
-# What an op is to the native call: fo_call_desc.collective (0: none, no process group); ops
-# without a code (callables) take the Python path.
-COLLECTIVES = {"allreduce": 1, "reduce_scatter": 2, "all_to_all": 3}
-
-
-def op_kind(op) -> str:
-    """The kind of call ``op`` asks for: its name, or "custom" for a callable."""
-    return op if isinstance(op, str) else CUSTOM_OP
+# What an op's collective (flashoverlap_core.ops) is to the native call: fo_call_desc.collective
+# (0: none, no process group); ops without a code (callables) take the Python path.
+COLLECTIVES = {"all_reduce": 1, "reduce_scatter": 2, "all_to_all": 3}
 
 
 class StreamState(CallState):
@@ -66,7 +61,8 @@ class CudaCall(NativeCall, PreparedCall):
         NativeCall.__init__(self, call.a.device, warm_ups)
         plan, a, device = call.plan, call.a, call.a.device
         self.gemms = gemms
-        self.kind = op_kind(call.op)
+        self.op = of(call.op)
+        self.kind = self.op.name
         self.tables = gemms.plan_tables(plan, device)
         self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b)
         # The key fixes the strides: what the kernel takes as lda and ldb, and whether it
@@ -84,7 +80,7 @@ class CudaCall(NativeCall, PreparedCall):
         group = call.group
         self.python_path = python_path or self.kind == CUSTOM_OP or (
             group is not None and not nccl.uses_nccl(group)) or (
-            self.kind == "all_to_all" and call.world_size > 1 and call.recv_splits is None)
+            self.op.splits and call.world_size > 1 and call.recv_splits is None)
         self.comm = nccl.communicator(group, device) if group is not None and not self.python_path else None
         self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
                          plan.dtype)
@@ -98,7 +94,7 @@ class CudaCall(NativeCall, PreparedCall):
         # A "rows" plan writes and receives the output's own rows: an allreduce needs no buffer
         # of its own (until its fused norm, which reduces a buffer of the call's rows).
         self.rows = plan.layout == "rows"
-        self.packed_needed = not self.rows or self.kind in ("reduce_scatter", "all_to_all")
+        self.packed_needed = not self.rows or not self.op.in_place
         first = StreamState(plan, device, plan.result_dtype, None, self.packed_needed)
         self._states[self.current_stream(self.index) if stream is None else stream] = first
         with torch.cuda.device(device):
@@ -138,7 +134,7 @@ class CudaCall(NativeCall, PreparedCall):
         desc.counters, desc.num_groups = state.counters.data_ptr(), plan.num_groups
         desc.group_sizes = plan.group_sizes
         desc.wait_mode = WAIT_MODES[self.wait]
-        desc.collective = COLLECTIVES[self.kind] if self.comm is not None else 0
+        desc.collective = COLLECTIVES[self.op.collective] if self.comm is not None else 0
         desc.nccl_comm = self.comm
         desc.nccl_dtype = NCCL_DTYPES[plan.out_dtype or plan.dtype]
         desc.num_steps, desc.per_step = self.num_steps, self.per_step
@@ -170,7 +166,7 @@ class CudaCall(NativeCall, PreparedCall):
         """A "rows" call's first fused norm on this stream: the buffer its reduced rows land in
         (an allreduce's GEMM output, reduced in place; a reduce_scatter's received rows)."""
         plan = self.template.plan
-        if self.kind == "reduce_scatter" and self.comm is not None:  # the received rows
+        if self.op.output == "block" and self.comm is not None:  # the received rows
             rows = plan.m // self.template.world_size
             state.staging = torch.empty(rows * plan.n, dtype=plan.result_dtype, device=self.device)
         elif state.packed is not None:  # no collective: the GEMM's own rows

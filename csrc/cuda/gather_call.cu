@@ -24,7 +24,7 @@
 //    call's inputs), never on the GEMM; its flag writes are stream memory operations (no SM);
 //  - its kernels (NCCL's send/receive kernels; the loopback test's copies, where the driver
 //    copies with a kernel, and delay kernel) need SMs. The GEMM's
-//    grid is capped at (SMs - reserve) CTAs (backends/cuda/gather.py), so at least `reserve`
+//    grid is capped at (SMs - reserve) CTAs (backends/cuda/gather_call.py), so at least `reserve`
 //    SMs hold no GEMM CTA whatever the block scheduler does; NCCL's communicator for this call
 //    is made with at most `reserve` CTAs and no CTA clusters (fo_nccl_comm_init_bounded), so
 //    every CTA of an NCCL kernel is resident at once on those SMs, on every rank (none waits
