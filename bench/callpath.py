@@ -176,8 +176,7 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
     plan = fo.plan(m, n, k, dtype=torch.bfloat16, backend="cuda", group_sizes=four_groups(base))
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     fo.overlap(a, b, plan=plan, out=out)
-    entry = next(e for e in api._prepared.values() if e.plan is plan)
-    prepared = entry.prepared
+    prepared = api.prepared_call(a, b, "allreduce", plan=plan)  # the key fo.overlap prepared
     state = prepared.state()
     stream = torch.cuda.current_stream().cuda_stream
     backend = registry.get("cuda")
