@@ -177,7 +177,9 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     fo.overlap(a, b, plan=plan, out=out)
     prepared = api.prepared_call(a, b, "allreduce", plan=plan)  # the key fo.overlap prepared
+    # a "rows" plan's GEMM writes out itself (no packed buffer of its own)
     state = prepared.state()
+    packed = state.packed if state.packed is not None else out
     stream = torch.cuda.current_stream().cuda_stream
     backend = registry.get("cuda")
     alone = backend.prepare(OverlapCall(a, b, plan, "allreduce", None, 0, 1, out))
@@ -209,7 +211,7 @@ def breakdown(shape: str = "4096x4096x4096") -> dict:
             launches_state.handle, a.data_ptr(), lda, b.data_ptr(), ldb, out.data_ptr(), stream, 0),
         "native_call_no_collective": lambda: alone.runtime.call_run(
             alone_state.handle, a.data_ptr(), lda, b.data_ptr(), ldb, out.data_ptr(), stream, 0),
-        "gemm_launch": lambda: gemm.run(a.data_ptr(), b.data_ptr(), state.packed.data_ptr(), 1, m, n,
+        "gemm_launch": lambda: gemm.run(a.data_ptr(), b.data_ptr(), packed.data_ptr(), 1, m, n,
                                         k, lda, ldb, tables.items.data_ptr(),
                                         tables.item_group.data_ptr(), plan.num_tiles,
                                         tables.counters.data_ptr(), plan.wave_size, None, None,
