@@ -86,13 +86,24 @@ class SequentialCall:
                 a = gathered
             return torch.matmul(a, b, out=out)
         if collective in ("all_reduce", None) or group is None:
-            out = torch.matmul(a, b, out=out)
+            return self.collect(torch.matmul(a, b, out=out), out, op)
+        return self.collect(torch.matmul(a, b), out, op)
+
+    def collect(self, product: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
+        """The collective half of the plain path, on the whole ``product`` (``out`` itself, or
+        a buffer apart from it for reduce_scatter): the result in ``out``."""
+        collective, group = self.collective, self.group
+        if collective in ("all_reduce", None) or group is None:
+            if out is not None and product is not out:
+                out = out.copy_(product)
+            else:
+                out = product
             if collective is None:  # a callable op: called on the whole result
                 op(out.view(-1), 0)
             elif group is not None:
                 dist.all_reduce(out, group=group)
             return out
-        reduce_scatter_single(out, torch.matmul(a, b), group=group)  # (all_to_all: AllToAllCall)
+        reduce_scatter_single(out, product, group=group)  # (all_to_all: AllToAllCall)
         return out
 
     def run_add_rmsnorm(self, a, b, op, residual, weight, eps: float):

@@ -157,3 +157,101 @@ def test_choose_marks_the_plan(monkeypatch):
     chosen, why = st.choose(p, _Backend(), None, torch.device("cpu"))
     assert chosen.strategy == st.PLAIN and why.plain_s < why.overlap_s
     assert chosen.group_sizes == p.group_sizes and chosen.tile == p.tile
+
+
+# ---- through the call path ---------------------------------------------------------------------
+def test_world_size_one_runs_the_plain_path_by_default():
+    from flashoverlap_core import api
+    api.forget_prepared()
+    a, b = torch.randn(64, 32, dtype=torch.float32), torch.randn(32, 48, dtype=torch.float32)
+    out = fo.overlap(a, b)
+    assert torch.allclose(out.double(), a.double() @ b.double(), atol=1e-4)
+    (call,) = fo.prepared_calls()
+    assert call["strategy"] == st.PLAIN and call["runner"] == "SequentialCall"
+    assert call["strategy_reason"] == "world size 1: nothing to overlap"
+    # a callable op still overlaps, and an explicit plan keeps its strategy
+    seen = []
+    fo.overlap(a, b, lambda region, g: seen.append(region.numel()))
+    assert sum(seen) == 64 * 48
+    p = fo.plan(64, 48, 32, dtype=torch.float32, backend="reference")
+    fo.overlap(a, b, plan=p)
+    runners = [(c["strategy"], c["runner"]) for c in fo.prepared_calls()]
+    assert runners[1][0] == st.OVERLAP and runners[2] == (st.OVERLAP, "PreparedCall"), runners
+    api.forget_prepared()
+
+
+def _default_strategy_on_ranks(seed, cache_dir, modes):
+    import os
+
+    import torch.distributed as dist
+    from flashoverlap_core import api
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = {k: os.environ.get(k) for k in (st.ENV_STRATEGY, "FLASHOVERLAP_TUNING_CACHE")}
+    os.environ[st.ENV_STRATEGY] = modes[rank]
+    os.environ["FLASHOVERLAP_TUNING_CACHE"] = f"{cache_dir}/rank{rank}.json"  # each its own
+    api.forget_prepared()
+    st.forget()
+    try:
+        g = torch.Generator().manual_seed(seed)
+        b = torch.randn(64, 96, generator=g, dtype=torch.float32)
+        every_a = [torch.randn(256, 64, generator=g, dtype=torch.float32) for _ in range(world)]
+        out = fo.overlap(every_a[rank], b, "allreduce")
+        ok = torch.allclose(out.double(), sum(x.double() @ b.double() for x in every_a),
+                            atol=1e-3)
+        # all_to_all: each rank its own rows and splits
+        rows = 8 + 5 * rank
+        send = [rows // world] * (world - 1) + [rows - rows // world * (world - 1)]
+        got = fo.overlap(torch.randn(rows, 64, dtype=torch.float32), b, "all_to_all",
+                         send_splits=send)
+        ok = ok and got.shape[1] == 96
+        return {"strategies": [c["strategy"] for c in fo.prepared_calls()], "ok": ok,
+                "reasons": [c["strategy_reason"] for c in fo.prepared_calls()]}
+    except ValueError as e:
+        return {"error": str(e)}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        api.forget_prepared()
+        st.forget()
+
+
+def test_ranks_choose_alike_from_agreed_numbers(tmp_path):
+    from test_torch_ops_ranks import ranks
+    pool = ranks(2)
+    first = pool.run(_default_strategy_on_ranks, 7, str(tmp_path), ["auto", "auto"], timeout=240)
+    assert all("error" not in r and r["ok"] for r in first), first
+    assert first[0]["strategies"] == first[1]["strategies"], first
+    assert "predicted" in first[0]["reasons"][0], first
+    # rank 1 loses its cached numbers: every rank measures again, and still chooses alike
+    (tmp_path / "rank1.json").unlink()
+    again = pool.run(_default_strategy_on_ranks, 8, str(tmp_path), ["auto", "auto"], timeout=240)
+    assert again[0]["strategies"] == again[1]["strategies"] == first[0]["strategies"] or \
+        again[0]["strategies"] == again[1]["strategies"], again
+
+
+def test_ranks_that_would_choose_differently_are_told(tmp_path):
+    from test_torch_ops_ranks import ranks
+    out = ranks(2).run(_default_strategy_on_ranks, 9, str(tmp_path), ["auto", "overlap"],
+                       timeout=240)
+    for r in out:
+        assert "would not choose this call's strategy" in r.get("error", ""), out
+
+
+def test_fp8_plain_path_runs_scaled_mm_not_dequantized():
+    from flashoverlap_core import api
+    api.forget_prepared()
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(40, 64, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(24, 64, generator=g).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(40, 1, generator=g) + 0.5, torch.rand(1, 24, generator=g) + 0.5
+    out = fo.overlap(a, w.t(), scale_a=sa, scale_b=sb)
+    ref = (a.double() * sa.double()) @ (w.double() * sb.double().t()).t()
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.double(), ref, rtol=2e-2, atol=2e-2)
+    (call,) = fo.prepared_calls()
+    assert (call["strategy"], call["runner"]) == (st.PLAIN, "ScaledSequentialCall"), call
+    api.forget_prepared()

@@ -325,3 +325,16 @@ def choose(plan: Plan, backend, group, device: torch.device,
     if fixed.strategy != plan.strategy:
         plan = replace(plan, strategy=fixed.strategy)
     return plan, fixed
+
+
+class StrategyChoice:
+    """What the API asks (``planning.set_strategy``): how this rank would choose a default
+    plan's strategy, and the choice itself."""
+
+    def mode(self, plan: Plan) -> str:
+        fixed = fixed_choice(plan)
+        return fixed.strategy if fixed is not None else "predict"
+
+    def decide(self, plan: Plan, backend, group, device: torch.device) -> tuple[Plan, dict]:
+        chosen, prediction = choose(plan, backend, group, device)
+        return chosen, prediction.to_dict()
