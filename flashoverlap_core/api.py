@@ -378,7 +378,7 @@ def _make_prepared(chosen: Backend, call: OverlapCall):
     if call.scale_a is not None and not chosen.native_fp8:
         return fp8.DequantizedCall(_make_prepared(chosen, fp8.dequantized_call(call)))
     if call.plan.strategy == "sequential":
-        return SequentialCall(call)
+        return SequentialCall(call, chosen.add_rmsnorm_rows)
     return chosen.prepare(call)
 
 

@@ -73,9 +73,10 @@ class SequentialCall:
     overlapping would not pay): the device's own GEMM, then one collective on the whole result,
     through torch.distributed on the caller's group."""
 
-    def __init__(self, call: OverlapCall):
+    def __init__(self, call: OverlapCall, norm=None):
         self.collective = of(call.op).collective
         self.group, self.world = call.group, call.world_size
+        self.norm = norm  # the backend's fused add + RMSNorm over rows (Backend.add_rmsnorm_rows)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         collective, group = self.collective, self.group
@@ -107,9 +108,11 @@ class SequentialCall:
         return out
 
     def run_add_rmsnorm(self, a, b, op, residual, weight, eps: float):
-        """PreparedCall.run_add_rmsnorm: the plain call, then the add and the norm in torch."""
-        return add_rmsnorm(self.run(a, b, residual.new_empty(residual.shape), op), residual,
-                           weight, eps)
+        """PreparedCall.run_add_rmsnorm: the plain call, then the add and the norm in one
+        kernel of the backend's where it has one, else in torch."""
+        x = self.run(a, b, residual.new_empty(residual.shape), op)
+        fused = self.norm(x, residual, weight, eps) if self.norm is not None else None
+        return fused if fused is not None else add_rmsnorm(x, residual, weight, eps)
 
 
 def packed_buffer(call: OverlapCall) -> torch.Tensor:

@@ -255,3 +255,27 @@ def test_fp8_plain_path_runs_scaled_mm_not_dequantized():
     (call,) = fo.prepared_calls()
     assert (call["strategy"], call["runner"]) == (st.PLAIN, "ScaledSequentialCall"), call
     api.forget_prepared()
+
+
+def test_plain_fused_norm_uses_the_backends_row_kernel(monkeypatch):
+    from flashoverlap_core import api
+    from flashoverlap_core.reference import ReferenceBackend
+    from flashoverlap_core.reorder import add_rmsnorm
+    api.forget_prepared()
+    used = []
+
+    def rows_kernel(self, x, residual, weight, eps):
+        used.append(tuple(x.shape))
+        return add_rmsnorm(x, residual, weight, eps)
+
+    monkeypatch.setattr(ReferenceBackend, "add_rmsnorm_rows", rows_kernel)
+    a, b = torch.randn(16, 32), torch.randn(32, 24)
+    residual, weight = torch.randn(16, 24), torch.rand(24) + 0.5
+    normed, resid = fo.overlap_add_rmsnorm(a, b, residual, weight, eps=1e-6, backend="reference")
+    want_resid = (a.double() @ b.double()) + residual.double()
+    want = want_resid * torch.rsqrt(want_resid.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    assert used == [(16, 24)]
+    assert torch.allclose(resid.double(), want_resid, atol=1e-4)
+    assert torch.allclose(normed.double(), want, atol=1e-4)
+    assert fo.prepared_calls()[0]["runner"] == "SequentialCall"
+    api.forget_prepared()
