@@ -44,6 +44,14 @@ def test_fixed_rules(monkeypatch):
         st.fixed_choice(plan_of(16384, 8192, 1024))
 
 
+def test_all_to_all_overlaps_at_world_size_above_one_and_is_plain_alone():
+    two = fo.plan(2, 1024, 512, op="all_to_all", world_size=2, send_splits=[1, 1],
+                  backend="reference")
+    one = fo.plan(64, 1024, 512, op="all_to_all", world_size=1, backend="reference")
+    assert st.fixed_choice(two).strategy == st.OVERLAP
+    assert st.fixed_choice(one).strategy == st.PLAIN
+
+
 def test_a_callable_op_always_overlaps(monkeypatch):
     p = fo.plan(4096, 1024, 512, op="custom", world_size=1, backend="reference",
                 dtype=torch.bfloat16)

@@ -26,7 +26,9 @@ tuning cache (section "rates"), keyed so that another device or library version 
 them. Later calls of a key pay nothing: the choice is part of the key's plan.
 
 World size 1 with a collective op is always plain: there is nothing to overlap. A callable op
-is always overlapped: the caller asked for its transfer. ``FLASHOVERLAP_STRATEGY`` (``auto``,
+is always overlapped: the caller asked for its transfer. all_to_all at world size > 1 is
+overlapped: its key is settled before any call's rows are known, and rows differ by rank and
+call, so no prediction would be shared (not yet: a choice per call from the exchanged counts). ``FLASHOVERLAP_STRATEGY`` (``auto``,
 ``overlap``, ``plain``) overrides the choice of every default call; a tuned plan in the cache and
 an explicit ``plan=`` are never overridden.
 
@@ -290,6 +292,9 @@ def fixed_choice(plan: Plan) -> Prediction | None:
         return Prediction(PLAIN, None, None, f"{ENV_STRATEGY}=plain")
     if plan.world_size == 1:
         return Prediction(PLAIN, None, None, "world size 1: nothing to overlap")
+    if plan.kind.splits:  # no rows are shared: the key is settled before any call's rows
+        return Prediction(OVERLAP, None, None, "all_to_all at world size > 1: each call's rows "
+                          "are its own, so no prediction is shared; overlapped")
     return None
 
 
