@@ -287,3 +287,4 @@ def test_plain_fused_norm_uses_the_backends_row_kernel(monkeypatch):
     assert torch.allclose(normed.double(), want, atol=1e-4)
     assert fo.prepared_calls()[0]["runner"] == "SequentialCall"
     api.forget_prepared()
+

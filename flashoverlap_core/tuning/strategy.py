@@ -50,7 +50,7 @@ from ..collectives import all_gather_single, exchange_objects
 from ..plan import Plan
 from .cache import TuningCache, context_for
 from .measure import measure_curve, median_time, transfer_fn
-from .model import Contention, CostCurve, GatherModel, GemmTiming, OverlapModel, prefix_bytes
+from .model import Contention, CostCurve, GatherModel, GemmTiming, OverlapModel
 
 log = logging.getLogger("flashoverlap")
 
@@ -269,10 +269,11 @@ def predict(plan: Plan, rates: GemmRates, curve: CostCurve,
                  + rates.plain_s(gathered_rows, plan.n, plan.k, in_size, out_size))
         model = GatherModel.for_plan(plan, timing, curve, contention)
     else:
-        result_bytes = int(prefix_bytes(plan)[-1])
+        model = OverlapModel.for_plan(plan, timing, curve, contention)
+        result_bytes = int(model.prefix_bytes[-1])
         plain = rates.plain_s(plan.m, plan.n, plan.k, in_size, out_size) + curve(result_bytes)
-        post = 0.0 if plan.layout == "rows" else 2.0 * result_bytes / rates.bytes_per_s
-        model = OverlapModel.for_plan(plan, timing, curve, contention, post)
+        if plan.layout != "rows":  # the post-communication reorder: one read and write
+            model = replace(model, post_s=2.0 * result_bytes / rates.bytes_per_s)
     overlap = model.predict(plan.group_sizes)
     plain, overlap = float(plain), float(overlap)
     if overlap <= plain * (1.0 - MIN_GAIN):
