@@ -13,11 +13,14 @@ from .plan import OPS, Plan, Region
 from .registry import BackendError, BackendStatus, register
 from .tiles import Schedule, TileRect
 from .tuning.cache import lookup_plan as _lookup_plan
+from .tuning.strategy import StrategyChoice as _StrategyChoice
+from .planning import set_strategy as _set_strategy
 from .torch_ops import overlap  # api.overlap, also as torch custom ops (compile, autograd)
 from .torch_ops import overlap_add_rmsnorm  # the post-reorder fused into residual add + RMSNorm
 from . import nn  # noqa: E402  tensor-parallel layers (fo.nn)
 
 _api.set_plan_lookup(_lookup_plan)  # calls without plan= use tuned plans where the cache has them
+_set_strategy(_StrategyChoice())  # ... and choose overlap or the plain path (tuning.strategy)
 
 __version__ = "0.1.0"
 

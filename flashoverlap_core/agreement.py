@@ -20,16 +20,23 @@ from .checks import call_of, spec_of
 from .collectives import exchange_objects, resolve_group
 from .ops import of
 from .plan import Plan
-from .planning import plan_for
+from .planning import decide_strategy, plan_and_source, strategy_mode
 
 
-def agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapCall, Backend]:
+def agree(c: dict, a, b, op, plan, out, recv_splits, backend
+          ) -> tuple[OverlapCall, Backend, dict | None]:
     """The backend and plan of a new group key. At world size > 1 this is one small collective
     (two when the ranks' first choices differ): every rank sends the backends it can run the
     call on, its plan's digest, or why it cannot; the ranks take the first backend of rank 0's
     order that every rank can run, and must then run the same plan. Any rank's error (no
     backend, a plan that does not fit, plans that differ) is raised on every rank, naming the
-    rank: a per-rank difference is an error, never a hang."""
+    rank: a per-rank difference is an error, never a hang.
+
+    A default plan's strategy (overlap or the plain path) is chosen after the exchange, from
+    what every rank then knows alike (:func:`planning.decide_strategy`): each rank sends how it
+    would choose, and ranks that would choose differently (another ``FLASHOVERLAP_STRATEGY``,
+    say) are an error too. Returns the call, the backend and the choice's facts (None when the
+    plan was given or tuned)."""
     spec = spec_of(c, a, b)
     world, group = c["world_size"], c["group"]
     plan_backend = plan.backend if plan is not None else None
@@ -44,7 +51,8 @@ def agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapCa
             selection = dataclasses.replace(spec, send_splits=None)
 
     def attempt(names):
-        """(fit names, plan, digest, error text) for this rank, choosing among ``names``."""
+        """(fit names, plan, digest, error text, strategy mode) for this rank, choosing among
+        ``names``."""
         try:
             able = registry.able(selection, backend, plan_backend)
             # this rank's own facts (its splits, say) may rule out more than the selection did
@@ -58,18 +66,19 @@ def agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapCa
                 raise registry.BackendError(
                     f"no backend{' of ' + str(names) if names else ''} can run this call with "
                     f"this rank's arguments{': ' + why if why else ''}")
-            chosen_plan = plan_for(c, spec, fit[0], plan, op)
-            return fit, chosen_plan, _plan_digest(chosen_plan), None
+            chosen_plan, source = plan_and_source(c, spec, fit[0], plan, op)
+            mode = strategy_mode(chosen_plan, source)
+            return fit, chosen_plan, _plan_digest(chosen_plan), None, mode
         except (TypeError, ValueError) as e:
-            return [], None, None, e
+            return [], None, None, e, None
 
-    fit, chosen_plan, digest, error = attempt(None)
+    fit, chosen_plan, digest, error, mode = attempt(None)
     if group is None or world == 1:
         if error is not None:
             raise error
-        return call_of(c, a, b, op, chosen_plan, out), fit[0]
+        return _decided(c, a, b, op, chosen_plan, out, fit[0], mode, group)
     views = exchange_objects(([x.name for x in fit], digest, _error_text(error), a.shape[0],
-                              _plan_summary(chosen_plan)), group)
+                              _plan_summary(chosen_plan), mode), group)
     _raise_errors(views, error)
     common = [n for n in views[0][0] if all(n in v[0] for v in views)]
     if not common:
@@ -77,12 +86,33 @@ def agree(c: dict, a, b, op, plan, out, recv_splits, backend) -> tuple[OverlapCa
             "no backend can run this call on every rank of the group: "
             + "; ".join(f"rank {r} can run {v[0]}" for r, v in enumerate(views)))
     if any(v[0][0] != common[0] for v in views):  # some rank's first choice is not common
-        fit, chosen_plan, digest, error = attempt([common[0]])
+        fit, chosen_plan, digest, error, mode = attempt([common[0]])
         views = exchange_objects(([x.name for x in fit], digest, _error_text(error), a.shape[0],
-                                  _plan_summary(chosen_plan)), group)
+                                  _plan_summary(chosen_plan), mode), group)
         _raise_errors(views, error)
     _check_same_plan(c["op"], views)
-    return call_of(c, a, b, op, chosen_plan, out), fit[0]
+    _check_same_mode(views)
+    return _decided(c, a, b, op, chosen_plan, out, fit[0], mode, group)
+
+
+def _decided(c, a, b, op, plan, out, backend, mode, group):
+    """The call with its plan's strategy chosen (a default plan), the backend, the facts."""
+    facts = None
+    if mode is not None:
+        plan, facts = decide_strategy(plan, backend, group, a.device)
+    return call_of(c, a, b, op, plan, out), backend, facts
+
+
+def _check_same_mode(views) -> None:
+    """Every rank chooses the strategy of a default plan alike (the same fixed choice, or
+    every rank predicting: that takes a collective every rank must join)."""
+    differ = [r for r, v in enumerate(views) if v[5] != views[0][5]]
+    if differ:
+        modes = {r: v[5] or "the plan's own" for r, v in enumerate(views)}
+        raise ValueError(
+            f"the ranks of the group would not choose this call's strategy (overlap or the plain "
+            f"path) alike: {modes}. Give every rank the same FLASHOVERLAP_STRATEGY, plan= and "
+            "tuning cache (FLASHOVERLAP_TUNING_CACHE)")
 
 
 def tell_agreeing_peers(group, error) -> None:
@@ -94,7 +124,7 @@ def tell_agreeing_peers(group, error) -> None:
     except (TypeError, ValueError):
         return
     if group is not None and world > 1:
-        exchange_objects(([], None, _error_text(error), 0, None), group)
+        exchange_objects(([], None, _error_text(error), 0, None, None), group)
 
 
 def _error_text(error) -> str | None:

@@ -57,13 +57,14 @@ def set_plan_lookup(lookup: PlanLookup | None) -> None:
 class _Prepared:
     """One key's prepared call: the backend's PreparedCall and what a later call checks."""
 
-    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device")
+    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device", "strategy")
 
-    def __init__(self, prepared, plan, out_shape, dtype, device):
+    def __init__(self, prepared, plan, out_shape, dtype, device, strategy=None):
         # A plain tuple: torch.empty parses it faster than a torch.Size (about a microsecond).
         out_shape = tuple(out_shape) if out_shape is not None else None
         self.prepared, self.plan, self.out_shape = prepared, plan, out_shape
         self.dtype, self.device = dtype, device
+        self.strategy = strategy  # how a default plan's strategy was chosen (None: given/tuned)
 
     def fits(self, out) -> bool:
         """Whether a later call's ``out`` (None or a tensor) can go straight to launch."""
@@ -319,12 +320,12 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                     "capture (a warm-up call), then capture")
             settled = _settled.get(gkey)
             if settled is None:
-                call, chosen = agree(c, a, b, op, plan, out, recv_splits, backend)
-                _settled[gkey] = (chosen, call.plan)
+                call, chosen, facts = agree(c, a, b, op, plan, out, recv_splits, backend)
+                _settled[gkey] = (chosen, call.plan, facts)
                 while len(_settled) > MAX_PREPARED:
                     _settled.pop(next(iter(_settled)))
             else:
-                chosen, agreed = settled
+                chosen, agreed, facts = settled
                 spec = spec_of(c, a, b)
                 reasons = call_reasons(chosen, spec) + chosen.plan_reasons(agreed)
                 if reasons:  # a fact of this rank's own (b's layout, say) the choice cannot take
@@ -334,7 +335,8 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                 call = call_of(c, a, b, op, agreed, out)
             prepared = AllToAllCall(chosen, call) if a2a else _make_prepared(chosen, call)
             shape = call.out.shape if call.out is not None and not a2a else None
-            entry = _Prepared(prepared, call.plan, shape, call.plan.result_dtype, a.device)
+            entry = _Prepared(prepared, call.plan, shape, call.plan.result_dtype, a.device,
+                              facts)
             _prepared[key] = entry
             while len(_prepared) > MAX_PREPARED:
                 _prepared.pop(next(iter(_prepared)))
@@ -367,15 +369,20 @@ def _warn_if_launched_alone() -> None:
 
 def _make_prepared(chosen: Backend, call: OverlapCall):
     """The prepared call of a new key: a "sequential" plan runs the plain path; an fp8 call
-    runs dequantized there and on a backend without native fp8."""
-    if call.scale_a is not None and (call.plan.strategy == "sequential" or not chosen.native_fp8):
+    runs ``torch._scaled_mm`` there (dequantized where the device lacks it), and dequantized on a
+    backend without native fp8."""
+    if call.scale_a is not None and call.plan.strategy == "sequential":
+        if fp8.ScaledSequentialCall.available(call):
+            return fp8.ScaledSequentialCall(call)
+        return fp8.DequantizedCall(SequentialCall(fp8.dequantized_call(call)))
+    if call.scale_a is not None and not chosen.native_fp8:
         return fp8.DequantizedCall(_make_prepared(chosen, fp8.dequantized_call(call)))
     if call.plan.strategy == "sequential":
-        return SequentialCall(call)
+        return SequentialCall(call, chosen.add_rmsnorm_rows)
     return chosen.prepare(call)
 
 
-_settled: dict = {}  # group key -> (backend, plan) the ranks agreed on
+_settled: dict = {}  # group key -> (backend, plan, strategy facts) the ranks agreed on
 
 
 def _capturing(device: torch.device) -> bool:
@@ -397,7 +404,9 @@ def prepared_calls() -> list[dict]:
     else None), ``device``, the plan's ``M``, ``N``, ``K`` and ``world_size`` (all_to_all's
     rows are each call's own: its ``a`` is ``["per call", K]`` and its ``M`` ``"per call"``),
     the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan runs the
-    device's matmul and torch.distributed, whatever backend made it), ``groups`` and
+    device's matmul and torch.distributed, whatever backend made it) with
+    ``strategy_reason``, ``predicted_overlap_s`` and ``predicted_plain_s`` (how a default
+    plan's strategy was chosen: both predictions, None where none was needed), ``groups`` and
     ``layout``, ``workspace_bytes`` (device memory the call keeps beyond its outputs), and
     ``runner``, the type name of the prepared call. Read from the call path's table, which
     keeps the last :data:`MAX_PREPARED` keys since :func:`forget_prepared`."""
@@ -417,10 +426,19 @@ def prepared_calls() -> list[dict]:
             "N": p.n, "K": p.k,
             "world_size": p.world_size,
             "backend": ran_by.name if isinstance(ran_by, Backend) else p.backend,
-            "strategy": p.strategy, "groups": p.num_groups, "layout": p.layout,
+            "strategy": p.strategy, **_strategy_facts(entry.strategy),
+            "groups": p.num_groups, "layout": p.layout,
             "workspace_bytes": runner.workspace_bytes() if hasattr(runner, "workspace_bytes") else 0,
             "runner": type(runner).__name__})
     return found
+
+
+def _strategy_facts(facts: dict | None) -> dict:
+    """prepared_calls' columns on the strategy choice: why, and both predicted durations."""
+    facts = facts or {}
+    return {"strategy_reason": facts.get("reason", "the plan's own (given or tuned)"),
+            "predicted_overlap_s": facts.get("overlap_s"),
+            "predicted_plain_s": facts.get("plain_s")}
 
 
 __all__ = ["PreparedCall", "backends", "check_arguments", "forget_prepared", "keyed_table",

@@ -161,6 +161,13 @@ class Backend(abc.ABC):
         "tiles"."""
         return ("rows", "tiles")
 
+    def add_rmsnorm_rows(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plain path's residual add + RMSNorm over the rows of ``x`` (a finished result)
+        as one kernel of the backend's, returning ``(normed, x + residual)``; None where the
+        backend has none (then torch's ops run it)."""
+        return None
+
     def plan_reasons(self, plan) -> list[str]:
         """Why this backend cannot execute ``plan`` (a tile it has no kernel for, say)."""
         return []

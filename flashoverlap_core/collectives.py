@@ -73,9 +73,10 @@ class SequentialCall:
     overlapping would not pay): the device's own GEMM, then one collective on the whole result,
     through torch.distributed on the caller's group."""
 
-    def __init__(self, call: OverlapCall):
+    def __init__(self, call: OverlapCall, norm=None):
         self.collective = of(call.op).collective
         self.group, self.world = call.group, call.world_size
+        self.norm = norm  # the backend's fused add + RMSNorm over rows (Backend.add_rmsnorm_rows)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         collective, group = self.collective, self.group
@@ -86,19 +87,32 @@ class SequentialCall:
                 a = gathered
             return torch.matmul(a, b, out=out)
         if collective in ("all_reduce", None) or group is None:
-            out = torch.matmul(a, b, out=out)
+            return self.collect(torch.matmul(a, b, out=out), out, op)
+        return self.collect(torch.matmul(a, b), out, op)
+
+    def collect(self, product: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
+        """The collective half of the plain path, on the whole ``product`` (``out`` itself, or
+        a buffer apart from it for reduce_scatter): the result in ``out``."""
+        collective, group = self.collective, self.group
+        if collective in ("all_reduce", None) or group is None:
+            if out is not None and product is not out:
+                out = out.copy_(product)
+            else:
+                out = product
             if collective is None:  # a callable op: called on the whole result
                 op(out.view(-1), 0)
             elif group is not None:
                 dist.all_reduce(out, group=group)
             return out
-        reduce_scatter_single(out, torch.matmul(a, b), group=group)  # (all_to_all: AllToAllCall)
+        reduce_scatter_single(out, product, group=group)  # (all_to_all: AllToAllCall)
         return out
 
     def run_add_rmsnorm(self, a, b, op, residual, weight, eps: float):
-        """PreparedCall.run_add_rmsnorm: the plain call, then the add and the norm in torch."""
-        return add_rmsnorm(self.run(a, b, residual.new_empty(residual.shape), op), residual,
-                           weight, eps)
+        """PreparedCall.run_add_rmsnorm: the plain call, then the add and the norm in one
+        kernel of the backend's where it has one, else in torch."""
+        x = self.run(a, b, residual.new_empty(residual.shape), op)
+        fused = self.norm(x, residual, weight, eps) if self.norm is not None else None
+        return fused if fused is not None else add_rmsnorm(x, residual, weight, eps)
 
 
 def packed_buffer(call: OverlapCall) -> torch.Tensor:

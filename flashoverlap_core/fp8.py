@@ -12,8 +12,9 @@
 
 An fp8 call is a call kind of its own (``api.overlap_scaled``): its spec has dtype
 ``float8_e4m3fn`` and the ``out_dtype``, its plan the ``out_dtype`` too, and it carries its
-scales. A backend with ``native_fp8`` (an fp8 signaling GEMM) runs it; on any other backend, and for a
-"sequential" plan, it runs dequantized (:class:`DequantizedCall`: the inputs times their scales
+scales. A backend with ``native_fp8`` (an fp8 signaling GEMM) runs it. A "sequential" plan
+runs ``torch._scaled_mm`` and one collective (:class:`ScaledSequentialCall`) where the device
+has it. Otherwise it runs dequantized (:class:`DequantizedCall`: the inputs times their scales
 in float32, the float32 call, the result rounded to ``out_dtype``). all_to_all always runs
 dequantized: its per-call rows and splits path carries no scales.
 """
@@ -79,6 +80,63 @@ def dequantized_call(call: OverlapCall) -> OverlapCall:
            else torch.empty(call.out.shape, dtype=torch.float32, device=call.out.device))
     return dataclasses.replace(call, a=a, b=b, plan=call.plan.dequantized(), out=out,
                                scale_a=None, scale_b=None)
+
+
+class ScaledSequentialCall:
+    """The plain path of an fp8 key (a "sequential" plan): ``torch._scaled_mm`` on the
+    device's fp8 GEMM (fast accumulation on accelerators, as the native fp8 kernels), then one
+    collective on its result, as :class:`~flashoverlap_core.collectives.SequentialCall`; for
+    allgather, the e4m3 bytes (and row-wise scales) are gathered, never dequantized rows."""
+
+    def __init__(self, call: OverlapCall):
+        from .collectives import SequentialCall  # the collective half of the plain path
+
+        self.plain = SequentialCall(call)
+        self.fast = call.a.device.type != "cpu"
+
+    @staticmethod
+    def available(call: OverlapCall) -> bool:
+        """Whether ``torch._scaled_mm`` runs this call's fp8 GEMM on its device (a tiny probe
+        at prepare time, with the call's kinds of scale)."""
+        if not hasattr(torch, "_scaled_mm"):
+            return False
+        dev = call.a.device
+        a = torch.zeros(16, 32, device=dev, dtype=call.a.dtype)
+        b = torch.zeros(16, 32, device=dev, dtype=call.b.dtype).t()
+        sa = torch.ones(() if call.scale_a.dim() == 0 else (16, 1), device=dev)
+        sb = torch.ones(() if call.scale_b.dim() == 0 else (1, 16), device=dev)
+        try:
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=call.plan.result_dtype,
+                             use_fast_accum=dev.type != "cpu")
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        return True
+
+    def _product(self, a, b, scale_a, scale_b, out_dtype):
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                use_fast_accum=self.fast)
+
+    def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
+        plain = self.plain
+        if plain.collective == "all_gather":
+            if plain.group is not None:
+                a = _gathered(a, plain.group, plain.world)
+                if scale_a.dim():
+                    scale_a = _gathered(scale_a, plain.group, plain.world)
+            return out.copy_(self._product(a, b, scale_a, scale_b, out.dtype))
+        product = self._product(a, b, scale_a, scale_b, out.dtype)
+        return plain.collect(product, out, op)
+
+
+def _gathered(t: torch.Tensor, group, world: int) -> torch.Tensor:
+    """All ranks' ``t`` stacked by rows (fp8 moves as its bytes)."""
+    from .collectives import all_gather_single
+
+    rows = t.contiguous()
+    raw = rows.view(torch.uint8) if rows.dtype in FP8_DTYPES else rows
+    gathered = raw.new_empty((raw.shape[0] * world,) + tuple(raw.shape[1:]))
+    all_gather_single(gathered, raw, group=group)
+    return gathered.view(rows.dtype) if rows.dtype in FP8_DTYPES else gathered
 
 
 class DequantizedCall:

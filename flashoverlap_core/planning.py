@@ -9,7 +9,7 @@ installed lookup (:func:`set_lookup`: the tuning cache), else the backend's defa
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -34,12 +34,56 @@ def set_lookup(lookup: PlanLookup | None) -> None:
     _plan_lookup = lookup
 
 
+class StrategyChoice(Protocol):
+    """How a default plan's strategy (overlap or the plain path) is chosen; the tuning layer
+    installs one (:func:`set_strategy`, ``tuning.strategy``) without the API importing it."""
+
+    def mode(self, plan: Plan) -> str:
+        """What this rank would do, the same on every rank that decides alike: a fixed strategy
+        ("overlap", "sequential"), or "predict" (collective over the group at its first call)."""
+
+    def decide(self, plan: Plan, backend: Backend, group, device) -> tuple[Plan, dict]:
+        """``plan`` with its strategy, and what ``fo.prepared_calls()`` shows about the choice."""
+
+
+_strategy: StrategyChoice | None = None
+
+
+def set_strategy(choice: StrategyChoice | None) -> None:
+    """How default plans choose between overlap and the plain path (None: always overlap)."""
+    global _strategy
+    _strategy = choice
+
+
+def strategy_mode(plan: Plan, source: str) -> str | None:
+    """The strategy mode of a plan from ``source`` ("given", "tuned", "default"): None when its
+    strategy stands as it is (a given or tuned plan, or no choice installed)."""
+    if source != "default" or _strategy is None:
+        return None
+    return _strategy.mode(plan)
+
+
+def decide_strategy(plan: Plan, backend: Backend, group, device) -> tuple[Plan, dict]:
+    """A default plan with the installed choice's strategy, and the choice's facts."""
+    return _strategy.decide(plan, backend, group, device)
+
+
 def plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:
     """The plan a checked call (``c``: what ``check_arguments`` found) runs with ``chosen``:
     ``plan`` checked against the call, else the tuned or default plan."""
+    return plan_and_source(c, spec, chosen, plan, op)[0]
+
+
+def plan_and_source(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> tuple[Plan, str]:
+    """:func:`plan_for`, and where the plan came from: "given" (``plan=``), "tuned" (the
+    installed lookup) or "default" (the backend's heuristic; its strategy is still to choose)."""
     if plan is None:
         transfer = type(op).__name__ if c["op"] == CUSTOM_OP else ""
-        return default_plan(spec, chosen, c["group"], transfer)
+        tuned = (_plan_lookup(spec, chosen, c["group"], transfer) if _plan_lookup is not None
+                 else None)
+        if tuned is not None:
+            return tuned, "tuned"
+        return make_plan(chosen, spec), "default"
     rows = (plan.m, plan.send_splits) if of(c["op"]).splits else (spec.m, c["send"])
     wrong = plan.mismatches(m=rows[0], n=spec.n, k=spec.k, op=c["op"], world_size=c["world_size"],
                             dtype=c["dtype"], send_splits=rows[1],  # all_to_all: checked per call
@@ -47,7 +91,7 @@ def plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:
     wrong += chosen.plan_reasons(plan)
     if wrong:
         raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
-    return plan
+    return plan, "given"
 
 
 def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,

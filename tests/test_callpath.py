@@ -209,7 +209,8 @@ def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
     calls = fo.prepared_calls()
     assert made == []
     same = {"dtype": "float32", "out_dtype": None, "device": "cpu", "world_size": 1, "K": 9,
-            "workspace_bytes": 0}
+            "workspace_bytes": 0, "strategy_reason": "the plan's own (given or tuned)",
+            "predicted_overlap_s": None, "predicted_plain_s": None}
     assert calls == [
         {"op": "allreduce", "a": [6, 9], "b": [9, 11], "b_layout": "col", "M": 6, "N": 11,
          "backend": "reference", "strategy": "overlap", "groups": 2, "layout": "rows",
@@ -269,7 +270,9 @@ def test_prepared_calls_say_all_to_all_rows_are_per_call(fresh):
     fo.overlap(a[:2], w.t(), "all_to_all", send_splits=[2], recv_splits=[2])  # the same key
     (call,) = fo.prepared_calls()
     assert call["a"] == ["per call", 4] and call["M"] == "per call", call
-    assert [key for key, value in call.items() if value is None] == ["out_dtype"], call
+    # the predictions are None: the suite's calls overlap (FLASHOVERLAP_STRATEGY), none predicted
+    assert [key for key, value in call.items() if value is None] == [
+        "out_dtype", "predicted_overlap_s", "predicted_plain_s"], call
 
 
 def test_a_launched_rank_without_a_process_group_is_warned_once(fresh, monkeypatch):

@@ -170,7 +170,7 @@ def test_fp8_out_is_checked_against_the_result_dtype():
     assert not out.isnan().any()
 
 
-def test_fp8_all_to_all_and_sequential_plans_run_dequantized():
+def test_fp8_all_to_all_runs_dequantized_and_sequential_plans_scaled_mm():
     api.forget_prepared()
     a, b, sa, sb = _call(m=8)
     got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb)
@@ -182,7 +182,8 @@ def test_fp8_all_to_all_and_sequential_plans_run_dequantized():
                                      strategy="sequential", group_sizes=(1,))
     got = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, plan=sequential)
     assert torch.allclose(got.double(), _want(a, b, sa, sb), rtol=1e-2, atol=1e-2)
-    assert fo.prepared_calls()[-1]["runner"] == "DequantizedCall"
+    # the plain path runs the device's fp8 GEMM (torch._scaled_mm), never dequantized rows
+    assert fo.prepared_calls()[-1]["runner"] == "ScaledSequentialCall"
 
 
 def test_fp8_backward_says_fp8_is_for_inference():

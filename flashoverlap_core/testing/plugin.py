@@ -41,7 +41,14 @@ def pytest_addoption(parser):
                          f"(default {DEFAULT_TIMEOUT:.0f})")
 
 
+STRATEGY_ENV = "FLASHOVERLAP_STRATEGY"
+
+
 def pytest_configure(config):
+    # The suite holds a backend's overlapped path to the semantics, so its calls overlap
+    # whatever the default strategy choice would do (at world size 1 it runs the plain path);
+    # a run may still ask for another strategy. The choice itself has tests of its own.
+    os.environ.setdefault(STRATEGY_ENV, "overlap")
     config.stash[_SETTINGS] = Settings(config)
     config.addinivalue_line("markers", "fo_ranks: a conformance test that runs on spawned ranks")
     if not config.pluginmanager.hasplugin("timeout"):

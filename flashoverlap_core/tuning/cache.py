@@ -40,7 +40,7 @@ log = logging.getLogger("flashoverlap")
 
 ENV_CACHE = "FLASHOVERLAP_TUNING_CACHE"
 FORMAT = "flashoverlap.tuning/1"
-SECTIONS = ("plans", "gemm", "curves", "contention")
+SECTIONS = ("plans", "gemm", "curves", "contention", "rates")
 M_RATIO = 2.0  # nearest-M fallback: tuned M within this factor of the call's M
 
 

@@ -1,0 +1,124 @@
+"""What the strategy model predicts on several H200s, on paper (issue 31): no multi-GPU machine
+has been lent, so every figure here is a PREDICTION of the model in
+``flashoverlap_core/tuning/strategy.py``, never a measurement.
+
+For the overhead benchmark's shapes (tokens 1..16384 x (N, K)) and ops, at world sizes 2, 4 and
+8, over NVLink and over PCIe, it prints and writes the chosen strategy and the predicted speedup
+of the chosen strategy over the plain path (plain / chosen). Inputs, all stated in the JSON:
+
+* the device's GEMM: ``--flops`` (bf16 FLOP/s; default 737e12, cuBLAS at 16384x8192x1024 on the
+  H200 in docs/gpu-facts.md: 372.7 us), ``--stream`` (bytes/s; default 4.0e12, 83% of the
+  H200's 4.8 TB/s HBM3e), ``--fixed`` (s; default 5 us);
+* each link as a latency and a bus bandwidth (NCCL's "busbw": an allreduce of S bytes takes
+  latency + S * 2(W-1)/W / busbw, a reduce_scatter or allgather latency + S * (W-1)/W / busbw):
+  NVLink 4 (H200 SXM, 900 GB/s per GPU both ways): 15 us and 360 GB/s, 80% of one direction;
+  PCIe Gen5 x16 (64 GB/s a direction): 25 us and 40 GB/s. Assumptions, not measurements;
+* the plans are the reference backend's with the cuda kernel's tile (128 x 256) and wave (132
+  CTAs, the H200's SMs), the default grouping; the assumed contention of the model.
+
+    python bench/strategy_table.py [--markdown]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import flashoverlap_core as fo
+from flashoverlap_core.tuning import strategy as st
+from flashoverlap_core.tuning.model import CostCurve
+
+SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+OPS = ("allreduce", "reduce_scatter", "allgather")
+LINKS = {"NVLink": (15e-6, 360e9), "PCIe": (25e-6, 40e9)}
+WORLDS = (2, 4, 8)
+TILE, WAVE = (128, 256), 132
+
+
+def curve(op: str, world: int, latency: float, busbw: float) -> CostCurve:
+    """The op's collective time against the bytes the model gives it (see the docstring)."""
+    factor = 2 * (world - 1) / world if op == "allreduce" else (world - 1) / world
+    return CostCurve.affine(latency, busbw / factor, 1 << 34)
+
+
+def rows_for(args) -> list[dict]:
+    rates = st.GemmRates(args.flops, args.stream, args.fixed)
+    rows = []
+    for link, (latency, busbw) in LINKS.items():
+        for world in WORLDS:
+            for op in OPS:
+                costs = curve(op, world, latency, busbw)
+                for m in TOKENS:
+                    for n, k in SHAPES:
+                        rows_total = m * world if op == "allgather" else m
+                        if op in ("reduce_scatter", "allgather") and rows_total % world:
+                            continue
+                        if op == "reduce_scatter" and m < world:
+                            continue
+                        plan = fo.plan(rows_total, n, k, op=op, world_size=world,
+                                       backend="reference", dtype=torch.bfloat16, tile=TILE,
+                                       wave_size=WAVE)
+                        began = time.perf_counter()
+                        p = st.predict(plan, rates, costs)
+                        spent = time.perf_counter() - began
+                        chosen = p.overlap_s if p.strategy == st.OVERLAP else p.plain_s
+                        rows.append({"link": link, "world_size": world, "op": op,
+                                     "tokens": m, "N": n, "K": k, "strategy": p.strategy,
+                                     "predicted_overlap_us": round(p.overlap_s * 1e6, 1),
+                                     "predicted_plain_us": round(p.plain_s * 1e6, 1),
+                                     "predicted_speedup": round(p.plain_s / chosen, 3),
+                                     "prediction_ms": round(spent * 1e3, 3)})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per (link, world size, op): where overlap is chosen, and the best speedup."""
+    lines = ["| link | W | op | overlap chosen at (tokens) | predicted speedup, median / max |",
+             "|---|---|---|---|---|"]
+    keys = sorted({(r["link"], r["world_size"], r["op"]) for r in rows},
+                  key=lambda x: (x[0] != "NVLink", x[1], OPS.index(x[2])))
+    for link, world, op in keys:
+        sel = [r for r in rows if (r["link"], r["world_size"], r["op"]) == (link, world, op)]
+        chosen = sorted({r["tokens"] for r in sel if r["strategy"] == st.OVERLAP})
+        speedups = sorted(r["predicted_speedup"] for r in sel)
+        where = ", ".join(str(t) for t in chosen) if chosen else "never"
+        lines.append(f"| {link} | {world} | {op} | {where} | "
+                     f"{speedups[len(speedups) // 2]:.2f} / {speedups[-1]:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flops", type=float, default=737e12)
+    parser.add_argument("--stream", type=float, default=4.0e12)
+    parser.add_argument("--fixed", type=float, default=5e-6)
+    parser.add_argument("--json", default=None, help="write the rows and inputs here")
+    parser.add_argument("--markdown", action="store_true", help="print the summary table")
+    args = parser.parse_args(argv)
+    rows = rows_for(args)
+    inputs = {"gemm": {"flops_per_s": args.flops, "bytes_per_s": args.stream,
+                       "fixed_s": args.fixed},
+              "links": {k: {"latency_s": v[0], "bus_bytes_per_s": v[1]} for k, v in LINKS.items()},
+              "tile": TILE, "wave_size": WAVE, "contention": st.ASSUMED_CONTENTION.to_dict(),
+              "note": "PREDICTED by the strategy model; no multi-GPU measurement"}
+    inputs["prediction_ms"] = {"median": statistics.median(r["prediction_ms"] for r in rows),
+                               "max": max(r["prediction_ms"] for r in rows)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"inputs": inputs, "rows": rows}, f, indent=1)
+    if args.markdown:
+        print(markdown(rows))
+    else:
+        json.dump(inputs, sys.stdout, indent=1)
+        print()
+        print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
