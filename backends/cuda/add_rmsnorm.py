@@ -53,3 +53,37 @@ def weight_operand(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     if code and weight.dtype != torch.float32:
         weight = weight.float()
     return (weight if weight.stride(0) == 1 else weight.contiguous()), code
+
+
+ROW_BAND = 128  # rows per band of a plain result's table (any height works: each row is whole)
+_row_tables: dict = {}
+
+
+def add_rmsnorm_rows(runtime, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The plain path's residual add + RMSNorm (``Backend.add_rmsnorm_rows``): the fused
+    kernel over the rows of a finished row-major result, read as a "rows" plan's output is
+    (bands of whole rows: tile ``(ROW_BAND, N)``); None where the kernel does not serve
+    (another dtype, a result that is not contiguous rows)."""
+    if x.dim() != 2 or not x.is_contiguous() or str(x.dtype).split(".")[-1] not in DTYPE_CODES:
+        return None
+    rows, n = x.shape
+    if rows == 0 or residual.shape != x.shape:
+        return None
+    key = (rows, n, x.device)
+    table = _row_tables.get(key)
+    if table is None:
+        table = (torch.arange(0, rows, ROW_BAND, dtype=torch.int64) * n).to(x.device)
+        if len(_row_tables) > 64:
+            _row_tables.clear()
+        _row_tables[key] = table
+    res, ld_residual = residual_operand(residual, n)
+    w, weight_code = weight_operand(weight, x.dtype)
+    normed, resid_out = torch.empty_like(x), torch.empty_like(x)
+    runtime.add_rmsnorm_tiles(
+        x.data_ptr(), table.data_ptr(), rows, n, (ROW_BAND, n),
+        DTYPE_CODES[str(x.dtype).split(".")[-1]], res.data_ptr(), ld_residual, w.data_ptr(),
+        weight_code, eps, normed.data_ptr(), resid_out.data_ptr(), n,
+        torch.cuda.current_stream(x.device).cuda_stream)
+    return normed, resid_out
+

@@ -44,6 +44,7 @@ from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
 from . import all_to_all_call, gemm, kernels, nccl
+from .add_rmsnorm import add_rmsnorm_rows
 from .call_base import WarmUps
 from .device_state import ENV_ARCH, ENV_RESERVED_SMS, PlanTables, outside_graph_pools, reserved_sms
 from .gather_call import CudaGatherCall
@@ -154,6 +155,12 @@ class CudaBackend(Backend):
     def schedule(self, spec: OverlapSpec) -> Schedule:
         # Chunks of 8 bands, column by column: a wave reads a few bands of A and sweeps B.
         return Schedule("n", 8)
+
+    def add_rmsnorm_rows(self, x, residual, weight, eps):
+        """The plain path's add + RMSNorm: the fused kernel over rows (add_rmsnorm.py)."""
+        if x.device.type != "cuda":
+            return None
+        return add_rmsnorm_rows(kernels.runtime_library(), x, residual, weight, eps)
 
     def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:
         # all_to_all's call lays out each call's tiles on the device, in the tile layout only

@@ -291,3 +291,26 @@ def test_fresh_process_with_lazy_loading_does_not_hang():
     proc = subprocess.run([sys.executable, "-c", LAZY_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "LAZY_OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+def test_the_default_plain_path_runs_the_fused_kernel_over_rows(op, monkeypatch, nccl_group):
+    """At world size 1 the default call runs the plain path (issue 31): the device's GEMM, the
+    collective, then the backend's fused add + RMSNorm over the result's rows (one kernel,
+    ``CudaBackend.add_rmsnorm_rows``), decode sizes and ragged N included."""
+    monkeypatch.delenv("FLASHOVERLAP_STRATEGY", raising=False)
+    api.forget_prepared()
+    from flashoverlap_backends.cuda import add_rmsnorm as norm_module
+    used = []
+    real = norm_module.add_rmsnorm_rows
+    monkeypatch.setattr(norm_module, "add_rmsnorm_rows", lambda *a: used.append(1) or real(*a))
+    import flashoverlap_backends.cuda.backend as backend_module
+    monkeypatch.setattr(backend_module, "add_rmsnorm_rows", norm_module.add_rmsnorm_rows)
+    for shape in ((1, 4096, 512), (16, 1000, 256), (257, 8192, 1024)):
+        a, b, residual, weight = _operands(*shape, torch.bfloat16, True)
+        _poison_allocator(shape[0], shape[1], torch.bfloat16)
+        got = fo.overlap_add_rmsnorm(a, b, residual, weight, op=op)
+        torch.cuda.synchronize()
+        _check_call(a, b, residual, weight, 1e-6, op, got)
+    assert used and all(c["strategy"] == "sequential" for c in fo.prepared_calls())
+    api.forget_prepared()
