@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -93,6 +94,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default: 300)")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the results, with device, date, commit and versions")
+    parser.add_argument("--strategy", choices=("overlap", "auto"), default="overlap",
+                        help="the overlapped column's FLASHOVERLAP_STRATEGY: overlap (default: "
+                        "the overlapped path is what this compares) or auto (the default "
+                        "call's own choice, which at world size 1 is the plain path)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +337,7 @@ def write_json(path: str, hw: Hardware, device: str | None, results: list[Result
 
 
 def run(args: argparse.Namespace) -> int:
+    os.environ["FLASHOVERLAP_STRATEGY"] = args.strategy  # the ranks inherit it
     hw = pick_hardware(args.backend, args.world_size, args.device)
     on_cpu = hw.device_type == "cpu"
     shapes = args.shapes or shapes_arg(CPU_SHAPES if on_cpu else ACCELERATOR_SHAPES)
