@@ -79,16 +79,22 @@ class SequentialCall:
         self.norm = norm  # the backend's fused add + RMSNorm over rows (Backend.add_rmsnorm_rows)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
-        collective, group = self.collective, self.group
-        if collective == "all_gather":
-            if group is not None:
-                gathered = a.new_empty((a.shape[0] * self.world, a.shape[1]))
-                all_gather_single(gathered, a.contiguous(), group=group)
-                a = gathered
-            return torch.matmul(a, b, out=out)
-        if collective in ("all_reduce", None) or group is None:
-            return self.collect(torch.matmul(a, b, out=out), out, op)
-        return self.collect(torch.matmul(a, b), out, op)
+        if self.collective == "all_gather":
+            return torch.matmul(self.gathered(a), b, out=out)
+        in_place = self.collective in ("all_reduce", None) or self.group is None
+        return self.collect(torch.matmul(a, b, out=out) if in_place else torch.matmul(a, b),
+                            out, op)
+
+    def gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` stacked by rows (allgather's input; fp8 moves as its bytes)."""
+        if self.group is None:
+            return t
+        rows = t.contiguous()
+        one_byte_float = rows.element_size() == 1 and rows.is_floating_point()  # fp8
+        raw = rows.view(torch.uint8) if one_byte_float else rows
+        out = raw.new_empty((raw.shape[0] * self.world,) + tuple(raw.shape[1:]))
+        all_gather_single(out, raw, group=self.group)
+        return out.view(rows.dtype)
 
     def collect(self, product: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         """The collective half of the plain path, on the whole ``product`` (``out`` itself, or

@@ -119,24 +119,11 @@ class ScaledSequentialCall:
     def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
         plain = self.plain
         if plain.collective == "all_gather":
-            if plain.group is not None:
-                a = _gathered(a, plain.group, plain.world)
-                if scale_a.dim():
-                    scale_a = _gathered(scale_a, plain.group, plain.world)
+            a = plain.gathered(a)
+            scale_a = plain.gathered(scale_a) if scale_a.dim() else scale_a
             return out.copy_(self._product(a, b, scale_a, scale_b, out.dtype))
         product = self._product(a, b, scale_a, scale_b, out.dtype)
         return plain.collect(product, out, op)
-
-
-def _gathered(t: torch.Tensor, group, world: int) -> torch.Tensor:
-    """All ranks' ``t`` stacked by rows (fp8 moves as its bytes)."""
-    from .collectives import all_gather_single
-
-    rows = t.contiguous()
-    raw = rows.view(torch.uint8) if rows.dtype in FP8_DTYPES else rows
-    gathered = raw.new_empty((raw.shape[0] * world,) + tuple(raw.shape[1:]))
-    all_gather_single(gathered, raw, group=group)
-    return gathered.view(rows.dtype) if rows.dtype in FP8_DTYPES else gathered
 
 
 class DequantizedCall:

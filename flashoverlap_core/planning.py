@@ -165,13 +165,6 @@ def _checked(backend: Backend, plan: Plan) -> Plan:
     return plan
 
 
-def default_plan(spec: OverlapSpec, backend: Backend, group=None, transfer: str = "") -> Plan:
-    """The tuned plan from the installed plan lookup when it has one, else the heuristic plan.
-    Every rank must see the same tuned plans: the first call checks that they agree."""
-    tuned = _plan_lookup(spec, backend, group, transfer) if _plan_lookup is not None else None
-    return tuned if tuned is not None else make_plan(backend, spec)
-
-
 def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
          dtype=torch.bfloat16, tile=None, group_sizes=None, backend: str | None = None, *,
          send_splits=None, wave_size: int | None = None, schedule: Schedule | None = None,

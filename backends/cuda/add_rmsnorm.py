@@ -65,7 +65,8 @@ def add_rmsnorm_rows(runtime, x: torch.Tensor, residual: torch.Tensor, weight: t
     kernel over the rows of a finished row-major result, read as a "rows" plan's output is
     (bands of whole rows: tile ``(ROW_BAND, N)``); None where the kernel does not serve
     (another dtype, a result that is not contiguous rows)."""
-    if x.dim() != 2 or not x.is_contiguous() or str(x.dtype).split(".")[-1] not in DTYPE_CODES:
+    code = DTYPE_CODES.get(str(x.dtype).removeprefix("torch."))
+    if code is None or x.dim() != 2 or not x.is_contiguous():
         return None
     rows, n = x.shape
     if rows == 0 or residual.shape != x.shape:
@@ -82,7 +83,7 @@ def add_rmsnorm_rows(runtime, x: torch.Tensor, residual: torch.Tensor, weight: t
     normed, resid_out = torch.empty_like(x), torch.empty_like(x)
     runtime.add_rmsnorm_tiles(
         x.data_ptr(), table.data_ptr(), rows, n, (ROW_BAND, n),
-        DTYPE_CODES[str(x.dtype).split(".")[-1]], res.data_ptr(), ld_residual, w.data_ptr(),
+        code, res.data_ptr(), ld_residual, w.data_ptr(),
         weight_code, eps, normed.data_ptr(), resid_out.data_ptr(), n,
         torch.cuda.current_stream(x.device).cuda_stream)
     return normed, resid_out
