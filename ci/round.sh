@@ -15,7 +15,12 @@ for s in "$@"; do
     callpath) stage callpath 90 $PY bench/callpath.py ;;
     mr-conf) stage multirank-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_MR_WORLDS:-2,3,4} --junitxml "$OUT/multirank-conformance.xml" ;;
     gemm) stage gemm 240 $PY bench/gemm.py ;;
+    norm-plain) stage norm-plain 90 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py -k "plain or rows" ;;
+    mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ;;
+    overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
   esac
+  # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
+  echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
 done
 ( cd .fo_build/cache && find . -type f -newer /tmp/fo-marker | tar -czf "$OUT/new-cache.tar.gz" -T - ) && ls -la "$OUT"
 cat "$SUMMARY"
