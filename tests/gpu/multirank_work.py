@@ -353,3 +353,38 @@ def tuned_on_rank0(cache_dir: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def strategies_with_own_caches(seed: int, cache_dir: str, backend) -> dict:
+    """The default strategy choice ("auto") on every op, each rank with a tuning cache of its
+    own: first every cache empty (every rank measures), then only rank 0's holding the
+    measured numbers (rank 1's is off); decode and prefill rows, all_to_all with skewed splits
+    that differ by rank. Every call is checked; returns the strategy of each call in order."""
+    from flashoverlap_core.tuning import strategy
+
+    rank, world = rank_world()
+    saved = {k: os.environ.get(k) for k in ("FLASHOVERLAP_STRATEGY", "FLASHOVERLAP_TUNING_CACHE")}
+    os.environ["FLASHOVERLAP_STRATEGY"] = "auto"
+    problems, chosen = [], []
+    try:
+        for round_, cache in enumerate((f"{cache_dir}/rank{rank}.json",
+                                        "off" if rank == 1 else f"{cache_dir}/rank{rank}.json")):
+            os.environ["FLASHOVERLAP_TUNING_CACHE"] = cache
+            strategy.forget()
+            api.forget_prepared()
+            for m in (16, 2048):
+                for op in OPS:
+                    p, _ = one_call(op, seed, 20 + round_, m, 1024, 512, "col", backend,
+                                    equal_splits=op != "all_to_all")
+                    problems += p
+                    # the op's newest entry (all_to_all's key holds no rows: one entry)
+                    ran = [c for c in fo.prepared_calls() if c["op"] == op][-1]
+                    chosen.append((round_, op, m, ran["strategy"], ran.get("strategy_reason")))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        strategy.forget()
+    return {"problems": problems, "chosen": chosen}

@@ -140,6 +140,19 @@ def test_ranks_with_different_tuning_caches_get_a_clear_error(pools, world, tmp_
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_every_rank_chooses_the_same_strategy(pools, world, tmp_path):
+    """FLASHOVERLAP_STRATEGY=auto, each rank its own tuning cache (then one rank without), rows
+    of decode and prefill size, all_to_all splits that differ by rank: every rank makes the
+    same choice on every call, and every result is right."""
+    results = run(pools, world, work.strategies_with_own_caches, 41, str(tmp_path), "cuda")
+    no_problems(results, "strategy auto")
+    chosen = [[c[:4] for c in r["chosen"]] for r in results]
+    assert all(c == chosen[0] for c in chosen), (
+        "the ranks chose differently:\n" + "\n".join(f"rank {r}: {c}" for r, c in enumerate(chosen)))
+    assert {c[3] for c in chosen[0]} <= {"overlap", "sequential"}, chosen[0]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_an_error_in_one_ranks_first_call_is_raised_on_every_rank(pools, world):
     messages = run(pools, world, work.first_call_error_on_one_rank, 31, "cuda")
     for m in messages:
