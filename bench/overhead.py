@@ -166,8 +166,95 @@ def strategy_of(op: str, m: int, n: int) -> str | None:
     return None
 
 
+def workspace_fraction(m: int, n: int) -> float | None:
+    """The allreduce call's buffers (fo.prepared_calls) over its output's bytes."""
+    for call in fo.prepared_calls():
+        if call["op"] == "allreduce" and call["a"][0] == m and call["N"] == n:
+            return call["workspace_bytes"] / (m * n * 2)
+    return None
+
+
 def summarize(rows: list[dict], decode: bool) -> dict:
     """min / median of plain / fo over the calls (the fused norm's rows apart), and met."""
+    calls_rows = [r for r in rows if r["op"] != "add_rmsnorm"]
+    ratios = [r["ratio"] for r in calls_rows]
+    spaces = [r["workspace_fraction"] for r in rows if r.get("workspace_fraction") is not None]
+    out = {
+        "rows": len(rows), "rows_met": sum(r["met"] for r in rows),
+        "min_ratio": min(ratios, default=None),
+        "median_ratio": statistics.median(ratios) if ratios else None,
+        "norm_min_ratio": min((r["ratio"] for r in rows if r["op"] == "add_rmsnorm"),
+                              default=None),
+    }
+    met = all(r["met"] for r in rows)
+    if not decode:
+        out["max_workspace_fraction"] = max(spaces, default=None)
+        met = (met and (not ratios or statistics.median(ratios) >= TARGET_MEDIAN)
+               and all(f <= WORKSPACE_FRACTION for f in spaces))
+    out["met"] = met
+    return out
+
+
+def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm, ratio) -> dict:
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    fo_call, plain = calls(op, a, b, scales, compiled_norm)
+    inner = 10 if m * n * k < 1 << 36 else 3
+    fo_ms, plain_ms = pair(fo_call, plain, inner)
+    if op == "add_rmsnorm":
+        bound = NORM_TARGET
+    elif kind == "decode":
+        bound = DECODE_TARGET
+    else:
+        bound = min(TARGET_MIN, ratio - 0.01)
+    row = {"kind": kind, "op": op, "dtype": dtype, "M": m, "N": n, "K": k,
+           "strategy": strategy_of(op, m, n), "fo_ms": round(fo_ms, 4),
+           "plain_ms": round(plain_ms, 4), "ratio": round(plain_ms / fo_ms, 4),
+           "gemm_ratio": None if ratio is None else round(ratio, 4), "bound": round(bound, 4),
+           "met": plain_ms / fo_ms >= bound}
+    if op == "allreduce" and kind == "prefill":
+        row["workspace_fraction"] = workspace_fraction(m, n)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,16,64,256,1024,4096,16384")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                        help="N x K pairs")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--prefill-strategy", default="overlap", choices=("overlap", "auto"),
+                        help="the prefill rows' FLASHOVERLAP_STRATEGY (decode rows: auto)")
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    init_group()
+    compiled_norm = torch.compile(add_norm)
+    saved = os.environ.get(STRATEGY_ENV)
+    rows = []
+    try:
+        for dtype in args.dtypes.split(","):
+            for m in tokens:
+                kind = "decode" if m <= DECODE_MAX else "prefill"
+                os.environ[STRATEGY_ENV] = "auto" if kind == "decode" else args.prefill_strategy
+                for n, k in shapes:
+                    a, b, scales = operands(m, n, k, dtype)
+                    # the signaling GEMM's own ratio bounds a prefill row; a decode row runs
+                    # the plain path (world size 1), where it says nothing
+                    ratio = gemm_ratio(a, b, dtype, scales) if kind == "prefill" else None
+                    for op in args.ops.split(","):
+                        if dtype == "fp8" and op not in FP8_OPS:
+                            continue
+                        row = measure_row(kind, op, dtype, a, b, scales, compiled_norm, ratio)
+                        rows.append(row)
+                        print(table([row], list(row)), flush=True)
+                    api.forget_prepared()
+                    torch.cuda.empty_cache()
+    finally:
+        if saved is None:
+            os.environ.pop(STRATEGY_ENV, None)
+        else:
+            os.environ[STRATEGY_ENV] = saved
     prefill = summarize([r for r in rows if r["kind"] == "prefill"], decode=False)
     decode = summarize([r for r in rows if r["kind"] == "decode"], decode=True)
     summary = {
