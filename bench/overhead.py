@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import tempfile
 
@@ -232,6 +233,12 @@ def main(argv=None) -> int:
     compiled_norm = torch.compile(add_norm)
     saved = os.environ.get(STRATEGY_ENV)
     rows = []
+    cut_short = False
+
+    def stop(signum, frame):  # a stage timeout: keep the rows measured so far
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         for dtype in args.dtypes.split(","):
             for m in tokens:
@@ -250,6 +257,9 @@ def main(argv=None) -> int:
                         print(table([row], list(row)), flush=True)
                     api.forget_prepared()
                     torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        cut_short = True
+        print(f"stopped after {len(rows)} rows: the summary covers those rows only", flush=True)
     finally:
         if saved is None:
             os.environ.pop(STRATEGY_ENV, None)
@@ -263,8 +273,8 @@ def main(argv=None) -> int:
                     "median": TARGET_MEDIAN, "add_rmsnorm": NORM_TARGET,
                     "allreduce workspace / output": WORKSPACE_FRACTION,
                     "decode": f"plain / fo >= {DECODE_TARGET} per row, the default call"},
-        "prefill_strategy": args.prefill_strategy,
-        "default_run": args.tokens == parser.get_default("tokens")
+        "prefill_strategy": args.prefill_strategy, "cut_short": cut_short,
+        "default_run": not cut_short and args.tokens == parser.get_default("tokens")
         and args.shapes == parser.get_default("shapes") and args.ops == parser.get_default("ops")
         and args.dtypes == parser.get_default("dtypes")
         and args.prefill_strategy == parser.get_default("prefill_strategy"),

@@ -17,7 +17,8 @@ for s in "$@"; do
     gemm) stage gemm 240 $PY bench/gemm.py ;;
     norm-plain) stage norm-plain 90 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py -k "plain or rows" ;;
     mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ;;
-    strategy) stage strategy 200 $PY bench/strategy.py ;;
+    strategy) stage strategy 150 $PY bench/strategy.py ;;
+    mr-strategy) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-strategy 120 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k same_strategy ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
   esac
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
