@@ -372,14 +372,23 @@ def _make_prepared(chosen: Backend, call: OverlapCall):
     runs ``torch._scaled_mm`` there (dequantized where the device lacks it), and dequantized on a
     backend without native fp8."""
     if call.scale_a is not None and call.plan.strategy == "sequential":
+        native = _plain_collectives(chosen, call)
         if fp8.ScaledSequentialCall.available(call):
-            return fp8.ScaledSequentialCall(call)
-        return fp8.DequantizedCall(SequentialCall(fp8.dequantized_call(call)))
+            return fp8.ScaledSequentialCall(call, native)
+        return fp8.DequantizedCall(SequentialCall(fp8.dequantized_call(call), native=native))
     if call.scale_a is not None and not chosen.native_fp8:
         return fp8.DequantizedCall(_make_prepared(chosen, fp8.dequantized_call(call)))
     if call.plan.strategy == "sequential":
-        return SequentialCall(call, chosen.add_rmsnorm_rows)
+        return SequentialCall(call, chosen.add_rmsnorm_rows, _plain_collectives(chosen, call))
     return chosen.prepare(call)
+
+
+def _plain_collectives(chosen: Backend, call: OverlapCall):
+    """The backend's own collectives for the plain path (None: torch.distributed's); never
+    made while the caller captures a graph (making them may take a collective of its own)."""
+    if call.group is None or _capturing(call.a.device):
+        return None
+    return chosen.plain_collectives(call)
 
 
 _settled: dict = {}  # group key -> (backend, plan, strategy facts) the ranks agreed on

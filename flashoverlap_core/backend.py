@@ -168,6 +168,14 @@ class Backend(abc.ABC):
         backend has none (then torch's ops run it)."""
         return None
 
+    def plain_collectives(self, call: OverlapCall):
+        """The plain path's collectives on ``call.group`` through the backend's own library,
+        or None (then torch.distributed runs them on the group): an object with
+        ``all_reduce(t)``, ``reduce_scatter(out, t)`` and ``all_gather(out, t)`` that issue
+        one collective on the current stream, as torch.distributed's forms of the same name.
+        Called once per prepared key, on every rank alike."""
+        return None
+
     def plan_reasons(self, plan) -> list[str]:
         """Why this backend cannot execute ``plan`` (a tile it has no kernel for, say)."""
         return []

@@ -73,10 +73,12 @@ class SequentialCall:
     overlapping would not pay): the device's own GEMM, then one collective on the whole result,
     through torch.distributed on the caller's group."""
 
-    def __init__(self, call: OverlapCall, norm=None):
+    def __init__(self, call: OverlapCall, norm=None, native=None):
         self.collective = of(call.op).collective
         self.group, self.world = call.group, call.world_size
         self.norm = norm  # the backend's fused add + RMSNorm over rows (Backend.add_rmsnorm_rows)
+        # the backend's own collectives on the group (Backend.plain_collectives), else torch's
+        self.native = native if self.group is not None else None
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         if self.collective == "all_gather":
@@ -93,7 +95,10 @@ class SequentialCall:
         one_byte_float = rows.element_size() == 1 and rows.is_floating_point()  # fp8
         raw = rows.view(torch.uint8) if one_byte_float else rows
         out = raw.new_empty((raw.shape[0] * self.world,) + tuple(raw.shape[1:]))
-        all_gather_single(out, raw, group=self.group)
+        if self.native is not None:
+            self.native.all_gather(out, raw)
+        else:
+            all_gather_single(out, raw, group=self.group)
         return out.view(rows.dtype)
 
     def collect(self, product: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
@@ -107,10 +112,15 @@ class SequentialCall:
                 out = product
             if collective is None:  # a callable op: called on the whole result
                 op(out.view(-1), 0)
+            elif self.native is not None:
+                self.native.all_reduce(out)
             elif group is not None:
                 dist.all_reduce(out, group=group)
             return out
-        reduce_scatter_single(out, product, group=group)  # (all_to_all: AllToAllCall)
+        if self.native is not None:  # (all_to_all: AllToAllCall)
+            self.native.reduce_scatter(out, product)
+        else:
+            reduce_scatter_single(out, product, group=group)
         return out
 
     def run_add_rmsnorm(self, a, b, op, residual, weight, eps: float):

@@ -88,10 +88,10 @@ class ScaledSequentialCall:
     collective on its result, as :class:`~flashoverlap_core.collectives.SequentialCall`; for
     allgather, the e4m3 bytes (and row-wise scales) are gathered, never dequantized rows."""
 
-    def __init__(self, call: OverlapCall):
+    def __init__(self, call: OverlapCall, native=None):
         from .collectives import SequentialCall  # the collective half of the plain path
 
-        self.plain = SequentialCall(call)
+        self.plain = SequentialCall(call, native=native)
         self.fast = call.a.device.type != "cpu"
 
     @staticmethod

@@ -288,3 +288,89 @@ def test_plain_fused_norm_uses_the_backends_row_kernel(monkeypatch):
     assert fo.prepared_calls()[0]["runner"] == "SequentialCall"
     api.forget_prepared()
 
+
+
+class _RecordedCollectives:
+    """A backend's own plain-path collectives (Backend.plain_collectives): torch.distributed's,
+    counted."""
+
+    def __init__(self, group):
+        self.group, self.seen = group, []
+
+    def all_reduce(self, t):
+        import torch.distributed as dist
+        self.seen.append("all_reduce")
+        dist.all_reduce(t, group=self.group)
+
+    def reduce_scatter(self, out, t):
+        from flashoverlap_core.collectives import reduce_scatter_single
+        self.seen.append("reduce_scatter")
+        reduce_scatter_single(out, t, group=self.group)
+
+    def all_gather(self, out, t):
+        from flashoverlap_core.collectives import all_gather_single
+        self.seen.append("all_gather")
+        all_gather_single(out, t, group=self.group)
+
+
+def _plain_path_through_the_backends_collectives(seed):
+    import os
+
+    import torch.distributed as dist
+    from flashoverlap_core import api
+    from flashoverlap_core.reference import ReferenceBackend
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    made = []
+
+    def plain_collectives(self, call):
+        made.append(_RecordedCollectives(call.group))
+        return made[-1]
+
+    saved_env, saved_hook = os.environ.get(st.ENV_STRATEGY), ReferenceBackend.plain_collectives
+    os.environ[st.ENV_STRATEGY] = "plain"
+    ReferenceBackend.plain_collectives = plain_collectives
+    api.forget_prepared()
+    problems = []
+    try:
+        g = torch.Generator().manual_seed(seed)
+        b = torch.randn(32, 40, generator=g, dtype=torch.float64)
+        every_a = [torch.randn(8 * world, 32, generator=g, dtype=torch.float64)
+                   for _ in range(world)]
+        total = sum(x @ b for x in every_a)
+        rows = total.shape[0] // world
+        want = {"allreduce": total, "reduce_scatter": total[rank * rows:(rank + 1) * rows],
+                "allgather": torch.cat(every_a) @ b}
+        for op, ref in want.items():
+            got = fo.overlap(every_a[rank].float(), b.float(), op, backend="reference")
+            if not torch.allclose(got.double(), ref, atol=1e-3):
+                problems.append(f"{op}: wrong result")
+        # fp8 with row-wise scales: _scaled_mm (or dequantized) then the same collectives
+        a8 = every_a[rank].float().to(torch.float8_e4m3fn)
+        w8 = b.float().t().contiguous().to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(a8.shape[0], 1), torch.ones(1, w8.shape[0])
+        got = fo.overlap(a8, w8.t(), "allgather", scale_a=sa, scale_b=sb, backend="reference")
+        every8 = torch.cat([x.float().to(torch.float8_e4m3fn).double() for x in every_a])
+        if not torch.allclose(got.double(), every8 @ w8.double().t(), rtol=2e-2, atol=2e-2):
+            problems.append("fp8 allgather: wrong result")
+        seen = [s for m in made for s in m.seen]
+        return {"problems": problems, "seen": seen,
+                "runners": [c["runner"] for c in fo.prepared_calls()]}
+    finally:
+        ReferenceBackend.plain_collectives = saved_hook
+        if saved_env is None:
+            os.environ.pop(st.ENV_STRATEGY, None)
+        else:
+            os.environ[st.ENV_STRATEGY] = saved_env
+        api.forget_prepared()
+
+
+def test_the_plain_path_runs_the_backends_own_collectives():
+    from test_torch_ops_ranks import ranks
+    out = ranks(2).run(_plain_path_through_the_backends_collectives, 11, timeout=240)
+    for r in out:
+        assert not r["problems"], out
+        # fp8's allgather gathers the e4m3 rows and their row-wise scales
+        assert r["seen"] == ["all_reduce", "reduce_scatter", "all_gather", "all_gather",
+                             "all_gather"], r
+        assert r["runners"][:3] == ["SequentialCall"] * 3, r

@@ -162,6 +162,14 @@ class CudaBackend(Backend):
             return None
         return add_rmsnorm_rows(kernels.runtime_library(), x, residual, weight, eps)
 
+    def plain_collectives(self, call):
+        """The plain path's collectives on FlashOverlap's own NCCL communicator of the group
+        (nccl.PlainCollectives: a few microseconds of host time per call, where
+        torch.distributed's path costs tens); None off NCCL groups and CUDA tensors."""
+        if call.group is None or call.a.device.type != "cuda" or not nccl.uses_nccl(call.group):
+            return None
+        return nccl.PlainCollectives(call.group, call.a.device)
+
     def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:
         # all_to_all's call lays out each call's tiles on the device, in the tile layout only
         return ("tiles",) if of(spec.op).splits else ("rows", "tiles")

@@ -15,7 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flashoverlap_core.collectives import all_gather_single, reduce_scatter_single
+
 from . import kernels
+from .device_state import _current_stream_getter
 
 ENV_LIBRARY = "FLASHOVERLAP_NCCL_LIBRARY"
 
@@ -71,3 +74,50 @@ def communicator(group, device: torch.device, max_ctas: int | None = None) -> in
                                       max_ctas)
         _comms[key] = comm
         return comm
+
+
+# ncclDataType_t of the dtypes the plain path moves (fp8 gathers as its bytes: uint8)
+_NCCL_TYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+               torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+_ALL_REDUCE, _REDUCE_SCATTER, _ALL_GATHER = 1, 2, 3
+
+
+class PlainCollectives:
+    """The plain path's collectives (``Backend.plain_collectives``) on this rank's communicator
+    of the group: one NCCL call through the runtime (a few microseconds of host time, where
+    torch.distributed's path costs tens), on the current stream, so ordered as the caller's own
+    work. A tensor NCCL cannot take as it is (not contiguous, another dtype) goes through
+    torch.distributed on the same group."""
+
+    def __init__(self, group, device: torch.device):
+        self.group = group
+        self.comm = communicator(group, device)
+        self.runtime = kernels.runtime_library()
+        self.world = dist.get_world_size(group)
+        self.stream = _current_stream_getter()
+
+    def _native(self, *tensors) -> bool:
+        return all(t.is_contiguous() and t.dtype in _NCCL_TYPES for t in tensors)
+
+    def _run(self, kind: int, send: torch.Tensor, recv: torch.Tensor, count: int) -> None:
+        self.runtime.nccl_collective(self.comm, kind, send.data_ptr(), recv.data_ptr(), count,
+                                     _NCCL_TYPES[send.dtype], self.stream(send.device.index))
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if self._native(t):
+            self._run(_ALL_REDUCE, t, t, t.numel())
+        else:
+            dist.all_reduce(t, group=self.group)
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if self._native(out, t) and out.dtype == t.dtype and t.numel() == out.numel() * self.world:
+            self._run(_REDUCE_SCATTER, t, out, out.numel())
+        else:
+            reduce_scatter_single(out, t, group=self.group)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if self._native(out, t) and out.dtype == t.dtype and out.numel() == t.numel() * self.world:
+            self._run(_ALL_GATHER, t, out, t.numel())
+        else:
+            all_gather_single(out, t, group=self.group)
+

@@ -223,6 +223,12 @@ FO_API cudaError_t fo_nccl_comm_init(void** comm, int nranks, const void* id128,
 FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
                                              int device, int max_ctas);
 FO_API cudaError_t fo_nccl_comm_destroy(void* comm);
+// One whole collective on `stream` (the plain path's, on FlashOverlap's own communicator):
+// kind 1 all-reduce (sum; send may equal recv), 2 reduce-scatter (sum), 3 all-gather. count:
+// 1: the elements of send (= recv); 2: the elements each rank receives; 3: the elements each
+// rank sends. dtype: ncclDataType_t's value. A count of 0 issues nothing.
+FO_API cudaError_t fo_nccl_collective(void* comm, int kind, const void* send, void* recv,
+                                      int64_t count, int dtype, cudaStream_t stream);
 
 // ---- a prepared overlapped call (runtime object, overlap_call.cu) -------------------------
 // Everything one call of a fixed shape needs, built once (fo_call_create copies the host

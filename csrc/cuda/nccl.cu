@@ -129,6 +129,31 @@ FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void
   return cudaSuccess;
 }
 
+FO_API cudaError_t fo_nccl_collective(void* comm, int kind, const void* send, void* recv,
+                                      int64_t count, int dtype, cudaStream_t stream) {
+  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  if (!comm || count < 0 || (count > 0 && (!send || !recv)))
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_nccl_collective: bad arguments (comm %p, send %p, recv %p, count %lld)",
+                    comm, send, recv, (long long)count);
+  if (count == 0) return cudaSuccess;
+  const fo::nccl::Api& n = fo::nccl::api();
+  auto c = static_cast<fo::nccl::Comm>(comm);
+  switch (kind) {
+    case 1:
+      FO_NCCL_CHECK(n.AllReduce(send, recv, size_t(count), dtype, fo::nccl::kSum, c, stream));
+      return cudaSuccess;
+    case 2:
+      FO_NCCL_CHECK(n.ReduceScatter(send, recv, size_t(count), dtype, fo::nccl::kSum, c, stream));
+      return cudaSuccess;
+    case 3:
+      FO_NCCL_CHECK(n.AllGather(send, recv, size_t(count), dtype, c, stream));
+      return cudaSuccess;
+    default:
+      return fo::fail(cudaErrorInvalidValue, "fo_nccl_collective: unknown kind %d (1-3)", kind);
+  }
+}
+
 FO_API cudaError_t fo_nccl_comm_destroy(void* comm) {
   if (!comm || !fo::nccl::loaded()) return cudaSuccess;
   FO_NCCL_CHECK(fo::nccl::api().CommDestroy(static_cast<fo::nccl::Comm>(comm)));

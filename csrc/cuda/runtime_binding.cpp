@@ -653,6 +653,15 @@ PYBIND11_MODULE(fo_runtime, m) {
         py::arg("rank"), py::arg("device"), py::arg("max_ctas") = std::nullopt,
         "A communicator (ncclComm_t as an int); with max_ctas, one whose kernels use at most "
         "that many CTAs and no CTA clusters (NCCL >= 2.17).");
+  // per call of the plain path: one whole collective (fo_nccl_collective)
+  m.def("nccl_collective", [](Ptr comm, int kind, Ptr send, Ptr recv, int64_t count, int dtype,
+                              Ptr stream) {
+    check(unlocked([&] {
+            return fo_nccl_collective(comm.as<void*>(), kind, send.as<const void*>(),
+                                      recv.as<void*>(), count, dtype, stream.as<cudaStream_t>());
+          }),
+          "fo_nccl_collective");
+  });
   m.def("nccl_comm_destroy", [](Ptr comm) {
     check(unlocked([&] { return fo_nccl_comm_destroy(comm.as<void*>()); }), "ncclCommDestroy");
   });

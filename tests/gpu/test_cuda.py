@@ -126,6 +126,41 @@ def test_native_call_with_nccl_matches_float64(op, shape, nccl_group):
                 _check(out, a, b)
 
 
+@needs_cuda
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
+@pytest.mark.parametrize("shape", [(1, 4096, 512), (16, 8192, 1024), (7, 127, 33), (300, 96, 64)])
+def test_plain_path_collectives_on_the_own_communicator(op, shape, nccl_group, monkeypatch):
+    """The plain path (FLASHOVERLAP_STRATEGY=plain) runs its collective on FlashOverlap's own
+    NCCL communicator (nccl.PlainCollectives), back to back, with poisoned outputs; fp8 too."""
+    from backends.cuda.nccl import PlainCollectives
+    from flashoverlap_core import api
+    monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "plain")
+    api.forget_prepared()
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            for _ in range(3):
+                a, b = _inputs(*shape, dtype, True)
+                out = torch.full((shape[0], shape[1]), float("nan"), device="cuda", dtype=dtype)
+                assert fo.overlap(a, b, op, out=out) is out
+                torch.cuda.synchronize()
+                _check(out, a, b)
+        prepared = _last_prepared()
+        assert fo.prepared_calls()[-1]["runner"] == "SequentialCall"
+        assert isinstance(prepared.native, PlainCollectives), prepared
+        if op != "reduce_scatter":  # fp8 row-wise: _scaled_mm, then the same collective
+            m, n, k = shape[0], shape[1], max(16, shape[2] // 16 * 16)
+            a8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+            w8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+            sa = torch.rand(m, 1, device="cuda") + 0.5
+            sb = torch.rand(1, n, device="cuda") + 0.5
+            got = fo.overlap(a8, w8.t(), op, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            ref = (a8.double() * sa.double()) @ (w8.double() * sb.double().t()).t()
+            torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2 * k ** 0.5)
+            assert fo.prepared_calls()[-1]["runner"] == "ScaledSequentialCall"
+    finally:
+        api.forget_prepared()
+
+
 def _last_prepared():
     from flashoverlap_core import api
     return list(api._prepared.values())[-1].prepared
