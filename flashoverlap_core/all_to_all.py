@@ -54,6 +54,12 @@ class AllToAllCall:
         self._prepared: OrderedDict = OrderedDict()
         self.verified = self.group is None or self.world == 1  # the first call checks splits
 
+    def workspace_bytes(self) -> int:
+        """Device memory the backend's preparations keep beyond the calls' outputs (the native
+        call's buffers, or those of the prepared plans): ``fo.prepared_calls()`` reports it."""
+        runners = [self.native] if self.native is not None else list(self._prepared.values())
+        return sum(r.workspace_bytes() for r in runners if hasattr(r, "workspace_bytes"))
+
     # ---- per call ------------------------------------------------------------------------
     def run(self, a, b, out, op, send_splits, recv_splits) -> torch.Tensor:
         try:  # everything that can refuse this rank's call, before any communication

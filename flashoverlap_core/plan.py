@@ -269,6 +269,11 @@ class Plan:
         for i, s in enumerate(sizes):
             _check_int(f"group_sizes[{i}]", s, 0 if self.grouping == "destinations" else 1)
         if self.grouping == "destinations":
+            if self.layout == "rows" and self.schedule.raster != "n":
+                raise ValueError("a 'rows' plan of grouping 'destinations' needs a raster 'n' "
+                                 "schedule (its strips of bands are whole rows only in that "
+                                 f"order), got raster {self.schedule.raster!r}; give layout "
+                                 "'tiles'")
             want = destination_group_sizes(self.grid, len(sizes), self.layout)
             if sizes != want:
                 raise ValueError(f"a 'destinations' plan of {len(sizes)} groups over "

@@ -115,7 +115,8 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
     sched = schedule if schedule is not None else backend.schedule(spec)
     rows = kind.block_rows(spec.m, spec.world_size, spec.send_splits)
     if group_sizes is None and kind.splits:  # the rule every rank computes alike
-        chosen = "rows" if rows_ok else "tiles"
+        # "rows" strips are whole bands in raster "n" only (Plan checks a "rows" one)
+        chosen = "rows" if rows_ok and (layout == "rows" or sched.raster == "n") else "tiles"
         if schedule is None and chosen == "rows":  # strips of 2 bands: small blocks still split
             sched = Schedule(sched.raster, min(sched.swizzle, 2))
         grid = TileGrid(rows, spec.n, tile[0], tile[1], sched)

@@ -199,7 +199,7 @@ def test_unequal_destination_blocks_need_the_destinations_grouping(backend, arch
     plan = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
                    tile=tile, backend="reference")
     assert plan.grouping == "destinations" and plan.layout == "rows"
-    assert any("'tiles' plans on cuda" in r for r in backend.plan_reasons(plan))
+    assert backend.plan_reasons(plan) == []  # the per-call layout writes whole rows
     plan = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
                    tile=tile, backend="reference", layout="tiles")
     assert plan.grouping == "destinations" and backend.plan_reasons(plan) == []
@@ -208,6 +208,29 @@ def test_unequal_destination_blocks_need_the_destinations_grouping(backend, arch
                    destination_group_sizes(grid, 17), Schedule("n", 8), (100, 156),
                    grouping="destinations")
     assert any("at most 16 groups" in r for r in backend.plan_reasons(many))
+
+
+def test_all_to_all_plans_take_rows_where_the_native_call_writes_them(backend, arch):
+    """cuda runs all_to_all's "destinations" plans in both layouts, "rows" by default; a "rows"
+    plan of explicit group sizes ("waves": the prepared call's rows path has no all_to_all)
+    is declined, and raster "m" tile orders keep "tiles" (their strips are not whole rows)."""
+    tile = kernels.default_tile(arch)
+    spec = fo.OverlapSpec(256, 512, 64, "all_to_all", 2, "bfloat16", "cuda", "col", (100, 156))
+    assert backend.layouts(spec) == ("rows", "tiles")
+    plan = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
+                   tile=tile, backend="reference")
+    assert plan.layout == "rows" and plan.for_rows(300, [0, 300]).layout == "rows"
+    waves = one_group_plan(tile, "all_to_all", 2, (128, 128))
+    rows = fo.Plan(256, 512, 64, "all_to_all", 2, "bfloat16", tile, 4, waves.group_sizes,
+                   Schedule("n", 8), (128, 128), layout="rows")
+    assert any("grouping 'destinations'" in r for r in backend.plan_reasons(rows))
+    assert backend.plan_reasons(waves) == []  # "tiles"
+    column = fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
+                     tile=tile, backend="reference", schedule=Schedule("m", 2))
+    assert column.layout == "tiles" and backend.plan_reasons(column) == []
+    with pytest.raises(ValueError, match="needs a raster 'n' schedule"):
+        fo.plan(256, 512, 64, op="all_to_all", world_size=2, send_splits=[100, 156],
+                tile=tile, backend="reference", schedule=Schedule("m", 2), layout="rows")
 
 
 def test_a_bad_forced_architecture_is_a_clear_error(monkeypatch):

@@ -2,13 +2,22 @@
 own, on every rank (flashoverlap_core.all_to_all), so nothing of a call's layout is prepared.
 
 One native function per call (``fo_a2a_run``, csrc/cuda/all_to_all_call.cu) lays the call out
-from its splits and issues it: a table kernel writes the GEMM's work items and the
-post-reorder's tiles on the device, the signaling GEMM runs over the unequal destination blocks,
-the communication stream waits for each group's tiles and sends and receives the group's part
-for every peer in one NCCL group, and the post-reorder restores the rows. The plan's
-"destinations" grouping (group g takes chunk g of every destination block) lets each rank count
-what a peer sends it in each group from the rows alone, so with ``recv_splits`` given nothing is
-exchanged and the host never waits.
+from its splits and issues it: a table kernel writes the GEMM's work items (and, in the "tiles"
+layout, the post-reorder's tiles) on the device, the signaling GEMM runs over the unequal
+destination blocks, the communication stream waits for each group's tiles and sends and
+receives the group's part for every peer in one NCCL group. The plan's "destinations" grouping
+(group g takes chunk g of every destination block) lets each rank count what a peer sends it in
+each group from the rows alone, so with ``recv_splits`` given nothing is exchanged and the host
+never waits.
+
+The plan's layout decides where the tiles go:
+
+* "rows" (the default): a group's chunk of a block is whole strips of row bands, so the GEMM
+  writes each tile at its final row of the row-major product (at world size 1 straight into
+  ``out``), each send is contiguous rows of the product and each receive lands at its final rows
+  of ``out``: no staging buffer, no post-reorder;
+* "tiles": the packed buffer holds each group's tiles back to back, the receives land in a
+  staging buffer and a post-reorder restores the rows.
 
 Per compute stream the call keeps its own communication stream, counters and buffers; the
 buffers grow when a call needs more (the native call says how much), and stay.
@@ -40,6 +49,13 @@ def unsupported(plan, world_size: int) -> list[str]:
     if plan is not None and plan.num_groups > MAX_GROUPS:
         reasons.append(f"an all_to_all plan has at most {MAX_GROUPS} groups on cuda, not "
                        f"{plan.num_groups}")
+    if plan is not None and plan.layout == "rows" and plan.strategy == "overlap":
+        if plan.grouping != "destinations":
+            reasons.append("an all_to_all plan in layout 'rows' has grouping 'destinations' on "
+                           "cuda (fo.plan's default; explicit group_sizes take layout 'tiles')")
+        if plan.schedule.raster != "n":
+            reasons.append("an all_to_all plan in layout 'rows' has a raster 'n' tile order on "
+                           "cuda (its groups are whole strips of bands only in that order)")
     return reasons
 
 
@@ -94,6 +110,11 @@ class _StreamState(CallState):
         self.keep_for_comm(self.tensors.values())
         self.runtime.a2a_set_buffers(self.handle, b)
 
+    def workspace_bytes(self) -> int:
+        """Device memory of this stream's buffers: tables, counters, the packed buffer (the
+        row-major product of a "rows" call with a communicator) and the staging buffer."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
     def destroy(self) -> None:
         self.runtime.a2a_destroy(self.handle)
 
@@ -108,6 +129,7 @@ class CudaAllToAllCall(NativeCall):
         super().__init__(device, warm_ups)
         self.world, self.groups, self.n = template.world_size, plan.num_groups, plan.n
         self.dtype = plan.torch_dtype
+        self.layout = plan.layout
         self.arch = arch()
         self.col = takes_col_major(self.arch, b)
         # the build for unequal destination blocks, with 1x1 clusters: a round's items are
@@ -142,10 +164,23 @@ class CudaAllToAllCall(NativeCall):
         desc.nccl_comm = self.comm
         desc.nccl_dtype = NCCL_DTYPES[plan.dtype]
         desc.elem_size = b.element_size()
+        desc.rows = int(plan.layout == "rows")
         return desc
 
     def new_state(self) -> _StreamState:
         return _StreamState(self)
+
+    def workspace_bytes(self) -> int:
+        """Device memory the calls keep beyond their outputs, over every stream's state
+        (``fo.prepared_calls()``)."""
+        return sum(state.workspace_bytes() for state in list(self._states.values()))
+
+    def buffers(self, stream: int | None = None) -> dict[str, int]:
+        """Bytes of each buffer of ``stream``'s state (the current stream's by default): what
+        a call of this stream keeps ("packed" is the row-major product of a "rows" call)."""
+        state = self._states.get(self.current_stream(self.index) if stream is None else stream)
+        return {} if state is None else {name: t.numel() * t.element_size()
+                                         for name, t in state.tensors.items()}
 
     def run(self, a, b, out, send, recv) -> torch.Tensor:
         if _current_device() != self.index:

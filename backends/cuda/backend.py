@@ -171,14 +171,13 @@ class CudaBackend(Backend):
         return nccl.PlainCollectives(call.group, call.a.device)
 
     def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:
-        # all_to_all's call lays out each call's tiles on the device, in the tile layout only
-        return ("tiles",) if of(spec.op).splits else ("rows", "tiles")
+        # every op in both layouts, "rows" first: all_to_all's per-call layout writes and
+        # receives whole rows too (a2a_layout.cuh), for its "destinations" plans in raster "n"
+        # (plan_reasons; explicit group sizes keep "tiles")
+        return ("rows", "tiles")
 
     def plan_reasons(self, plan) -> list[str]:
         reasons = []
-        if plan.kind.splits and plan.layout == "rows":
-            reasons.append("all_to_all runs 'tiles' plans on cuda (its per-call layout has no "
-                           "'rows' form yet)")
         tiles = kernels.supported_tiles(gemm.arch())
         if tuple(plan.tile) not in tiles:
             reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{gemm.arch()}; "

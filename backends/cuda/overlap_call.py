@@ -367,6 +367,8 @@ class CudaCall(NativeCall, PreparedCall):
                 runtime.unpack_tiles(exchange.staging.data_ptr(), out.data_ptr() + start,
                                      out.stride(0), rects.data_ptr(), offs.data_ptr(),
                                      rects.shape[0], out.element_size(), compute.cuda_stream)
+            if self.rows and self.kind == "all_to_all" and call.group is not None:
+                exchange.finish()  # each source's received rows to their place (no tiles)
             stamp("end", compute)
             if first:
                 torch.cuda.synchronize(device)

@@ -9,6 +9,11 @@
 //            a receive from every peer with rows in that group;
 //   compute: waits for the communication stream; the post-reorder of every received tile,
 //            which also zeroes the counters.
+// Layout "rows" (desc.rows): the GEMM writes each tile at its final row of the row-major
+// product (the packed buffer as [M, N]; at world size 1 `out` itself, and the call ends
+// there), the sends read the product's rows and the receives land in `out`'s final rows; the
+// table kernel writes no post-reorder tiles, there is no staging buffer, and the last phase
+// only zeroes the counters.
 // No host synchronisation and no per-call allocation: the buffers belong to the caller, who
 // grows them when a call reports that they are too small (fo_a2a_run's `needs`).
 // One translation unit of the runtime object.
@@ -52,7 +57,7 @@ __device__ inline void build_side(const a2a::Geometry& g, const int* rows, int w
 __global__ void __launch_bounds__(kTableThreads) a2a_tables(const __grid_constant__ A2aTablesArgs p) {
   __shared__ a2a::Side send, recv;
   build_side(p.geo, p.send_rows, p.world, send);
-  build_side(p.geo, p.recv_rows, p.world, recv);
+  if (p.recv_tiles > 0) build_side(p.geo, p.recv_rows, p.world, recv);  // "rows": none
   if (blockIdx.x == 0)
     for (int d = threadIdx.x; d <= p.world; d += blockDim.x) p.block_starts[d] = send.row_start[d];
   const int total = p.send_tiles + p.recv_tiles;
@@ -72,6 +77,9 @@ cudaError_t load_a2a_kernels() {
 
 }  // namespace fo::runtime
 
+// fo_a2a_create fills every field of the layout from the descriptor (the layout flag included).
+static_assert(sizeof(fo::a2a::Geometry) == 7 * sizeof(int), "a new layout field: set it in fo_a2a_create");
+
 struct fo_a2a {
   fo_a2a_desc d;
   fo::a2a::Geometry geo;
@@ -89,13 +97,18 @@ inline cudaError_t check_a2a_desc(const fo_a2a_desc& d) {
   if (!d.gemm_run_blocks || d.world < 1 || d.world > a2a::kMaxRanks || d.rank < 0 ||
       d.rank >= d.world || d.tile_m < 1 || d.tile_n < 1 || d.N < 1 || d.swizzle < 1 ||
       (d.raster_m != 0 && d.raster_m != 1) || d.groups < 1 || d.groups > a2a::kMaxGroups ||
-      d.K < 1 || d.num_ctas < 1)
+      d.K < 1 || d.num_ctas < 1 || (d.rows != 0 && d.rows != 1))
     return fail(cudaErrorInvalidValue,
                 "fo_a2a_create: need the GEMM, 1 <= world <= %d, a rank in it, a tile, N, K, "
-                "swizzle and CTAs >= 1, raster 0 or 1 and 1 <= groups <= %d (got world %d, "
-                "rank %d, tile %dx%d, N %d, K %d, swizzle %d, raster %d, groups %d, CTAs %d)",
+                "swizzle and CTAs >= 1, raster 0 or 1, 1 <= groups <= %d and rows 0 or 1 (got "
+                "world %d, rank %d, tile %dx%d, N %d, K %d, swizzle %d, raster %d, groups %d, "
+                "CTAs %d, rows %d)",
                 a2a::kMaxRanks, a2a::kMaxGroups, d.world, d.rank, d.tile_m, d.tile_n, d.N, d.K,
-                d.swizzle, d.raster_m, d.groups, d.num_ctas);
+                d.swizzle, d.raster_m, d.groups, d.num_ctas, d.rows);
+  if (d.rows && d.raster_m)
+    return fail(cudaErrorInvalidValue,
+                "fo_a2a_create: the 'rows' layout needs raster \"n\" (its groups are whole strips "
+                "of bands only in that tile order)");
   if (d.nccl_comm && (!nccl::loaded() || !d.comm_stream))
     return fail(cudaErrorInvalidValue,
                 "fo_a2a_create: a communicator needs NCCL loaded (fo_nccl_load) and a "
@@ -111,13 +124,14 @@ inline cudaError_t check_a2a_desc(const fo_a2a_desc& d) {
 
 // Group g's sends and receives on the communication stream: one NCCL group, nothing when this
 // rank has no rows to move in it (each peer then has none to move with it either: both count
-// by the same rule from the same rows).
-inline cudaError_t a2a_step(const fo_a2a& c, int g) {
+// by the same rule from the same rows). The parts are offsets into the packed buffer and the
+// staging buffer ("tiles"), or into the row-major product and `out` ("rows").
+inline cudaError_t a2a_step(const fo_a2a& c, int g, void* out) {
   const fo_a2a_desc& d = c.d;
   const a2a::Geometry& geo = c.geo;
   const int64_t es = d.elem_size;
   char* packed = static_cast<char*>(c.buf.packed);
-  char* staging = static_cast<char*>(c.buf.staging);
+  char* staging = static_cast<char*>(geo.rows ? out : c.buf.staging);
   return nccl::send_recv_step(d.world, d.nccl_dtype, static_cast<nccl::Comm>(d.nccl_comm),
                               d.comm_stream, [&](int peer, nccl::PeerTransfer* t) {
                                 const int64_t sent = a2a::part_numel(geo, c.send, g, peer);
@@ -146,9 +160,14 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
                 (long long)sent, M, communicate ? "" : " (world size 1: and receives them all)");
   a2a::make_side(geo, send_rows, d.world, c.send);
   a2a::make_side(geo, recv_rows, d.world, c.recv);
-  const int send_tiles = c.send.tile_start[d.world], recv_tiles = c.recv.tile_start[d.world];
-  const int64_t packed_numel = int64_t(M) * geo.n;
-  const int64_t staging_numel = communicate ? int64_t(c.recv.row_start[d.world]) * geo.n : 0;
+  // "rows": no post-reorder, so no received tiles and no staging; at world size 1 the GEMM
+  // writes `out` (which receives all M rows), so no product buffer either
+  const bool rows = geo.rows != 0;
+  const int send_tiles = c.send.tile_start[d.world];
+  const int recv_tiles = rows ? 0 : c.recv.tile_start[d.world];
+  const int64_t received = int64_t(c.recv.row_start[d.world]) * geo.n;
+  const int64_t packed_numel = rows && !communicate ? 0 : int64_t(M) * geo.n;
+  const int64_t staging_numel = communicate && !rows ? received : 0;
   needs[0] = send_tiles, needs[1] = recv_tiles, needs[2] = packed_numel, needs[3] = staging_numel;
   const fo_a2a_buffers& buf = c.buf;
   if (send_tiles > buf.tile_capacity || recv_tiles > buf.unpack_capacity ||
@@ -159,11 +178,12 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
                 send_tiles, recv_tiles, (long long)packed_numel, (long long)staging_numel,
                 buf.tile_capacity, buf.unpack_capacity, (long long)buf.packed_numel,
                 (long long)buf.staging_numel);
-  if ((send_tiles > 0 && (!a || !b)) || (recv_tiles > 0 && !out))
+  if ((send_tiles > 0 && (!a || !b)) || (received > 0 && !out))
     return fail(cudaErrorInvalidValue, "fo_a2a_run: a, b (rows to send) and out (rows to receive) "
                 "must be non-null");
-  // The communication stream follows what the caller queued before this call (the inputs, and
-  // the previous call's post-reorder, which read the staging buffer).
+  // The communication stream follows what the caller queued before this call (the inputs, the
+  // previous call's post-reorder, which read the staging buffer, and, "rows", whatever used
+  // `out` before the receives overwrite it).
   cudaError_t err = communicate ? c.events.fork(stream, d.comm_stream) : cudaSuccess;
   if (err != cudaSuccess) return err;
   if (send_tiles + recv_tiles > 0) {
@@ -178,11 +198,14 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
     a2a_tables<<<blocks < 512 ? blocks : 512, kTableThreads, 0, stream>>>(args);
     FO_CUDA_CHECK(cudaGetLastError());
   }
-  // The GEMM before any wait: a waiter queued before its producer could deadlock.
+  // The GEMM before any wait: a waiter queued before its producer could deadlock. "rows": each
+  // tile at its final row (ldo = N) of the product, or at world size 1 of `out` (M rows).
   int32_t* counters = communicate ? buf.counters : nullptr;
+  const bool into_out = rows && !communicate;
   err = reinterpret_cast<GemmRunBlocks>(d.gemm_run_blocks)(
-      a, b, buf.packed, buf.packed_numel, M, geo.n, d.K, lda, ldb, buf.block_starts, d.world,
-      buf.items, buf.item_group, send_tiles, counters, d.num_ctas, stream);
+      a, b, into_out ? out : buf.packed, into_out ? int64_t(M) * geo.n : buf.packed_numel, M,
+      geo.n, d.K, lda, ldb, rows ? geo.n : 0, buf.block_starts, d.world, buf.items,
+      buf.item_group, send_tiles, counters, d.num_ctas, stream);
   if (err != cudaSuccess) return gemm_failed(err, "signaling");
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (communicate) {
@@ -192,7 +215,7 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
         err = wait_counter(counters + g, tiles, d.wait_mode, d.comm_stream);
         if (err != cudaSuccess) return err;
       }
-      err = a2a_step(c, g);
+      err = a2a_step(c, g, out);
       if (err != cudaSuccess) return err;
     }
     if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
@@ -205,7 +228,7 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
                         buf.unpack_offsets, recv_tiles, d.elem_size, counters,
                         communicate ? geo.groups : 0, stream);
     if (err != cudaSuccess) return err;
-  } else if (communicate) {  // nothing to unpack: zero the counters on their own
+  } else if (communicate) {  // nothing to unpack ("rows", or no rows): zero the counters
     err = launch_reset(counters, geo.groups, stream);
     if (err != cudaSuccess) return err;
   }
@@ -223,8 +246,10 @@ FO_API cudaError_t fo_a2a_create(const fo_a2a_desc* desc, fo_a2a** out) {
   if (err != cudaSuccess) return err;
   auto* c = new fo_a2a();
   c->d = *desc;
+  // every field of the layout, the layout itself included (a call laid out "tiles" for a
+  // "rows" GEMM writes items the kernel refuses)
   c->geo = fo::a2a::Geometry{desc->tile_m, desc->tile_n, desc->N, desc->raster_m, desc->swizzle,
-                             desc->groups};
+                             desc->groups, desc->rows};
   err = c->events.create();
   if (err != cudaSuccess) {
     fo_a2a_destroy(c);

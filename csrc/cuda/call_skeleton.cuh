@@ -20,8 +20,9 @@ using GemmRunEx = cudaError_t (*)(const void*, const void*, void*, int, int, int
                                   uint64_t*, void*, cudaStream_t);
 // fo_gemm_run_blocks: all_to_all's GEMM over destination blocks of unequal rows.
 using GemmRunBlocks = cudaError_t (*)(const void*, const void*, void*, int64_t, int, int, int,
-                                      int64_t, int64_t, const int32_t*, int, const int64_t*,
-                                      const int32_t*, int, int32_t*, int, cudaStream_t);
+                                      int64_t, int64_t, int64_t, const int32_t*, int,
+                                      const int64_t*, const int32_t*, int, int32_t*, int,
+                                      cudaStream_t);
 static_assert(std::is_same_v<GemmLaunch, decltype(&fo_gemm_launch)>);
 static_assert(std::is_same_v<GemmSetNodeParams, decltype(&fo_gemm_set_node_params)>);
 static_assert(std::is_same_v<GemmRunEx, decltype(&fo_gemm_run_ex)>);

@@ -116,12 +116,15 @@ FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L
 // The signaling GEMM over destination blocks of unequal rows (all_to_all, whose rows and splits
 // are each call's own): block l is rows [block_starts[l], block_starts[l + 1]) of a's M rows
 // (block_starts: L + 1 int32 in device memory, non-decreasing from 0 to M; a block may be
-// empty); `packed` holds packed_numel >= M * N elements. The items are fo_gemm_run's, their
-// band counted from their block's first row. Nothing is launched when num_items is 0 (a rank
-// with no rows: a may then be empty). Needs a build with FO_BLOCKS=1.
+// empty). The items are fo_gemm_run's, their band counted from their block's first row; ldo as
+// fo_gemm_run_ex takes it: 0, `packed` holds packed_numel >= M * N elements in the packed
+// layout; else it is a row-major [packed_numel / ldo, ldo] buffer of at least M rows and each
+// item's offset is where its first element goes (a "rows" all_to_all: the tiles written at
+// their final rows). Nothing is launched when num_items is 0 (a rank with no rows: a may then
+// be empty). Needs a build with FO_BLOCKS=1.
 FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed,
                                       int64_t packed_numel, int M, int N, int K, int64_t lda,
-                                      int64_t ldb, const int32_t* block_starts, int L,
+                                      int64_t ldb, int64_t ldo, const int32_t* block_starts, int L,
                                       const int64_t* items, const int32_t* item_group,
                                       int num_items, int32_t* counters, int num_ctas,
                                       cudaStream_t stream);
@@ -407,15 +410,21 @@ FO_API cudaError_t fo_gather_load_kernels(void);
 
 // ---- all_to_all with each call's rows and splits (runtime object, all_to_all_call.cu) --------
 // Expert parallelism: every call has its own rows M and splits, on every rank. Created once per
-// shared layout (tile, tile order, N, K, groups, world); fo_a2a_run then lays out and issues one
-// call: on `stream` a table kernel (work items, block starts, post-reorder tiles, from the
-// splits), the signaling GEMM over the unequal destination blocks (`gemm_run_blocks`, the
-// fo_gemm_run_blocks of a GEMM library built with FO_BLOCKS=1 and 1x1 clusters: the items of a
-// round need not share operands); on `comm_stream` per group a device-side wait for its tiles and one NCCL
-// group of sends and receives (the plan's "destinations" grouping: group g takes chunk g of
-// every destination block, so both sides count each part from the rows alone); back on
-// `stream` the post-reorder into `out`, which zeroes the counters. Without a communicator
-// (world size 1) there are no waits, no counters and no staging: the post-reorder reads packed.
+// shared layout (tile, tile order, N, K, groups, world, layout); fo_a2a_run then lays out and
+// issues one call: on `stream` a table kernel (work items, block starts, post-reorder tiles,
+// from the splits), the signaling GEMM over the unequal destination blocks (`gemm_run_blocks`,
+// the fo_gemm_run_blocks of a GEMM library built with FO_BLOCKS=1 and 1x1 clusters: the items
+// of a round need not share operands); on `comm_stream` per group a device-side wait for its
+// tiles and one NCCL group of sends and receives (the plan's "destinations" grouping: group g
+// takes chunk g of every destination block, so both sides count each part from the rows
+// alone); back on `stream` the post-reorder into `out`, which zeroes the counters. Without a
+// communicator (world size 1) there are no waits, no counters and no staging: the
+// post-reorder reads packed.
+// rows = 1 (layout "rows", raster "n"; a2a_layout.cuh): chunks are whole strips of bands, the
+// GEMM writes each tile at its final row of the row-major product (`packed`, [M, N]; at world
+// size 1 `out` itself), the sends read the product's rows and the receives land in `out`'s
+// final rows: no staging buffer, no post-reorder tables and no post-reorder (the last phase
+// only zeroes the counters).
 typedef struct {
   int abi_version;  // FO_CUDA_ABI_VERSION
   void* gemm_run_blocks;
@@ -429,6 +438,7 @@ typedef struct {
   void* nccl_comm;  // null only at world size 1
   int nccl_dtype, elem_size;
   cudaStream_t comm_stream;
+  int rows;         // 1: layout "rows" (see above), 0: "tiles"
 } fo_a2a_desc;
 
 // The caller's device buffers, and what they hold (set again when the caller grows them).
@@ -439,8 +449,9 @@ typedef struct {
   int32_t* unpack_tiles;   // unpack_capacity x 4
   int64_t* unpack_offsets; // unpack_capacity
   int tile_capacity, unpack_capacity;
-  void* packed;            // packed_numel elements
-  void* staging;           // staging_numel elements (with a communicator)
+  void* packed;            // packed_numel elements ("rows": the row-major product, only
+                           // with a communicator)
+  void* staging;           // staging_numel elements (with a communicator; "tiles" only)
   int64_t packed_numel, staging_numel;
   int32_t* counters;       // groups (with a communicator); zero before the first call
 } fo_a2a_buffers;
@@ -450,7 +461,8 @@ FO_API cudaError_t fo_a2a_create(const fo_a2a_desc* desc, fo_a2a** call);
 FO_API cudaError_t fo_a2a_set_buffers(fo_a2a* call, const fo_a2a_buffers* buffers);
 // One call: a is [M, K] (lda), this rank sends send_rows[r] rows of a @ b to rank r and receives
 // recv_rows[r] from it into out ([sum recv_rows, N] row-major). needs (4 int64) gets the call's
-// work items, received tiles, packed and staging elements; when the buffers hold less, nothing is
+// work items, received tiles, packed and staging elements (a "rows" call: no received tiles and
+// no staging; packed only with a communicator); when the buffers hold less, nothing is
 // issued and the error is cudaErrorMemoryAllocation: grow them (fo_a2a_set_buffers) and call
 // again. `warm` != 0: a host sync after each phase (the first call loads every kernel).
 FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const void* b, int64_t ldb,

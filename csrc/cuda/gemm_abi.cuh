@@ -177,10 +177,11 @@ FO_API cudaError_t fo_gemm_run_scaled(const void* a, const void* b, const fo_gem
   return fo::gemm::checked_launch(args, err, stream);
 }
 
-// Destination blocks of unequal rows (all_to_all's; flashoverlap_cuda.h).
+// Destination blocks of unequal rows (all_to_all's; flashoverlap_cuda.h), written packed or, with
+// ldo, as rows of a row-major buffer.
 FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed,
                                       int64_t packed_numel, int M, int N, int K, int64_t lda,
-                                      int64_t ldb, const int32_t* block_starts, int L,
+                                      int64_t ldb, int64_t ldo, const int32_t* block_starts, int L,
                                       const int64_t* items, const int32_t* item_group,
                                       int num_items, int32_t* counters, int num_ctas,
                                       cudaStream_t stream) {
@@ -198,12 +199,16 @@ FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed
   cudaError_t err = fo::check_gemm_args(a, b, packed, 1, M, N, K, lda, ldb, c.b_col_major, items,
                                         item_group, num_items, num_ctas, c.cta_multiple,
                                         fo::gemm::input_bytes());
-  if (err == cudaSuccess && packed_numel < int64_t(M) * N)
+  if (err == cudaSuccess && ldo != 0 && ldo < N)
     err = fo::fail(cudaErrorInvalidValue,
-                   "fo_gemm_run_blocks: packed_numel=%lld < M * N = %lld", (long long)packed_numel,
-                   (long long)M * N);
+                   "fo_gemm_run_blocks: ldo=%lld must be 0 (packed) or >= N=%d", (long long)ldo, N);
+  const int64_t row = ldo ? ldo : N;  // elements per row of the output
+  if (err == cudaSuccess && packed_numel < int64_t(M) * row)
+    err = fo::fail(cudaErrorInvalidValue,
+                   "fo_gemm_run_blocks: packed_numel=%lld < M * %s = %lld", (long long)packed_numel,
+                   ldo ? "ldo" : "N", (long long)M * row);
   fo::gemm::Args args{a, b, packed, L, 0, N, K, lda, ldb, items, item_group, num_items, counters,
-                      num_ctas, nullptr, 0, nullptr, nullptr, 0};
+                      num_ctas, nullptr, ldo, nullptr, nullptr, 0};
   args.block_starts = block_starts, args.rows = M, args.packed_numel = packed_numel;
   return fo::gemm::checked_launch(args, err, stream);
 }

@@ -553,7 +553,8 @@ PYBIND11_MODULE(fo_runtime, m) {
     Fields<A2aDescription, S>{a2a} FO_FIELD(abi_version) FO_FIELD(gemm_run_blocks) FO_FIELD(tile_m)
         FO_FIELD(tile_n) FO_FIELD(N) FO_FIELD(raster_m) FO_FIELD(swizzle) FO_FIELD(groups)
         FO_FIELD(world) FO_FIELD(rank) FO_FIELD(K) FO_FIELD(num_ctas) FO_FIELD(wait_mode)
-        FO_FIELD(nccl_comm) FO_FIELD(nccl_dtype) FO_FIELD(elem_size) FO_FIELD(comm_stream);
+        FO_FIELD(nccl_comm) FO_FIELD(nccl_dtype) FO_FIELD(elem_size) FO_FIELD(comm_stream)
+        FO_FIELD(rows);
   }
 
   py::class_<A2aBuffers> buffers(m, "A2aBuffers", py::module_local());
@@ -719,7 +720,8 @@ PYBIND11_MODULE(fo_runtime, m) {
           [](const A2a& c) {
             return py::make_tuple(c.needs[0], c.needs[1], c.needs[2], c.needs[3]);
           },
-          "What the last call needed: (work items, received tiles, packed and staging elements).");
+          "What the last call needed: (work items, received tiles, packed and staging elements; "
+          "a 'rows' call: no received tiles or staging, packed = its row-major product).");
   m.def("a2a_create", &a2a_create);
   m.def("a2a_destroy", [](A2a& c) { c.destroy(); });
   m.def("a2a_set_buffers", [](A2a& c, const A2aBuffers& b) {

@@ -1,7 +1,8 @@
 // Decodes work items on the host with the kernels' own decode_item (csrc/cuda/common.cuh), for
 // tests/test_a2a_layout_cpu.py. Input lines:
-//   blocks BM BN N raster_m swizzle groups world rows[world]
-//       the items of all_to_all's per-call layout (a2a_layout.cuh) over unequal blocks
+//   blocks BM BN N raster_m swizzle groups layout world rows[world]
+//       the items of all_to_all's per-call layout (a2a_layout.cuh) over unequal blocks, in the
+//       "tiles" (layout 0) or "rows" layout (1: offsets in the row-major [M, N], ldo = N)
 //   uniform BM BN L block_rows N T  then T lines "block band col offset group"
 //       a plan's item table over L equal blocks
 // Output per line: T lines "row0 rows col0 cols offset group" in item order, then "end".
@@ -56,7 +57,8 @@ int main() {
     fo::ItemTable t = {};
     if (std::string(mode) == "blocks") {
       int world;
-      std::scanf("%d %d %d %d %d %d %d", &g.bm, &g.bn, &g.n, &g.raster_m, &g.swizzle, &g.groups, &world);
+      std::scanf("%d %d %d %d %d %d %d %d", &g.bm, &g.bn, &g.n, &g.raster_m, &g.swizzle, &g.groups,
+                 &g.rows, &world);
       std::vector<int> rows(world);
       for (int& r : rows) std::scanf("%d", &r);
       static fo::a2a::Side s;
@@ -67,7 +69,7 @@ int main() {
       for (int i = 0; i < tiles; ++i) fo::a2a::write_item(g, s, i, items.data(), groups.data());
       starts.assign(s.row_start, s.row_start + world + 1);
       t = fo::ItemTable{items.data(), groups.data(), tiles, 0, world, s.row_start[world], g.n,
-                        int64_t(s.row_start[world]) * g.n, 0, starts.data()};
+                        int64_t(s.row_start[world]) * g.n, g.rows ? g.n : 0, starts.data()};
     } else {
       int L, block_rows, n, count;
       std::scanf("%d %d %d %d %d %d", &g.bm, &g.bn, &L, &block_rows, &n, &count);

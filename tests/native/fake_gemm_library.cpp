@@ -66,8 +66,9 @@ FO_API cudaError_t fo_gemm_run_scaled(const void*, const void*, const fo_gemm_sc
 }
 
 FO_API cudaError_t fo_gemm_run_blocks(const void*, const void*, void*, int64_t, int, int, int,
-                                      int64_t, int64_t, const int32_t*, int, const int64_t*,
-                                      const int32_t*, int, int32_t*, int, cudaStream_t) {
+                                      int64_t, int64_t, int64_t, const int32_t*, int,
+                                      const int64_t*, const int32_t*, int, int32_t*, int,
+                                      cudaStream_t) {
   return fail("not called");
 }
 
