@@ -129,6 +129,15 @@ def test_fp8_compiles_and_names_its_dtype():
     assert float((got.double() - want).abs().max()) <= 4e-3 * float(want.abs().max())
 
 
+def test_blockwise_fp8_compiles():
+    a, b, sa, sb = _block_call()
+    fn = torch.compile(lambda *t: fo.overlap(*t[:2], "allreduce", scale_a=t[2], scale_b=t[3]),
+                       fullgraph=True)
+    got = fn(a, b, sa, sb)
+    want = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 @pytest.fixture
 def registered():
     """Registers backends for one test only (a registered one would be probed by later tests)."""
