@@ -536,10 +536,13 @@ PYBIND11_MODULE(fo_runtime, m) {
         FO_FIELD(scale_a_per_row) FO_FIELD(scale_b_per_col) FO_FIELD(rows);
   }
   // block-wise scales' element strides (fo_call_desc, FO_SCALE_BLOCKS), as pairs
-  for (auto [name, member] : {std::pair{"scale_a_stride", &fo_call_desc::scale_a_stride},
-                              std::pair{"scale_b_stride", &fo_call_desc::scale_b_stride}}) {
+  using StridePair = int64_t (fo_call_desc::*)[2];
+  for (const std::pair<const char*, StridePair>& field :
+       {std::pair<const char*, StridePair>{"scale_a_stride", &fo_call_desc::scale_a_stride},
+        std::pair<const char*, StridePair>{"scale_b_stride", &fo_call_desc::scale_b_stride}}) {
+    const StridePair member = field.second;
     call.def_property(
-        name,
+        field.first,
         [member](const CallDescription& d) {
           return std::array<int64_t, 2>{(d.c.*member)[0], (d.c.*member)[1]};
         },
