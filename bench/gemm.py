@@ -26,8 +26,12 @@ e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (
 (the Ampere kernel, run here); "-plain" after any name drops its counters.
 
 fp8 (--fp8, its own run and JSON, gemm-fp8-<device>-<date>.json): the same shapes with float8
-e4m3 a and w (b = w.t()), tensor-wise (0-dim) and row-wise ([M, 1] and [1, N]) float32 scales,
-bf16 out, by the same method against torch._scaled_mm with the same scales, out dtype and
+e4m3 a and w (b = w.t()), tensor-wise (0-dim), row-wise ([M, 1] and [1, N]) and block-wise
+([M, ceil(K/128)] and [ceil(K/128), ceil(N/128)]: the block-scaled kernel, product and plain
+only) float32 scales, bf16 out, by the same method against torch._scaled_mm with the same
+scales (block-wise: torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWise128x128, its
+scales laid out for it once, outside the timing; where this torch or device lacks it, the
+tensor-wise _scaled_mm on the same a and w, and each row's "scaled_mm_baseline" says which), out dtype and
 accumulation (use_fast_accum=True, as the product accumulates); "plain" is the product without
 counters; --variants adds builds as above (fast accumulation); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
 ("splitacc", cooperative 128x128: 128x256 spills) against _scaled_mm(use_fast_accum=False).
@@ -103,10 +107,10 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     return Variant(name, arch, tile, epi, slots, signal)
 
 
-def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None):
+def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
     fp8 = dtype in kernels.FP8_DTYPES
     cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster,
-                              out_dtype=FP8_OUT if fp8 else None)
+                              out_dtype=FP8_OUT if fp8 else None, scaling=scaling)
     if v.epilogue is not None:
         cfg = replace(cfg, epilogue=v.epilogue, epi_slots=v.slots)
     if v.schedule is not None:
@@ -114,14 +118,14 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None):
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 
-def plan_for(m, n, k, dtype, tile):
+def plan_for(m, n, k, dtype, tile, scaling=None):
     """The cuda backend's plan (tile None: the backend's choice for this shape); fp8 with the
-    result in FP8_OUT."""
+    result in FP8_OUT (``scaling`` "blockwise": the block-scaled kernel's)."""
     import flashoverlap_core as fo
 
     out = getattr(torch, FP8_OUT) if dtype.startswith("float8") else None
     return fo.plan(m, n, k, op="custom", dtype=getattr(torch, dtype), tile=tile, backend="cuda",
-                   out_dtype=out)
+                   out_dtype=out, scaling=scaling)
 
 
 def cluster_for(kernels, v: Variant, plan, items=None):
@@ -131,31 +135,33 @@ def cluster_for(kernels, v: Variant, plan, items=None):
     return cluster if kernels.cluster_fits(items, cluster) else (1, 1)
 
 
-def needed_configs(kernels, variants, dtypes, shapes):
+def needed_configs(kernels, variants, dtypes, shapes, scaling=None):
     """Every build the run launches (plans made here; without a GPU, both clusters and, for
-    the product, every tile a default plan may get)."""
+    the product, every tile a default plan may get); ``scaling`` "blockwise": the block-scaled
+    fp8 builds."""
     out = []
     for v in variants:
         for dtype in dtypes:
             if torch.cuda.is_available():
-                plans = [plan_for(*shape, dtype, v.tile) for shape in shapes]
+                plans = [plan_for(*shape, dtype, v.tile, scaling) for shape in shapes]
                 picks = {(p.tile, cluster_for(kernels, v, p)) for p in plans}
             else:
-                tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch))
+                tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling))
                 picks = {(t, c) for t in tiles for c in (kernels.preferred_cluster(v.arch, t), (1, 1))}
-            out += [variant_config(kernels, v, dtype, c, t) for t, c in sorted(picks)]
+            out += [variant_config(kernels, v, dtype, c, t, scaling) for t, c in sorted(picks)]
     return list(dict.fromkeys(out))
 
 
 class Gemm:
     """One variant bound to a plan and operands: call it to launch on the current stream."""
 
-    def __init__(self, kernels, v: Variant, a, w, dtype_name, scales=None):
+    def __init__(self, kernels, v: Variant, a, w, dtype_name, scales=None, scaling=None):
         m, k = a.shape
-        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile)
+        blockwise = scaling == "blockwise"
+        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile, "blockwise" if blockwise else None)
         items, groups = self.plan.item_table()
         self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items),
-                                     self.plan.tile)
+                                     self.plan.tile, self.plan.scaling)
         self.lib = kernels.gemm_library(self.config)
         self.items, self.groups = items.cuda(), groups.cuda()
         self.counters = (torch.zeros(self.plan.num_groups, dtype=torch.int32, device="cuda")
@@ -167,7 +173,7 @@ class Gemm:
         self.scales = None
         if scales is not None:  # fp8: (scale_a, scale_b) as the kernel reads them
             from flashoverlap_backends.cuda.device_state import gemm_scales
-            self.scales = gemm_scales(*scales)
+            self.scales = gemm_scales(*scales, blockwise=blockwise)
 
     def __call__(self):
         p = self.plan
@@ -286,19 +292,62 @@ def check_and_time(row, ref, fns, gemms, baselines, args, flush, comm) -> None:
 # ---- fp8 -------------------------------------------------------------------------------------------
 
 FP8_OUT = "bfloat16"  # the result dtype of the fp8 set (torch's row-wise _scaled_mm takes bf16 only)
-SCALINGS = ("tensorwise", "rowwise")
+SCALINGS = ("tensorwise", "rowwise", "blockwise")
 
 
 def fp8_inputs(shape, scaling: str):
-    """e4m3 a [M, K] and w [N, K] (b = w.t()) with float32 scales, 0-dim or [M, 1] and [1, N]."""
+    """e4m3 a [M, K] and w [N, K] (b = w.t()) with float32 scales, 0-dim or [M, 1] and [1, N];
+    block-wise scale_a [M, ceil(K/128)] outer-dim-major (as torch keeps it) and scale_b
+    [ceil(K/128), ceil(N/128)] as weight_scale.t() of a checkpoint's [ceil(N/128), ceil(K/128)]."""
     m, n, k = shape
     gen = torch.Generator(device="cuda").manual_seed(hash((shape, scaling)) % 2**31)
     f8 = torch.float8_e4m3fn
     a = (torch.randn(m, k, device="cuda", generator=gen) * 4).to(f8)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 4).to(f8)
+    if scaling == "blockwise":
+        kb, nb = -(-k // 128), -(-n // 128)
+        sa = (torch.rand(kb, m, device="cuda", generator=gen) / 8 + 1 / 16).t()
+        sb = (torch.rand(nb, kb, device="cuda", generator=gen) / 8 + 1 / 16).t()
+        return a, w, sa, sb
     sizes = ((), ()) if scaling == "tensorwise" else ((m, 1), (1, n))
     sa, sb = (torch.rand(size, device="cuda", generator=gen) / 8 + 1 / 16 for size in sizes)
     return a, w, sa, sb
+
+
+def blockwise_scaled_mm(a, w, sa, sb):
+    """(torch's block-wise GEMM of the same inputs, what it is): torch.nn.functional.scaled_mm
+    with BlockWise1x128 / BlockWise128x128 (its scales laid out for it here, once), else, where
+    this torch or device lacks it or refuses the shape, torch._scaled_mm tensor-wise on the same
+    a and w (the fallback the row records)."""
+    from flashoverlap_core import fp8
+
+    out = getattr(torch, FP8_OUT)
+    why = "this torch has no torch.nn.functional.scaled_mm block-wise"
+    if fp8.blockwise_available(a.device):
+        import torch.nn.functional as F
+
+        tsa, tsb = fp8.torch_blockwise_scales(sa, sb, a.shape[1])
+        kinds = F.ScalingType
+        fn = lambda: F.scaled_mm(a, w.t(), tsa, kinds.BlockWise1x128, tsb,  # noqa: E731
+                                 kinds.BlockWise128x128, output_dtype=out)
+        try:
+            fn()
+            return fn, "torch.nn.functional.scaled_mm block-wise (BlockWise1x128, BlockWise128x128)"
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            why = f"torch.nn.functional.scaled_mm refused it ({str(e).splitlines()[0][:160]})"
+    one = torch.ones((), device=a.device)
+    return (lambda: torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=out,
+                                     use_fast_accum=True)), f"torch._scaled_mm tensor-wise ({why})"
+
+
+def fp8_reference(a, w, sa, sb, scaling):
+    """float64 of the dequantized inputs' product."""
+    if scaling != "blockwise":
+        return (a.double() * sa.double()) @ (w.double() * sb.double().t()).t()
+    from flashoverlap_core import fp8
+
+    a32, b32 = fp8.dequantized(a, w.t(), sa, sb)
+    return a32.double() @ b32.double()
 
 
 def scaled_mm(a, w, sa, sb, fast_accum: bool):
@@ -308,22 +357,32 @@ def scaled_mm(a, w, sa, sb, fast_accum: bool):
                                     use_fast_accum=fast_accum)
 
 
+BLOCKWISE_VARIANTS = ("product", "plain")  # the block-scaled kernel has one tile and schedule
+
+
 def measure_fp8(kernels, shape, scaling, variants, args, flush, comm) -> dict:
     """One fp8 row: the variants (product, plain, splitacc) against torch._scaled_mm with the
-    same accumulation (fast for the product, not for splitacc)."""
+    same accumulation (fast for the product, not for splitacc); block-wise: product and plain
+    against torch's block-wise scaled_mm (blockwise_scaled_mm says what runs where it lacks it)."""
     a, w, sa, sb = fp8_inputs(shape, scaling)
     dtype = str(a.dtype).removeprefix("torch.")
-    gemms = {v.name: Gemm(kernels, v, a, w, dtype, (sa, sb)) for v in variants}
-    fns = {"scaled_mm": scaled_mm(a, w, sa, sb, True), **gemms}
+    if scaling == "blockwise":
+        variants = [v for v in variants if v.name in BLOCKWISE_VARIANTS]
+    gemms = {v.name: Gemm(kernels, v, a, w, dtype, (sa, sb), scaling) for v in variants}
+    if scaling == "blockwise":
+        fn, baseline = blockwise_scaled_mm(a, w, sa, sb)
+        fns = {"scaled_mm": fn, **gemms}
+    else:
+        fns, baseline = {"scaled_mm": scaled_mm(a, w, sa, sb, True), **gemms}, "torch._scaled_mm"
     baselines = {v.name: "scaled_mm" if v.fast_accum else "scaled_mm_split" for v in variants}
     if "scaled_mm_split" in baselines.values():
         fns["scaled_mm_split"] = scaled_mm(a, w, sa, sb, False)
     product = gemms["product"].plan
     row = {"M": shape[0], "N": shape[1], "K": shape[2], "dtype": dtype, "out_dtype": FP8_OUT,
-           "scaling": scaling, "ctas": product.wave_size, "tile": list(product.tile),
-           "tiles": product.num_tiles,
+           "scaling": scaling, "scaled_mm_baseline": baseline, "ctas": product.wave_size,
+           "tile": list(product.tile), "tiles": product.num_tiles,
            "configs": {name: kernels_name(g.config) for name, g in gemms.items()}}
-    ref = (a.double() * sa.double()) @ (w.double() * sb.double().t()).t()
+    ref = fp8_reference(a, w, sa, sb, scaling)
     check_and_time(row, ref, fns, gemms, baselines, args, flush, comm)
     if args.names:
         row["scaled_mm_kernels"] = {name: kernel_names(fns[name]) for name in set(baselines.values())}
@@ -343,7 +402,8 @@ def fp8_summary(rows, variants) -> dict:
         prefix = "" if v.name == "product" else f"{v.name}_"
         for scaling in (None,) + SCALINGS:
             ratios = sorted(r[f"warm_{v.name}_vs_{base}"] for r in rows
-                            if scaling is None or r["scaling"] == scaling)
+                            if (scaling is None or r["scaling"] == scaling)
+                            and f"warm_{v.name}_vs_{base}" in r)
             if ratios:
                 tail = f"_{scaling}" if scaling else ""
                 out[f"{prefix}min_vs_{base}{tail}"] = ratios[0]
@@ -445,12 +505,14 @@ def comm_traffic(args):
     return launch
 
 
-def prepare_run(args, kernels, build, variants, dtypes):
-    """(shapes, NCCL traffic, L2 flush buffer) of a run, its kernels built first; None with
-    --build-only."""
+def prepare_run(args, kernels, build, variants, dtypes, blockwise=()):
+    """(shapes, NCCL traffic, L2 flush buffer) of a run, its kernels built first (and the
+    block-scaled fp8 builds of the ``blockwise`` variants); None with --build-only."""
     shapes = [("quick", s) for s in QUICK_SHAPES] if args.quick else [
         (name, s) for name in args.sets.split(",") for s in SETS[name]]
     configs = needed_configs(kernels, variants, dtypes, [s for _, s in shapes])
+    if blockwise:
+        configs += needed_configs(kernels, blockwise, dtypes, [s for _, s in shapes], "blockwise")
     print(f"building {len(configs)} kernel configurations", flush=True)
     build.prebuild(configs, jobs=os.cpu_count())
     if args.build_only:
@@ -544,7 +606,8 @@ def main_fp8(args, kernels, build):
         variants.append(Variant("splitacc", 90, (128, 128), schedule="cooperative",
                                 fast_accum=False))
     variants += [parse_variant(n, 90) for n in args.variants.split(",") if n]  # e.g. coop-tma
-    prepared = prepare_run(args, kernels, build, variants, [kernels.FP8_DTYPES[0]])
+    prepared = prepare_run(args, kernels, build, variants, [kernels.FP8_DTYPES[0]],
+                           [v for v in variants if v.name in BLOCKWISE_VARIANTS])
     if prepared is None:
         return
     shapes, comm, flush = prepared
@@ -553,8 +616,8 @@ def main_fp8(args, kernels, build):
         for scaling in SCALINGS:
             row = {"set": set_name, **measure_fp8(kernels, shape, scaling, variants, args, flush, comm)}
             rows.append(row)
-            print(f"{set_name} {shape[0]}x{shape[1]}x{shape[2]} fp8 {scaling}: _scaled_mm "
-                  f"{row['warm_scaled_mm_tflops']} TFLOP/s; " + ", ".join(
+            print(f"{set_name} {shape[0]}x{shape[1]}x{shape[2]} fp8 {scaling}: "
+                  f"{row['scaled_mm_baseline']} {row['warm_scaled_mm_tflops']} TFLOP/s; " + ", ".join(
                       f"{name} {row[key]}" for name in (v.name for v in variants)
                       for key in row if key.startswith(f"warm_{name}_vs_")), flush=True)
     result = {"fp8": fp8_summary(rows, variants)}
@@ -572,7 +635,8 @@ def main_fp8(args, kernels, build):
             "summary": result, "variants": [v.name for v in variants],
             "method": "CUDA-graph replays between events, kernels alternated, "
                       f"{args.reps} reps, warm x{args.inner}, cold after a {FLUSH_BYTES >> 20} "
-                      "MiB write; e4m3 inputs, bf16 out, vs torch._scaled_mm"})
+                      "MiB write; e4m3 inputs, bf16 out, vs torch._scaled_mm (block-wise: each "
+                      "row's scaled_mm_baseline)"})
 
 
 if __name__ == "__main__":

@@ -142,16 +142,17 @@ def tensor_facts(*tensors) -> tuple:
     return tuple(fact for t in tensors for fact in (t.shape, t.stride(), t.dtype, t.device))
 
 
-def group_key(key: tuple, plan, out_dtype: str | None) -> tuple:
+def group_key(key: tuple, plan, out_dtype: str | None, scaling: str | None = None) -> tuple:
     """The part of a call's ``key`` that every rank of its group shares: the op's kind, the
-    group, M, N, K, dtype (and an fp8 call's ``out_dtype``), device type, the ``plan`` and the
-    backend asked for; not this rank's strides (the layout of its b) or device index.
+    group, M, N, K, dtype (and an fp8 call's ``out_dtype`` and ``scaling`` kind), device type,
+    the ``plan`` and the backend asked for; not this rank's strides (the layout of its b or of
+    its scales) or device index.
     all_to_all's key holds nothing of a rank's own: it is its own group key."""
     a_shape, b_shape, _, _, dtype, _, device, kind, group, _, backend = key[:11]
     if kind == "all_to_all":
         return key
-    return (kind, group, a_shape[0], b_shape[1], a_shape[1], dtype, out_dtype, device.type,
-            plan, backend)
+    return (kind, group, a_shape[0], b_shape[1], a_shape[1], dtype, out_dtype, scaling,
+            device.type, plan, backend)
 
 
 def _splits_key(splits):
@@ -241,12 +242,12 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
         entry = _prepared.get(key)
         if entry is not None and entry.fits(out):
             return entry.run_scaled(a, b, scale_a, scale_b, out, op)
-    fp8.check(a, b, scale_a, scale_b, out_dtype)
+    _, scaling = fp8.check_call(a, b, scale_a, scale_b, out_dtype)
     if kind == "all_to_all":
         return _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out,
                                        send_splits, recv_splits, backend)
     return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
-                       (scale_a, scale_b, out_dtype))
+                       (scale_a, scale_b, out_dtype, scaling))
 
 
 def _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out, send_splits,
@@ -273,7 +274,8 @@ def _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out,
 
 def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend, scales=None):
     """Check everything, prepare the key if it is new (:func:`_prepare`), and run the call.
-    ``scales``: an fp8 call's (scale_a, scale_b, out_dtype), checked (:func:`overlap_scaled`)."""
+    ``scales``: an fp8 call's (scale_a, scale_b, out_dtype, scaling kind), checked
+    (:func:`overlap_scaled`)."""
     entry, call = _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                            scales)
     if call is None:  # all_to_all: each call is laid out from its own splits
@@ -307,8 +309,9 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
         raise
     if scales:
         c["scale_a"], c["scale_b"] = scales[:2]
+        c["scaling"] = scales[3]
     a2a = of(c["op"]).splits  # rows and splits are each call's own
-    gkey = group_key(key, plan, c["out_dtype"])
+    gkey = group_key(key, plan, c["out_dtype"], c.get("scaling"))
     with _prepare_lock:
         entry = _prepared.get(key)
         if entry is None:

@@ -50,6 +50,9 @@ class OverlapSpec:
     b_layout: str = "row"  # "row" (contiguous [K, N]), "col" ([N, K] transposed) or "strided"
     send_splits: tuple[int, ...] | None = None
     out_dtype: str | None = None  # fp8 calls (dtype "float8_e4m3fn"): the result's dtype
+    # fp8 calls: the scales' kind (fp8.scaling_kind): "tensorwise", "rowwise" (either scale per
+    # row or column) or "blockwise" (1x128 groups of a along K, 128x128 blocks of b)
+    scaling: str | None = None
 
     @property
     def fp8(self) -> bool:
@@ -57,7 +60,7 @@ class OverlapSpec:
 
     def dequantized(self) -> "OverlapSpec":
         """The float32 call an fp8 call runs as on a backend without native fp8."""
-        return dataclasses.replace(self, dtype="float32", out_dtype=None)
+        return dataclasses.replace(self, dtype="float32", out_dtype=None, scaling=None)
 
 
 @dataclass
@@ -73,7 +76,8 @@ class OverlapCall:
     world_size: int
     out: torch.Tensor
     recv_splits: tuple[int, ...] | None = None
-    # fp8 calls: float32 scales, 0-dim or [M, 1] (scale_a) and 0-dim or [1, N] (scale_b);
+    # fp8 calls: float32 scales, 0-dim or [M, 1] (scale_a) and 0-dim or [1, N] (scale_b), or
+    # block-wise [M, ceil(K/128)] and [ceil(K/128), ceil(N/128)] (flashoverlap_core/fp8.py);
     # out is in the plan's out_dtype
     scale_a: torch.Tensor | None = None
     scale_b: torch.Tensor | None = None

@@ -37,8 +37,9 @@ def check_operands(a, b, op, out_dtype=None) -> tuple[int, int, int, str, str, s
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
     if str(a.dtype).startswith("torch.float8") and out_dtype is None:
-        raise TypeError(f"{a.dtype} a and b need scale_a and scale_b (float32, 0-dim or [M, 1] "
-                        "and 0-dim or [1, N]) and give out_dtype (bfloat16 by default): "
+        raise TypeError(f"{a.dtype} a and b need scale_a and scale_b (float32: tensor-wise "
+                        "0-dim, row-wise [M, 1] and [1, N], or block-wise [M, ceil(K/128)] and "
+                        "[ceil(K/128), ceil(N/128)]) and give out_dtype (bfloat16 by default): "
                         "fo.overlap(a, b, op, scale_a=..., scale_b=..., out_dtype=...)")
     dtype = dtype_name(a.dtype)
     result_name = check_out_dtype(dtype, out_dtype)
@@ -113,7 +114,7 @@ def spec_of(c: dict, a, b) -> OverlapSpec:
     """The spec of a checked call (``c``: what :func:`check_arguments` found)."""
     return OverlapSpec(of(c["op"]).result_rows(c["m"], c["world_size"]), c["n"], c["k"],
                        c["op"], c["world_size"], c["dtype"], a.device.type, b_layout(b),
-                       c["send"], c["out_dtype"])
+                       c["send"], c["out_dtype"], c.get("scaling"))
 
 
 def call_of(c: dict, a, b, op, plan: Plan, out) -> OverlapCall:

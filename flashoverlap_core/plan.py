@@ -61,6 +61,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 FP8_DTYPES = tuple(n for n in ("float8_e4m3fn",) if hasattr(torch, n))
 DTYPES.update({n: getattr(torch, n) for n in FP8_DTYPES})
 OUT_DTYPES = ("bfloat16", "float16")
+# An fp8 call's scaling kind (fp8.scaling_kind): "blockwise" (1x128 groups of a along K,
+# 128x128 blocks of b) runs other kernels than "tensorwise" and "rowwise", which share plans;
+# a plan's ``scaling`` is "blockwise" or None (every other call)
+SCALINGS = ("tensorwise", "rowwise", "blockwise")
 FORMAT = "flashoverlap.plan/1"
 ALL_TO_ALL_GROUPS = 4  # G of an all_to_all plan without group_sizes (the same on every rank)
 
@@ -169,6 +173,18 @@ def check_out_dtype(dtype: str, out_dtype) -> str | None:
     return out
 
 
+def check_scaling(dtype: str, scaling) -> str | None:
+    """A plan's ``scaling`` for an fp8 ``dtype``: "blockwise", or None for tensor-wise and
+    row-wise scales (they share plans); None for other dtypes, which take none."""
+    if scaling is not None and scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS} or None, got {scaling!r}")
+    if dtype not in FP8_DTYPES:
+        if scaling is not None:
+            raise ValueError(f"scaling is for fp8 ({', '.join(FP8_DTYPES)}) plans, not {dtype}")
+        return None
+    return "blockwise" if scaling == "blockwise" else None
+
+
 def transfer_bytes_per_tile(op: str, n: int, k: int, tile: tuple[int, int], itemsize: int) -> int:
     """About how many bytes of the group's transfer each tile accounts for: its output, or for
     allgather its share of the rows of a that its band brings (BM x K over the column tiles)."""
@@ -218,6 +234,7 @@ class Plan:
     grouping: str = "waves"  # one of GROUPINGS
     out_dtype: str | None = None  # fp8 plans: the result's dtype (OUT_DTYPES; bfloat16 if None)
     layout: str | None = None  # one of LAYOUTS; None: "tiles" (allgather: "rows", always)
+    scaling: str | None = None  # fp8 plans: "blockwise", or None (tensor-wise and row-wise)
 
     def __post_init__(self):
         # all_to_all: a rank may have no rows to send (expert parallelism)
@@ -230,6 +247,7 @@ class Plan:
             raise ValueError(f"plan op must be one of {PLAN_OPS}, got {self.op!r}")
         kind = self.kind
         object.__setattr__(self, "out_dtype", check_out_dtype(dtype_name(self.dtype), self.out_dtype))
+        object.__setattr__(self, "scaling", check_scaling(dtype_name(self.dtype), self.scaling))
         if not isinstance(self.tile, tuple) or len(self.tile) != 2:
             raise TypeError(f"tile must be a pair (BM, BN) of ints, got {self.tile!r}")
         _check_int("tile BM", self.tile[0], 1)
@@ -582,13 +600,16 @@ class Plan:
 
     # ---- checking against a call ----------------------------------------------------------
     def mismatches(self, *, m, n, k, op, world_size, dtype, send_splits=None,
-                   out_dtype=None) -> list[str]:
-        """What about a call this plan does not fit (empty when it fits)."""
+                   out_dtype=None, scaling=None) -> list[str]:
+        """What about a call this plan does not fit (empty when it fits). ``scaling``: an fp8
+        call's kind (tensor-wise and row-wise calls fit the same plans)."""
         want = {"M": m, "N": n, "K": k, "op": op, "world_size": world_size,
                 "dtype": dtype_name(dtype),
-                "out_dtype": dtype_name(out_dtype) if out_dtype is not None else None}
+                "out_dtype": dtype_name(out_dtype) if out_dtype is not None else None,
+                "scaling": "blockwise" if scaling == "blockwise" else None}
         have = {"M": self.m, "N": self.n, "K": self.k, "op": self.op,
-                "world_size": self.world_size, "dtype": self.dtype, "out_dtype": self.out_dtype}
+                "world_size": self.world_size, "dtype": self.dtype, "out_dtype": self.out_dtype,
+                "scaling": self.scaling}
         if of(op).splits:
             want["send_splits"] = tuple(send_splits) if send_splits is not None else None
             have["send_splits"] = self.send_splits
@@ -607,7 +628,8 @@ class Plan:
             "send_splits": list(self.send_splits) if self.send_splits is not None else None,
             "backend": self.backend, "strategy": self.strategy, "grouping": self.grouping,
             "layout": self.layout,
-        } | ({"out_dtype": self.out_dtype} if self.out_dtype is not None else {})
+        } | ({"out_dtype": self.out_dtype} if self.out_dtype is not None else {}) \
+          | ({"scaling": self.scaling} if self.scaling is not None else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -621,7 +643,7 @@ class Plan:
                 send_splits=tuple(d["send_splits"]) if d.get("send_splits") is not None else None,
                 backend=d.get("backend"), strategy=d.get("strategy", "overlap"),
                 grouping=d.get("grouping", "waves"), out_dtype=d.get("out_dtype"),
-                layout=d.get("layout"))
+                layout=d.get("layout"), scaling=d.get("scaling"))
         except KeyError as e:
             raise ValueError(f"plan JSON lacks field {e}") from None
 
@@ -640,7 +662,8 @@ class Plan:
 
     def describe(self) -> str:
         itemsize = torch.tensor([], dtype=self.moved_dtype).element_size()
-        dtypes = self.dtype + (f" -> {self.out_dtype}" if self.out_dtype else "")
+        dtypes = (self.dtype + (f" -> {self.out_dtype}" if self.out_dtype else "")
+                  + (f", {self.scaling} scales" if self.scaling else ""))
         lines = [
             f"Plan {self.op} of [{self.m}x{self.k}] @ [{self.k}x{self.n}] {dtypes}, "
             f"world size {self.world_size}, backend {self.backend or 'any'}",
@@ -687,4 +710,4 @@ class Plan:
 def _dequantized_plan(plan: Plan) -> Plan:
     if plan.out_dtype is None:
         return plan
-    return replace(plan, dtype="float32", out_dtype=None)
+    return replace(plan, dtype="float32", out_dtype=None, scaling=None)

@@ -18,7 +18,7 @@ from .backend import Backend, OverlapSpec, call_reasons
 from .checks import check_splits_use
 from .grouping import MAX_GROUPS, wave_group_sizes
 from .ops import CUSTOM_OP, OPS, PLAN_OPS, of
-from .plan import (LAYOUTS, Plan, _check_int, all_to_all_groups, check_out_dtype,
+from .plan import (LAYOUTS, Plan, _check_int, all_to_all_groups, check_out_dtype, check_scaling,
                    destination_group_sizes, dtype_name, group_unit, moved_dtype,
                    transfer_bytes_per_tile)
 from .tiles import Schedule, TileGrid
@@ -87,7 +87,7 @@ def plan_and_source(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> tu
     rows = (plan.m, plan.send_splits) if of(c["op"]).splits else (spec.m, c["send"])
     wrong = plan.mismatches(m=rows[0], n=spec.n, k=spec.k, op=c["op"], world_size=c["world_size"],
                             dtype=c["dtype"], send_splits=rows[1],  # all_to_all: checked per call
-                            out_dtype=c["out_dtype"])
+                            out_dtype=c["out_dtype"], scaling=c.get("scaling"))
     wrong += chosen.plan_reasons(plan)
     if wrong:
         raise ValueError("the plan does not fit this call: " + "; ".join(wrong))
@@ -124,7 +124,8 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
         return _checked(backend, Plan(
             spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
             destination_group_sizes(grid, groups, chosen), sched, spec.send_splits, backend.name,
-            grouping="destinations", out_dtype=spec.out_dtype, layout=chosen))
+            grouping="destinations", out_dtype=spec.out_dtype, layout=chosen,
+            scaling=spec.scaling if spec.scaling == "blockwise" else None))
     if group_sizes is None:
         if rows_ok and schedule is None:
             sched = _strips_for_groups(sched, rows, spec.n, tile, wave)
@@ -138,7 +139,8 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
         raise TypeError(f"group_sizes must be a sequence of ints, got {type(group_sizes).__name__}")
     plan = Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile, wave,
                 tuple(group_sizes), sched, spec.send_splits, backend.name, out_dtype=spec.out_dtype,
-                layout=layout if layout == "rows" else None)
+                layout=layout if layout == "rows" else None,
+                scaling=spec.scaling if spec.scaling == "blockwise" else None)
     # Groups of whole bands need no post-reorder. Not an all_to_all's own group sizes, which
     # differ between ranks: its layout must be the same on every rank (what a rank receives
     # is laid out by its sender's), so it takes "rows" only when asked.
@@ -169,7 +171,8 @@ def _checked(backend: Backend, plan: Plan) -> Plan:
 def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
          dtype=torch.bfloat16, tile=None, group_sizes=None, backend: str | None = None, *,
          send_splits=None, wave_size: int | None = None, schedule: Schedule | None = None,
-         b_layout: str = "col", out_dtype=None, layout: str | None = None) -> Plan:
+         b_layout: str = "col", out_dtype=None, layout: str | None = None,
+         scaling: str | None = None) -> Plan:
     """Build an inspectable plan (``describe()``, ``to_json()``) to pass to ``overlap``.
 
     ``backend`` defaults to the one ``overlap`` would run the call on, for tensors on the
@@ -180,7 +183,9 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     destination) is required for an ``all_to_all`` plan at world size > 1. For ``allgather``,
     ``m`` is the rows of the result (world size x the rows of each rank's ``a``). fp8:
     ``dtype=torch.float8_e4m3fn`` with the result's ``out_dtype`` (bfloat16 by default, or
-    float16). ``layout``: "rows" (groups of whole row bands, written and received in their
+    float16) and the scales' ``scaling`` kind: "tensorwise", "rowwise" (these two share plans)
+    or "blockwise" (1x128 groups of a along K and 128x128 blocks of b; its own kernels, so its
+    own plans; None: tensor-wise or row-wise). ``layout``: "rows" (groups of whole row bands, written and received in their
     final rows: no post-reorder), "tiles" (any group sizes, a post-reorder after the
     collective), or None: "rows" wherever the backend runs it and ``group_sizes`` are whole
     bands, else "tiles".
@@ -200,7 +205,7 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     device_type = (chosen or registry.default_backend()).device_type or "cpu"
     name = dtype_name(dtype)
     spec = OverlapSpec(m, n, k, op, world_size, name, device_type, b_layout, send,
-                       check_out_dtype(name, out_dtype))
+                       check_out_dtype(name, out_dtype), check_scaling(name, scaling))
     if chosen is None:  # overlap's choice; an all_to_all chooses from what every rank shares
         chosen = registry.select(dataclasses.replace(spec, m=world_size, send_splits=None)
                                  if of(op).splits else spec)

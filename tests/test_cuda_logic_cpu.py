@@ -346,7 +346,8 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
             assert (cfg.dtype, cfg.out_dtype, cfg.tile_k, cfg.fast_accum) == (
                 "e4m3", build.DTYPE_ALIASES[out], 128, True)
             assert not cfg.problems()
-    names = {build.config_name(c) for c in kernels.all_configs([90]) if c.dtype == "e4m3"}
+    names = {build.config_name(c) for c in kernels.all_configs([90])
+             if c.dtype == "e4m3" and not c.block_scaled}
     assert names == {"sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_etma4",
                      "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_etma4",
                      "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_etma",
@@ -356,6 +357,37 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
                      "sm90_e4m3_fp16_bcol_128x128x128_c2x1_pingpong_etma",
                      "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma"}
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
+    blocks = {build.config_name(c) for c in kernels.all_configs([90]) if c.block_scaled}
+    assert blocks == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_cooperative_block128_etma"
+                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")}
+
+
+def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
+    """A block-wise spec gets the one block-scaled tile (128x128), its plans name their
+    scaling, other tiles are refused for it, and its build defines FO_FP8_BLOCK; sm80 declines
+    block-wise fp8 saying so."""
+    monkeypatch.setenv(ENV_ARCH, "90")
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    spec = fp8_spec(m=4096, n=4096, k=4096, scaling="blockwise")
+    assert kernels.default_tile(90, spec, 128) == (128, 128)
+    cfg = kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1), out_dtype="bfloat16",
+                              scaling="blockwise")
+    assert (cfg.block_scaled, cfg.schedule, cfg.tile_k, cfg.epilogue) == (
+        True, "cooperative", 128, "tma")
+    assert "-DFO_FP8_BLOCK=1" in build.gemm_defines(cfg)
+    assert not any(d.startswith("-DFO_FP8_BLOCK") for d in build.gemm_defines(
+        kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1))))
+    assert kernels.supported_tiles(90, "blockwise") == {(128, 128)}
+    assert kernels.supported_tiles(80, "blockwise") == set()
+    assert any(c.block_scaled for c in build.CHECK_CONFIGS)
+    assert any(c.block_scaled for c in build.SELFTEST_CONFIGS)
+    with pytest.raises(ValueError, match="block_scaled needs the cooperative schedule"):
+        build.GemmConfig(tile_k=128, dtype="e4m3", block_scaled=True)  # 128x256
+    with pytest.raises(ValueError, match="block_scaled applies to e4m3 builds"):
+        build.GemmConfig(tile_n=128, tile_k=128, block_scaled=True)
+    monkeypatch.setenv(ENV_ARCH, "80")
+    reasons = backend.unsupported_reasons(spec)
+    assert any("block-wise scales" in r and "sm_90a" in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize("fields, complaint", [
@@ -402,7 +434,13 @@ def test_fp8_scales_as_the_kernel_reads_them(monkeypatch):
     for t in (torch.rand(()), torch.rand(6, 1), torch.rand(1, 5), torch.rand(5, 2)[:1, :1]):
         assert kernel_scale(t) is t
     # the runtime's GemmScales(a, b, a_per_row, b_per_col) (tests/test_cuda_binding_cpu.py)
-    fields = lambda a, b, a_per_row, b_per_col: SimpleNamespace(**locals())  # noqa: E731
+    fields = lambda a, b, a_per_row, b_per_col, a_stride, b_stride: SimpleNamespace(**locals())  # noqa: E731
     monkeypatch.setattr(kernels, "runtime_library", lambda: SimpleNamespace(GemmScales=fields))
     s = gemm_scales(torch.rand(6, 1), torch.rand(()))
     assert (s.a_per_row, s.b_per_col) == (1, 0) and s.a and s.b
+    # block-wise: read in place through their strides (torch's outer-dim-major scale_a,
+    # weight_scale.t()), mode FO_SCALE_BLOCKS (2) and the strides in elements
+    sa, sb = torch.rand(3, 6).t(), torch.rand(2, 3).t()
+    assert kernel_scale(sa, True) is sa and kernel_scale(sb, True) is sb
+    s = gemm_scales(sa, sb, blockwise=True)
+    assert (s.a_per_row, s.b_per_col, s.a_stride, s.b_stride) == (2, 2, (1, 6), (1, 3))

@@ -20,8 +20,10 @@ def _call(m=7, n=9, k=16):
     (dict(scale_a=None), TypeError, "needs scale_a"),
     (dict(scale_b=None), TypeError, "needs scale_b"),
     (dict(scale_a=torch.rand(7, 1, dtype=torch.float64)), TypeError, "scale_a must be a float32"),
-    (dict(scale_a=torch.rand(1, 7)), ValueError, r"scale_a must have shape \[\] or \[7, 1\]"),
-    (dict(scale_b=torch.rand(9, 1)), ValueError, r"scale_b must have shape \[\] or \[1, 9\]"),
+    (dict(scale_a=torch.rand(1, 7)), ValueError,
+     r"scale_a has shape \[1, 7\]; the scales must be one of: tensor-wise: both 0-dim; row-wise: "
+     r"scale_a 0-dim or \[7, 1\] and scale_b 0-dim or \[1, 9\]"),
+    (dict(scale_b=torch.rand(9, 1)), ValueError, r"scale_b \[9, 1\].*row-wise: scale_a 0-dim or \[7, 1\] and scale_b 0-dim or \[1, 9\]"),
     (dict(out_dtype=torch.float32), ValueError, "out_dtype must be torch.bfloat16 or torch.float16"),
     (dict(b=torch.randn(16, 9)), TypeError, "both must be float8_e4m3fn"),
     (dict(b=torch.randn(16, 9).to(F8)), ValueError, "column-major"),
@@ -35,9 +37,77 @@ def test_bad_fp8_arguments_are_refused(change, error, match):
         fo.overlap(a, b, "allreduce", **kw)
 
 
+def _block_call(m=8, n=200, k=300):
+    """A block-wise call: K and N ragged against the 128 blocks."""
+    a = torch.randn(m, k).to(F8)
+    b = torch.randn(n, k).to(F8).t()
+    return a, b, torch.rand(m, 3) + 0.5, torch.rand(3, 2) + 0.5
+
+
+def test_blockwise_scales_take_torch_layouts_and_the_padded_scale_b():
+    """Any strides (torch's outer-dim-major scale_a, scale_b as weight_scale.t()) and the
+    padded [round_up(ceil(K/128), 4), ceil(N/128)] scale_b that F.scaled_mm takes give the same
+    result; the rows of the padding are not read."""
+    api.forget_prepared()
+    a, b, sa, sb = _block_call()
+    want = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb).double()
+    outer = sa.t().contiguous().t()  # strides (1, M)
+    weight_scale = sb.t().contiguous()  # [ceil(N/128), ceil(K/128)], a checkpoint's layout
+    padded = torch.full((4, 2), float(1e30))
+    padded[:3] = sb
+    for scale_a, scale_b in ((outer, weight_scale.t()), (sa, padded),
+                             (outer, padded.t().contiguous().t())):
+        got = fo.overlap(a, b, "allreduce", scale_a=scale_a, scale_b=scale_b)
+        assert torch.equal(got.double(), want)
+    kinds = {(e["a"][0], tuple(e["b"])) for e in fo.prepared_calls()}
+    assert kinds == {(8, (300, 200))}
+
+
+@pytest.mark.parametrize("m, n, k, scales, kind", [
+    (8, 9, 16, ((), ()), "tensorwise"),
+    (8, 9, 16, ((8, 1), ()), "rowwise"),
+    (8, 9, 16, ((8, 1), (1, 9)), "rowwise"),
+    (8, 1, 16, ((8, 1), (1, 1)), "rowwise"),  # fits both kinds: the same product
+    (8, 9, 16, ((8, 1), (1, 1)), "blockwise"),  # K <= 128: [M, 1] is both kinds of scale_a
+    (8, 200, 300, ((8, 3), (3, 2)), "blockwise"),
+    (8, 200, 300, ((8, 3), (4, 2)), "blockwise"),  # F.scaled_mm's padded scale_b
+    (8, 200, 300, ((8, 3), (1, 200)), None),
+    (8, 200, 1024, ((8, 8), (8, 2)), "blockwise"),
+])
+def test_the_scaling_kind_follows_from_the_shapes(m, n, k, scales, kind):
+    sa, sb = (torch.empty(s) for s in scales)
+    assert fo.fp8.scaling_kind(m, n, k, sa, sb) == kind
+
+
+def test_blockwise_plans_carry_their_scaling_and_fit_only_blockwise_calls():
+    plan = fo.plan(8, 200, 300, dtype=F8, scaling="blockwise", backend="reference")
+    assert (plan.scaling, plan.out_dtype) == ("blockwise", "bfloat16")
+    assert fo.Plan.from_json(plan.to_json()) == plan
+    assert "blockwise scales" in plan.describe()
+    assert fo.plan(8, 200, 300, dtype=F8, scaling="rowwise", backend="reference").scaling is None
+    assert "scaling" not in fo.plan(8, 200, 300, dtype=F8, backend="reference").to_dict()
+    with pytest.raises(ValueError, match="scaling is for fp8"):
+        fo.plan(8, 200, 300, dtype=torch.bfloat16, scaling="blockwise")
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        fo.plan(8, 200, 300, dtype=F8, scaling="per-block")
+    a, b, sa, sb = _block_call()
+    with pytest.raises(ValueError, match="the plan does not fit this call: scaling: plan has None, "
+                                         "call has 'blockwise'"):
+        fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb,
+                   plan=fo.plan(8, 200, 300, dtype=F8, backend="reference"))
+    with pytest.raises(ValueError, match="scaling: plan has 'blockwise', call has None"):
+        fo.overlap(a, b, "allreduce", scale_a=torch.rand(8, 1), scale_b=torch.rand(1, 200),
+                   plan=plan)
+    got = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, plan=plan)
+    assert got.shape == (8, 200)
+
+
 def test_fp8_without_scales_says_what_it_needs():
     a, b, _, _ = _call()
-    with pytest.raises(TypeError, match="need scale_a and scale_b"):
+    with pytest.raises(TypeError, match=r"need scale_a and scale_b \(float32: tensor-wise 0-dim, "
+                                        r"row-wise \[M, 1\] and \[1, N\], or block-wise "
+                                        r"\[M, ceil\(K/128\)\] and \[ceil\(K/128\), "
+                                        r"ceil\(N/128\)\]\)"):
         fo.overlap(a, b, "allreduce")
 
 
@@ -57,6 +127,15 @@ def test_fp8_compiles_and_names_its_dtype():
     want = (a.double() * sa.double()) @ (b.double() * sb.double())
     assert got.dtype == torch.float16
     assert float((got.double() - want).abs().max()) <= 4e-3 * float(want.abs().max())
+
+
+def test_blockwise_fp8_compiles():
+    a, b, sa, sb = _block_call()
+    fn = torch.compile(lambda *t: fo.overlap(*t[:2], "allreduce", scale_a=t[2], scale_b=t[3]),
+                       fullgraph=True)
+    got = fn(a, b, sa, sb)
+    want = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 @pytest.fixture
@@ -192,3 +271,40 @@ def test_fp8_backward_says_fp8_is_for_inference():
     fn = torch.compile(lambda *t: fo.overlap(*t[:2], "allreduce", scale_a=t[2], scale_b=t[3]))
     with pytest.raises(Exception, match="inference"):
         fn(a, b, sa, sb).sum().backward()
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(scale_a=torch.rand(8, 2)), ValueError,
+     r"scale_a \[8, 2\] has 2 groups of 128 along K, which cover K in \(128, 256\]; K=300 needs "
+     r"ceil\(300/128\) = 3 groups \(the last one may be partial\): \[8, 3\]"),
+    (dict(scale_a=torch.rand(8, 4)), ValueError, r"K=300 needs ceil\(300/128\) = 3 groups"),
+    (dict(scale_b=torch.rand(2, 2)), ValueError,
+     r"scale_b \[2, 2\] has 2 block rows of 128 along K; K=300 needs ceil\(300/128\) = 3"),
+    (dict(scale_b=torch.rand(3, 1)), ValueError,
+     r"scale_b \[3, 1\] has 1 block columns of 128; N=200 needs ceil\(200/128\) = 2"),
+    (dict(scale_b=torch.rand(1, 200)), ValueError,
+     "block-wise scale_a goes with block-wise scale_b"),
+    (dict(scale_b=torch.rand(())), ValueError, "block-wise scale_a goes with block-wise scale_b"),
+    (dict(scale_a=torch.rand(8, 1)), ValueError,
+     r"block-wise scale_b goes with block-wise scale_a \[8, 3\]"),
+    (dict(scale_a=torch.rand(8, 3, dtype=torch.float64)), TypeError, "scale_a must be a float32"),
+    (dict(scale_b=torch.rand(3, 2).half()), TypeError, "scale_b must be a float32"),
+    (dict(scale_a=torch.full((8, 3), float("nan"))), ValueError,
+     r"scale_a has non-finite values \(inf or NaN\)"),
+    (dict(scale_b=torch.tensor([[1.0, float("inf")]] * 3)), ValueError,
+     r"scale_b has non-finite values"),
+    (dict(scale_a=torch.rand(8, 3, device="meta")), ValueError, "scale_a must be on cpu like a"),
+])
+def test_bad_blockwise_scales_are_refused_before_any_device_work(change, error, match, registered):
+    class TripwireFp8(NativeFp8):
+        name = "fake-tripwire-fp8"
+
+        def run(self, call):
+            raise AssertionError("the backend ran a call whose arguments are invalid")
+
+    registered(TripwireFp8())
+    api.forget_prepared()
+    a, b, sa, sb = _block_call()
+    kw = {"scale_a": sa, "scale_b": sb, **change}
+    with pytest.raises(error, match=match):
+        fo.overlap(a, b, "allreduce", backend="fake-tripwire-fp8", **kw)

@@ -134,7 +134,9 @@ class CudaBackend(Backend):
             if gemm.arch() != 90:
                 why = (f"{ENV_ARCH}={forced}" if forced else
                        "this GPU is sm_%d%d" % torch.cuda.get_device_capability())
-                reasons.append(f"fp8 needs sm_90a's e4m3 tensor cores (wgmma); {why} runs the "
+                what = ("fp8 with block-wise scales (its block-scaled main loop)"
+                        if spec.scaling == "blockwise" else "fp8")
+                reasons.append(f"{what} needs sm_90a's e4m3 tensor cores (wgmma); {why} runs the "
                                "sm_80 kernels, which take bf16 and fp16 only (Ada's sm_89 fp8 "
                                "is not built)")
         return reasons
@@ -178,9 +180,10 @@ class CudaBackend(Backend):
 
     def plan_reasons(self, plan) -> list[str]:
         reasons = []
-        tiles = kernels.supported_tiles(gemm.arch())
+        tiles = kernels.supported_tiles(gemm.arch(), plan.scaling)
         if tuple(plan.tile) not in tiles:
-            reasons.append(f"tile {plan.tile} has no CUDA kernel on sm_{gemm.arch()}; "
+            what = " with block-wise fp8 scales" if plan.scaling == "blockwise" else ""
+            reasons.append(f"tile {plan.tile} has no CUDA kernel{what} on sm_{gemm.arch()}; "
                            f"available: {sorted(tiles)}")
         if plan.kind.splits:
             reasons += all_to_all_call.unsupported(plan, plan.world_size)

@@ -74,6 +74,8 @@ class GemmConfig:
     out_dtype: str = ""  # of the output: e4m3 builds "bf16" (default) or "fp16"; else dtype's
     fast_accum: bool = True  # e4m3: accumulate in the tensor cores throughout (CUTLASS's
     # FP8FastAccum), or (False) promote into fp32 registers every 4 MMAs ("splitacc")
+    block_scaled: bool = False  # e4m3 with block-wise scales (1x128 groups of a, 128x128 blocks
+    # of b) applied in the main loop, promoted every 128 k (FO_FP8_BLOCK; cooperative 128x128x128)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -133,6 +135,8 @@ class GemmConfig:
     def _fp8_problems(self) -> list[str]:
         if self.dtype not in FP8_DTYPES:
             out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
+            if self.block_scaled:
+                out.append("block_scaled applies to e4m3 builds")
             if self.dtype in DTYPES and self.out_dtype != self.dtype:
                 out.append(f"a {self.dtype} build writes {self.dtype}, got out_dtype "
                            f"{self.out_dtype!r} (out_dtype is for e4m3 builds)")
@@ -146,6 +150,12 @@ class GemmConfig:
             out.append("e4m3 b must be column-major (fp8 wgmma reads both operands K-major)")
         if self.tile_k % 32:
             out.append(f"e4m3 tile_k must be a multiple of 32 (one fp8 wgmma), got {self.tile_k}")
+        if self.block_scaled and (self.schedule != "cooperative" or self.tile_k != 128
+                                  or self.tile_n != 128 or not self.fast_accum):
+            out.append("block_scaled needs the cooperative schedule, tile_k = tile_n = 128 (one "
+                       "group of 128 k per K tile, one 128-column block of b per tile) and "
+                       f"fast_accum (its main loop promotes per group), got {self.schedule} "
+                       f"{self.tile_m}x{self.tile_n}x{self.tile_k}, fast_accum={self.fast_accum}")
         return out
 
     @property
@@ -177,6 +187,8 @@ def config_name(config: GemmConfig) -> str:
             f"_c{config.cluster_m}x{config.cluster_n}_{config.schedule}")
     if not config.fast_accum:
         name += "_splitacc"
+    if config.block_scaled:
+        name += "_block128"
     if config.stages:
         name += f"_s{config.stages}"
     if config.epilogue != "direct":
@@ -315,7 +327,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
     ] + ([f"-DFO_EPI_SLOTS={config.epi_slots}"] if config.epi_slots else []) + (
         ["-DFO_BLOCKS=1"] if config.blocks else []) + (
         [f"-DFO_OUT_DTYPE={OUT_DTYPES[config.out_dtype]}",
-         f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else [])
+         f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else []) + (
+        ["-DFO_FP8_BLOCK=1"] if config.block_scaled else [])
 
 
 @dataclass(frozen=True)
@@ -485,13 +498,17 @@ CHECK_CONFIGS = (
                schedule="pingpong", epilogue="tma"),
     GemmConfig(tile_n=128, schedule="pingpong", epilogue="vec16"),
     GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="tma", epi_slots=4),
+    GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True),
     default_config(80),
     default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
-# accumulator layout: cooperative 128x256 and pingpong 128x128.
+# accumulator layout: cooperative 128x256 and pingpong 128x128; e4m3 row-wise and block-wise
+# (cooperative 128x128: the rows its main loop scales by).
 SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"),
-                    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4))
+                    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4),
+                    GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma",
+                               block_scaled=True))
 
 
 def selftest_job(config: GemmConfig) -> Job:

@@ -108,19 +108,35 @@ def _current_stream_getter():
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-def kernel_scale(t: torch.Tensor) -> torch.Tensor:
+SCALE_BLOCKS = 2  # fo_gemm_scales' mode of block-wise scales (FO_SCALE_BLOCKS)
+
+
+def kernel_scale(t: torch.Tensor, blockwise: bool = False) -> torch.Tensor:
     """An fp8 scale as the kernel reads it: one float, or consecutive floats (a [M, 1] or
-    [1, N] view with another stride is copied)."""
+    [1, N] view with another stride is copied); a block-wise one as it is (the kernel reads it
+    through its strides), unless a stride is negative."""
+    if blockwise:
+        return t if min(t.stride()) >= 0 else t.contiguous()
     if t.dim() == 0 or t.numel() == 1 or t.stride(0 if t.shape[1] == 1 else 1) == 1:
         return t
     return t.contiguous()
 
 
-def gemm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor):
+def scale_modes(scale_a: torch.Tensor, scale_b: torch.Tensor, blockwise: bool = False):
+    """(a_per_row, b_per_col, a_stride, b_stride) of fo_gemm_scales for kernel_scale'd scales:
+    row-wise [M, 1] and column-wise [1, N] (1), tensor-wise (0), or block-wise (SCALE_BLOCKS,
+    with their element strides)."""
+    if blockwise:
+        return SCALE_BLOCKS, SCALE_BLOCKS, tuple(scale_a.stride()), tuple(scale_b.stride())
+    return int(scale_a.dim() == 2), int(scale_b.dim() == 2), (0, 0), (0, 0)
+
+
+def gemm_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, blockwise: bool = False):
     """fo_gemm_scales (the runtime's GemmScales) of kernel_scale'd scales (row-wise: [M, 1];
-    column-wise: [1, N])."""
-    return kernels.runtime_library().GemmScales(scale_a.data_ptr(), scale_b.data_ptr(),
-                                                int(scale_a.dim() == 2), int(scale_b.dim() == 2))
+    column-wise: [1, N]; block-wise: [M, ceil(K/128)] and [ceil(K/128), ceil(N/128)])."""
+    a_mode, b_mode, a_stride, b_stride = scale_modes(scale_a, scale_b, blockwise)
+    return kernels.runtime_library().GemmScales(scale_a.data_ptr(), scale_b.data_ptr(), a_mode,
+                                                b_mode, a_stride, b_stride)
 
 
 def b_col_major(b: torch.Tensor) -> bool:

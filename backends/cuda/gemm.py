@@ -162,7 +162,7 @@ class Gemms:
         if not fits:
             cluster = (1, 1)
         config = kernels.gemm_config(gpu, plan.tile, plan.dtype, col, cluster,
-                                    out_dtype=plan.out_dtype)
+                                    out_dtype=plan.out_dtype, scaling=plan.scaling)
         return kernels.gemm_library(config), col, gpu
 
     def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
@@ -175,7 +175,8 @@ class Gemms:
         ``signal=False`` runs the same kernel with no counters (for measuring what signaling
         costs); ``counters`` default to the plan's benchmark counters (``tables.counters``);
         ``monitor`` (uint64 [T, 2]) records each tile's completion; ``scales``: an fp8 plan's
-        (scale_a, scale_b), float32, 0-dim or [M, 1] and 0-dim or [1, N].
+        (scale_a, scale_b), float32, 0-dim or [M, 1] and 0-dim or [1, N], or (a block-wise
+        plan's) [M, ceil(K/128)] and [ceil(K/128), ceil(N/128)], any strides.
         """
         tables = self.plan_tables(plan, a.device)
         gemm, col, gpu = self.gemm_for(plan, tables, b)
@@ -192,7 +193,8 @@ class Gemms:
             counters=counters.data_ptr() if signal else None, num_ctas=plan.wave_size,
             monitor=monitor.data_ptr() if monitor is not None else None)
         if gemm.fp8:
-            scale_a, scale_b = (kernel_scale(t) for t in scales)
-            params.scales = gemm_scales(scale_a, scale_b)
+            blockwise = plan.scaling == "blockwise"
+            scale_a, scale_b = (kernel_scale(t, blockwise) for t in scales)
+            params.scales = gemm_scales(scale_a, scale_b, blockwise)
         gemm.launch(params, stream.cuda_stream)
         return tables

@@ -53,6 +53,13 @@ FP8_CONFIGS = {
     90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma", tma_slots=4),
          (128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
 }
+# fp8 with block-wise scales (1x128 groups of a along K, 128x128 blocks of b; sm90 only): the
+# scales are applied in the main loop, per K tile of 128 (one group), into a second set of
+# accumulators, which doubles their registers: one tile, cooperative 128x128x128 (one block of
+# b per tile), the 2x1 cluster, the tma epilogue. Not measured yet on a GPU.
+FP8_BLOCK_CONFIGS = {
+    90: {(128, 128): Kernel(128, (2, 1), "cooperative", "tma")},
+}
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
 
@@ -81,7 +88,11 @@ def _parse_epilogues(value: str) -> dict[int, str]:
             if name in known_here}
 
 
-def supported_tiles(arch: int) -> set[tuple[int, int]]:
+def supported_tiles(arch: int, scaling: str | None = None) -> set[tuple[int, int]]:
+    """The tiles of ``arch``'s kernels (``scaling`` "blockwise": its block-scaled fp8 kernels,
+    none on sm80)."""
+    if scaling == "blockwise":
+        return set(FP8_BLOCK_CONFIGS.get(arch, {}))
     return set(CONFIGS[arch])
 
 
@@ -107,6 +118,8 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     """The tile of a default plan: DEFAULT_TILE, or on sm90, given the call (an OverlapSpec:
     m, n, k, op, world_size, send_splits) and the plan's wave size, pingpong's 128x128 where
     the waves' raggedness makes up for its cost (PINGPONG_COST)."""
+    if spec is not None and spec.scaling == "blockwise" and arch in FP8_BLOCK_CONFIGS:
+        return next(iter(FP8_BLOCK_CONFIGS[arch]))  # its one tile
     tile = DEFAULT_TILE[arch]
     if arch != 90 or spec is None or not wave_size or of(spec.op).splits:
         return tile  # all_to_all: the rows are each call's own, the tile is settled without them
@@ -140,12 +153,14 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 
 
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
-                blocks: bool = False, out_dtype: str | None = None) -> build.GemmConfig:
+                blocks: bool = False, out_dtype: str | None = None,
+                scaling: str | None = None) -> build.GemmConfig:
     """The build of ``tile`` on ``arch`` for a and b in ``dtype``; fp8 (FP8_DTYPES) with the
-    result in ``out_dtype``. ``blocks``: one that also takes destination blocks of unequal rows
-    (all_to_all's per-call layout; other calls keep the plain build, whose producer warps do
-    not pay for that branch)."""
-    table = FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
+    result in ``out_dtype``, block-scaled for ``scaling`` "blockwise". ``blocks``: one that
+    also takes destination blocks of unequal rows (all_to_all's per-call layout; other calls
+    keep the plain build, whose producer warps do not pay for that branch)."""
+    block_scaled = dtype in FP8_DTYPES and scaling == "blockwise"
+    table = FP8_BLOCK_CONFIGS if block_scaled else FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
     kernel = table[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
     slots = kernel.tma_slots if epilogue == "tma" else 0
@@ -153,14 +168,14 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                             b_col_major=b_col_major, schedule=kernel.schedule,
                             epilogue=epilogue, epi_slots=slots, blocks=blocks,
-                            out_dtype=out_dtype or "")
+                            out_dtype=out_dtype or "", block_scaled=block_scaled)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
     (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster;
     all_to_all's (its default tile, 1x1, unequal blocks); on sm90 also fp8 (b column-major)
-    with either output dtype."""
+    with either output dtype, tensor-/row-wise and block-wise scales."""
     out = []
     for arch in archs:
         for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
@@ -174,6 +189,12 @@ def all_configs(archs) -> list[build.GemmConfig]:
                 for result in DTYPES:
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result)
                             for c in clusters]
+        for tile in FP8_BLOCK_CONFIGS.get(arch, {}):  # block-wise fp8
+            for dtype in FP8_DTYPES:
+                for result in DTYPES:
+                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
+                                        scaling="blockwise")
+                            for c in dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])]
     return out
 
 

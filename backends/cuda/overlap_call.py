@@ -19,7 +19,8 @@ from flashoverlap_core.reorder import add_rmsnorm
 from . import kernels, nccl
 from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_operand
 from .call_base import CallState, NativeCall, WarmUps, new_description
-from .device_state import NCCL_DTYPES, _current_device, kernel_scale, replay_graphs, wait_mode
+from .device_state import (NCCL_DTYPES, _current_device, kernel_scale, replay_graphs, scale_modes,
+                           wait_mode)
 from .gemm import Gemms, Operands, bases_aligned, workspace
 from .runtime import WAIT_MODES
 
@@ -86,10 +87,14 @@ class CudaCall(NativeCall, PreparedCall):
                          plan.dtype)
         # fp8: per call, scale_a and scale_b go to fo_call_run_scaled as they are when the key's
         # strides let the kernel read them in place (kernel_scale), else as copies
+        # (block-wise scales: as they are, read through the key's strides)
         self.scaled = call.scale_a is not None
-        self.template_scales = (call.scale_a.dim(), call.scale_b.dim()) if self.scaled else None
+        self.blockwise = plan.scaling == "blockwise"
+        self.template_scales = (scale_modes(kernel_scale(call.scale_a, self.blockwise),
+                                            kernel_scale(call.scale_b, self.blockwise),
+                                            self.blockwise) if self.scaled else None)
         self.scales_direct = self.scaled and all(
-            kernel_scale(t) is t for t in (call.scale_a, call.scale_b))
+            kernel_scale(t, self.blockwise) is t for t in (call.scale_a, call.scale_b))
         self.call_run_scaled = self.runtime.call_run_scaled
         # A "rows" plan writes and receives the output's own rows: an allreduce needs no buffer
         # of its own (until its fused norm, which reduces a buffer of the call's rows).
@@ -150,9 +155,9 @@ class CudaCall(NativeCall, PreparedCall):
         desc.use_graph = int(self.use_graph)
         desc.rows = int(self.rows)
         if self.scaled:
-            t = self.template_scales
             desc.scaled = 1
-            desc.scale_a_per_row, desc.scale_b_per_col = int(t[0] == 2), int(t[1] == 2)
+            (desc.scale_a_per_row, desc.scale_b_per_col, desc.scale_a_stride,
+             desc.scale_b_stride) = self.template_scales
         state.runtime = self.runtime
         if state.handle is not None:
             self.runtime.call_destroy(state.handle)
@@ -263,7 +268,7 @@ class CudaCall(NativeCall, PreparedCall):
             return out
         # the scales as the kernel reads them (float32, contiguous, on this device); a copy
         # is queued before the call, and the caching allocator orders its reuse after it
-        scale_a, scale_b = (kernel_scale(x) for x in scales)
+        scale_a, scale_b = (kernel_scale(x, self.blockwise) for x in scales)
         self._run_native(a, b, lambda handle, a_ptr, lda, b_ptr, ldb, stream, warm:
                          self.call_run_scaled(handle, a_ptr, lda, b_ptr, ldb, scale_a.data_ptr(),
                                               scale_b.data_ptr(), out.data_ptr(), stream, warm))

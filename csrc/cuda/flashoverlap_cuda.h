@@ -147,11 +147,25 @@ FO_API cudaError_t fo_gemm_set_node(cudaGraphExec_t exec, cudaGraphNode_t node, 
 // stride (lda) that is a multiple of 16 elements (16 bytes), like ldb. Such a library answers
 // fo_gemm_run, fo_gemm_run_ex and fo_gemm_run_blocks with cudaErrorInvalidValue (they carry no
 // scales), and a 16-bit library answers the _scaled functions so.
+// Block-wise (issue 32), a_per_row = b_per_col = FO_SCALE_BLOCKS, the only modes a block-scaled
+// library (FO_FP8_BLOCK = 1) takes and that no other library takes: the scales are applied in
+// the main loop, per 128-long group of k (FO_SCALE_BLOCK), not in the epilogue:
+//   packed tile element (r, c) = sum_g (sum_{k in group g} a[r, k] b[c, k])
+//                                      * scale_a[r * a_stride[0] + g * a_stride[1]]
+//                                      * scale_b[g * b_stride[0] + (c / 128) * b_stride[1]]
+// (g = k / 128; the last group may be shorter than 128 when K is not a multiple of it; element
+// strides, any values, e.g. torch's outer-dim-major scale_a, strides (1, M)).
+#define FO_SCALE_BLOCKS 2
+#define FO_SCALE_BLOCK 128
 typedef struct {
   const float* a;  // scale_a: 1 float, or one per row of a (a_per_row = 1)
   const float* b;  // scale_b: 1 float, or one per column of the result (b_per_col = 1)
   int a_per_row;
   int b_per_col;
+  // Appended (issue 32): FO_SCALE_BLOCKS only, the element strides of scale_a [M, groups]
+  // and scale_b [groups, ceil(N / 128)]; ignored otherwise (zero-initialised by older callers)
+  int64_t a_stride[2];
+  int64_t b_stride[2];
 } fo_gemm_scales;
 
 // fo_gemm_run with the scales of an e4m3 build.
@@ -302,6 +316,8 @@ typedef struct {
   int scaled;
   int scale_a_per_row, scale_b_per_col;
   int rows;  // a "rows" plan (see above)
+  // Appended (issue 32): block-wise scales' element strides (fo_gemm_scales), fixed per call
+  int64_t scale_a_stride[2], scale_b_stride[2];
 } fo_call_desc;
 
 FO_API cudaError_t fo_call_create(const fo_call_desc* desc, fo_call** call);

@@ -43,6 +43,16 @@
 // (both 1 float) are one product kept in a register; otherwise the tile's kBM row scales and
 // kBN column scales (a tensor-wise one repeated) are copied into shared memory with cp.async
 // before the tile's mainloop, which hides their latency, and read back in its epilogue.
+// Block-wise scales (FO_FP8_BLOCK 1, fo_gemm_scales mode FO_SCALE_BLOCKS: 1x128 groups of a along
+// K, 128x128 blocks of b) are applied in the main loop instead: each K tile (128 = one group)
+// is multiplied into a fresh set of wgmma accumulators, which the math threads then add into
+// their fp32 result times scale_a of the row and scale_b of the tile's 128 columns (a
+// block-scaled accumulation, as CUTLASS's sm90 blockwise-scaled fp8 mainloop does it). The
+// scales of each K tile ride the mainloop pipeline: warp 2 of the producer warpgroup copies
+// them (cp.async) into the stage's slot and arrives on the stage's full barrier when they have
+// landed, so a stage is full when its A and B tiles and its scales are. One build: cooperative
+// 128x128x128 (the second set of accumulators doubles their registers; one 128-column tile is
+// one block of b).
 //
 // One configuration per compilation, chosen with -D macros (defaults in brackets):
 //   FO_TILE_M/N/K [128/256/64], FO_CLUSTER_M/N [2/1], FO_DTYPE [0 = bf16, 1 = fp16, 2 = e4m3],
@@ -95,6 +105,9 @@
 #ifndef FO_FP8_FAST_ACCUM
 #define FO_FP8_FAST_ACCUM 1
 #endif
+#ifndef FO_FP8_BLOCK
+#define FO_FP8_BLOCK 0  // 1: e4m3 with block-wise scales applied in the main loop (above)
+#endif
 
 namespace fo::sm90 {
 using namespace cute;
@@ -131,6 +144,14 @@ using ClusterShape = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
 // e4m3 with fast accumulation: CUTLASS's FP8FastAccum schedules (the plain mainloop); without,
 // the plain schedule names make the collective builder take its FP8 mainloop, which promotes.
 constexpr bool kFastAccum = kFp8 && FO_FP8_FAST_ACCUM;
+// Block-wise scales: the plain TMA mainloop collective loads A and B (its FP8FastAccum
+// schedule); the math threads run their own K loop (block_scaled_mainloop).
+constexpr bool kBlockScaled = kFp8 && FO_FP8_BLOCK;
+static_assert(!FO_FP8_BLOCK || kFp8, "FO_FP8_BLOCK is for e4m3 builds");
+static_assert(!kBlockScaled || (FO_SCHEDULE == 0 && kBK == FO_SCALE_BLOCK && kBN == FO_SCALE_BLOCK &&
+                                FO_FP8_FAST_ACCUM),
+              "block-wise scales: the cooperative schedule, one 128 group per K tile and one 128 "
+              "block of b per tile (tile_k = tile_n = 128), FO_FP8_FAST_ACCUM 1");
 using KernelSchedule = cute::conditional_t<
     kPingpong,
     cute::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
@@ -182,6 +203,18 @@ __host__ __device__ inline ScaleCopy scale_copy(const fo_gemm_scales& sc, const 
   const bool per = row ? sc.a_per_row : sc.b_per_col;
   return ScaleCopy{in && per ? int64_t(row ? w.row0 : w.col0) + at : 0, in};
 }
+// Block-wise scales: the scales of one K tile of one tile, per mainloop stage (filled by the
+// producer warpgroup's warp 2, read by the math threads after the stage's full barrier).
+constexpr int kScaleStages = 8;  // at least the mainloop's stages (static_assert below)
+struct alignas(16) BlockScaleStage {
+  float a[kBM];  // scale_a of the tile's rows for this group of 128 k (rows past its end: 0)
+  float b[4];    // b[0]: scale_b of this group and the tile's 128 columns
+};
+struct alignas(16) BlockScaleStorage {
+  BlockScaleStage stage[kScaleStages];
+};
+using Fp8ScaleStorage = cute::conditional_t<kBlockScaled, BlockScaleStorage, ScaleStorage>;
+
 // The epilogue's shared memory: the tma slots, and for fp8 the scales (a specialisation, so
 // that 16-bit builds keep their layout and size).
 template <bool Scales>
@@ -191,13 +224,13 @@ struct EpiShared {
 template <>
 struct EpiShared<true> {
   EpiStorage slots;
-  ScaleStorage scales;
+  Fp8ScaleStorage scales;
 };
 
 constexpr int kCarveout = int(sizeof(typename MathOrderBarrier::SharedStorage) +
                               sizeof(typename EpiPipeline::SharedStorage)) + 32 +
                           (kTmaStore ? int(sizeof(EpiSlots)) + 1024 : 0) +
-                          (kFp8 ? int(sizeof(ScaleStorage)) + 16 : 0);
+                          (kFp8 ? int(sizeof(Fp8ScaleStorage)) + 16 : 0);
 
 using Stages = cute::conditional_t<FO_STAGES == 0,
                                    cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
@@ -207,6 +240,12 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA, kAlignIn, ElementIn,
     LayoutB, kAlignIn, float, TileShape, ClusterShape, Stages, KernelSchedule>::CollectiveOp;
 using TiledMma = typename Mainloop::TiledMma;
+static_assert(!kBlockScaled || int(Mainloop::DispatchPolicy::Stages) <= kScaleStages,
+              "block-wise scales: more mainloop stages than scale slots (raise kScaleStages)");
+// Producer arrivals on a stage's full barrier: the TMA leader's, and for block-wise scales
+// one per lane of the warp that copies the stage's scales (cp.async ... arrive.noinc).
+constexpr int kScaleLoaderWarp = 2;  // of the producer warpgroup (0: TMA loads, 1: store/signal)
+constexpr int kStageProducers = int(Mainloop::NumProducerThreadEvents) + (kBlockScaled ? 32 : 0);
 using MainloopPipeline = typename Mainloop::MainloopPipeline;
 using PipelineState = typename Mainloop::PipelineState;
 
@@ -442,10 +481,11 @@ __device__ inline void apply_scales(Acc& acc, const TileScales& s, const int (&r
 }
 
 // This math group's scale buffer for its tile of the given parity (a template, so that 16-bit
-// builds, whose shared memory has none, never name it).
+// builds, whose shared memory has none, and block-wise ones, whose scales are per stage, never
+// name it).
 template <class Epi>
 __device__ inline TileScales* scale_buffer(Epi& epi, int group, int parity) {
-  if constexpr (kFp8) return &epi.scales.tile[group][parity];
+  if constexpr (kFp8 && !kBlockScaled) return &epi.scales.tile[group][parity];
   else return nullptr;
 }
 
@@ -525,6 +565,116 @@ __device__ inline WorkTile stored_item(const ItemTable& t, int64_t base, int ran
   return w;
 }
 
+#ifdef FO_SM90_DEVICE
+// ---- fp8 block-wise scales: the main loop ------------------------------------------------------
+// The block-scale storage of the epilogue's shared memory (a template, so that builds without
+// it never name it).
+template <class Epi>
+__device__ inline BlockScaleStage* block_scale_stages(Epi& epi) {
+  if constexpr (kBlockScaled) return epi.scales.stage;
+  else return nullptr;
+}
+
+// Producer warp kScaleLoaderWarp, lane `lane`: for every K tile of every item of this CTA, in
+// the order the TMA warp loads them, waits for the stage to be free, copies the tile's scale_a
+// of group kt (kBM rows; rows past the tile's end and a filler item's: 0) and scale_b of group
+// kt and the tile's column block into the stage's slot, and arrives on the stage's full
+// barrier once its copies have landed (so the stage fills only when the scales are there).
+__device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipeline,
+                                         BlockScaleStage* stages, int64_t first_base,
+                                         int64_t round_stride, int rank, int k_tiles, int lane) {
+  const fo_gemm_scales& sc = p.scales;
+  PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+  for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
+    const WorkTile w = stored_item(p.table, base, rank);
+    const float* a_rows = sc.a + (w.valid ? int64_t(w.row0) * sc.a_stride[0] : 0);
+    const float* b_col = sc.b + (w.valid ? int64_t(w.n_blk) * sc.b_stride[1] : 0);
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.producer_acquire(write_state);
+      BlockScaleStage& st = stages[write_state.index()];
+#pragma unroll
+      for (int i = lane; i < kBM; i += 32) {
+        const bool copy = w.valid && i < w.rows;
+        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.a[i]),
+                     copy ? a_rows + int64_t(i) * sc.a_stride[0] + int64_t(kt) * sc.a_stride[1] : sc.a,
+                     copy);
+      }
+      if (lane == 0)
+        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.b[0]),
+                     w.valid ? b_col + int64_t(kt) * sc.b_stride[0] : sc.b, w.valid);
+      pipeline.producer_commit(write_state, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++write_state;
+    }
+  }
+}
+
+// Math threads (cooperative: both warpgroups share the tile): the tile's K loop with block-wise
+// scales. Per K tile (one group of 128 k): wait for the stage (A, B and the scales), run its
+// wgmmas into `part` from zero, read this thread's row scales and the tile's column scale from
+// the stage while they run, wait for them, free the stage, and add part times scale_a(row) *
+// scale_b into `acc` (fp32). Leaves read_state past the tile's K tiles; frees every stage it
+// used (no mma_tail).
+template <class Acc>
+__device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, PipelineState& read_state,
+                                             Acc& acc, int k_tiles, int math_thread,
+                                             typename Mainloop::TensorStorage& storage,
+                                             const BlockScaleStage* stages,
+                                             const int (&row_base)[kMmaM], int lane) {
+  constexpr FragWord word{};
+  TiledMma tiled_mma;
+  Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), typename Mainloop::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  // A and B fragments are the same for every thread of a warpgroup: slice by its first thread
+  const int warp_group = __shfl_sync(0xffffffff, math_thread / 128, 0);
+  auto wg_mma = tiled_mma.get_slice(warp_group * 128);
+  Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+  Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+  auto part = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+#pragma unroll
+  for (int i = 0; i < int(size(acc)); ++i) acc(i) = 0.0f;
+#pragma unroll 1
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    pipeline.consumer_wait(read_state);
+    const int stage = read_state.index();
+    warpgroup_fence_operand(part);
+    warpgroup_arrive();
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int k = 0; k < int(size<2>(tCrA)); ++k) {
+      cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), part);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    const BlockScaleStage& st = stages[stage];
+    const float sb = st.b[0];
+    float scale[kMmaM][2];
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) scale[m][h] = st.a[FragWord::row(row_base[m], h, lane)] * sb;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(part);
+    pipeline.consumer_release(read_state);
+    ++read_state;
+#pragma unroll
+    for (int m = 0; m < kMmaM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          const int i = word(m, h, j);
+          acc(i) += part(i) * scale[m][h];
+          acc(i + 1) += part(i + 1) * scale[m][h];
+        }
+      }
+    }
+  }
+  warpgroup_fence_operand(acc);
+}
+#endif  // FO_SM90_DEVICE
+
 __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_constant__ Params p) {
 #ifdef FO_SM90_DEVICE
   extern __shared__ __align__(128) char smem[];
@@ -549,10 +699,12 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
 
   typename MainloopPipeline::Params pp;
   if (warp_group == 0 && warp_in_group == 0) pp.role = MainloopPipeline::ThreadCategory::Producer;
+  if (kBlockScaled && warp_group == 0 && warp_in_group == kScaleLoaderWarp)
+    pp.role = MainloopPipeline::ThreadCategory::Producer;
   if (warp_group > 0) pp.role = MainloopPipeline::ThreadCategory::Consumer;
   pp.is_leader = thread_in_group == 0;
   pp.num_consumers = kTileThreads;
-  pp.num_producers = Mainloop::NumProducerThreadEvents;
+  pp.num_producers = kStageProducers;
   pp.transaction_bytes = p.mainloop.tma_transaction_bytes;
   MainloopPipeline pipeline(ss.pipelines.mainloop, pp, ClusterShape{});
 
@@ -602,6 +754,10 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         write_state.advance(k_tiles);
       }
       mainloop.load_tail(pipeline, write_state);
+    } else if (kBlockScaled && warp_in_group == kScaleLoaderWarp) {
+      if constexpr (kBlockScaled)
+        load_block_scales(p, pipeline, block_scale_stages(ss.tensors.epi), first_base,
+                          round_stride, rank, k_tiles, thread_in_group % 32);
     } else if (warp_in_group == 1 && thread_in_group == 32) {
       // Store/signal thread: takes each tile from the math threads (in the CTA's order); tma:
       // stores its column blocks from the slots, frees each slot once read, waits for the
@@ -666,10 +822,11 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
 
     // fp8: tensor-wise scales (both one float) are one product; otherwise per tile in shared
     // memory, buffer tile_count % 2 of this group's pair (a uniform branch per tile).
-    [[maybe_unused]] const bool per_element = kFp8 && (p.scales.a_per_row || p.scales.b_per_col);
+    [[maybe_unused]] const bool per_element =
+        kFp8 && !kBlockScaled && (p.scales.a_per_row || p.scales.b_per_col);
     [[maybe_unused]] const int scale_group = kPingpong ? math_group : 0;
     [[maybe_unused]] float tensor_scale = 1.0f;
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && !kBlockScaled) {
       if (!per_element) tensor_scale = p.scales.a[0] * p.scales.b[0];
     }
     [[maybe_unused]] int tile_count = 0;
@@ -688,17 +845,22 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
     for (; base < p.table.num_items; base += step) {
       const WorkTile w = stored_item(p.table, base, rank);
       TileScales* scales = nullptr;
-      if constexpr (kFp8) {
+      if constexpr (kFp8 && !kBlockScaled) {
         scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
         if (per_element) stage_scales(p.scales, w, *scales, math_thread);
       }
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+      if constexpr (kBlockScaled) {  // the scales are applied per K tile, in the main loop
+        block_scaled_mainloop(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop,
+                              block_scale_stages(ss.tensors.epi), row_base, lane);
+      } else {
       if constexpr (kPingpong) math_order.wait();
       mainloop.mma(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop, p.mainloop);
       if constexpr (kPingpong) math_order.arrive();
       mainloop.mma_tail(pipeline, read_state, k_tiles);
       read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
-      if constexpr (kFp8) {
+      }
+      if constexpr (kFp8 && !kBlockScaled) {
         if (per_element) {
           await_scales(scale_group);
           apply_scales(acc, *scales, row_base, lane);
@@ -838,13 +1000,31 @@ const fo_gemm_config& config() {
   static const fo_gemm_config c = {
       FO_CUDA_ABI_VERSION, 90, kBM, kBN, kBK, kClusterM, kClusterN, FO_DTYPE, FO_B_COL_MAJOR,
       kClusterSize, FO_SCHEDULE, int(Mainloop::DispatchPolicy::Stages), FO_OUT_DTYPE,
-      kFastAccum ? 1 : 0};
+      kFastAccum && !kBlockScaled ? 1 : 0};  // block-wise: promoted every 128 k, by its scales
   return c;
 }
 
 cudaError_t load_kernel() { return prepare_kernel_once(signaling_gemm, kSmemBytes); }
 
-cudaError_t check_limits(const Args&) { return cudaSuccess; }  // TMA handles every edge
+// TMA handles every edge; the scale modes a build takes (check_scales has checked that an e4m3
+// build has scales): block-wise (FO_SCALE_BLOCKS for both) in a block-scaled build only.
+cudaError_t check_limits(const Args& args) {
+  if constexpr (kFp8) {
+    const fo_gemm_scales& s = *args.scales;
+    const bool blocks = s.a_per_row == FO_SCALE_BLOCKS && s.b_per_col == FO_SCALE_BLOCKS;
+    if (kBlockScaled && !blocks)
+      return fail(cudaErrorInvalidValue,
+                  "this GEMM library applies block-wise scales (1x%d groups of a, %dx%d blocks of "
+                  "b) in its main loop: a_per_row and b_per_col must both be FO_SCALE_BLOCKS (%d), "
+                  "got %d and %d", FO_SCALE_BLOCK, FO_SCALE_BLOCK, FO_SCALE_BLOCK, FO_SCALE_BLOCKS,
+                  s.a_per_row, s.b_per_col);
+    if (!kBlockScaled && (s.a_per_row == FO_SCALE_BLOCKS || s.b_per_col == FO_SCALE_BLOCKS))
+      return fail(cudaErrorInvalidValue,
+                  "block-wise scales (FO_SCALE_BLOCKS) need a block-scaled GEMM library "
+                  "(FO_FP8_BLOCK=1); this one takes tensor-wise and row-wise scales");
+  }
+  return cudaSuccess;
+}
 
 // Launch configuration: grid (cluster_m * clusters, cluster_n), clusters of cluster_m x cluster_n.
 static cudaLaunchConfig_t launch_config(int num_ctas, cudaLaunchAttribute* attr) {

@@ -458,7 +458,9 @@ FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda,
     return fo::fail(cudaErrorInvalidValue,
                     "fo_call_run_scaled: needs a call made with scaled = 1, and scale_a and "
                     "scale_b (got call=%p, scale_a=%p, scale_b=%p)", call, scale_a, scale_b);
-  call->scales = fo_gemm_scales{scale_a, scale_b, call->d.scale_a_per_row, call->d.scale_b_per_col};
+  call->scales = fo_gemm_scales{scale_a, scale_b, call->d.scale_a_per_row, call->d.scale_b_per_col,
+                                {call->d.scale_a_stride[0], call->d.scale_a_stride[1]},
+                                {call->d.scale_b_stride[0], call->d.scale_b_stride[1]}};
   return fo_call_run(call, a, lda, b, ldb, out, stream, warm);
 }
 

@@ -478,18 +478,28 @@ PYBIND11_MODULE(fo_runtime, m) {
       .def_readonly("fast_accum", &fo_gemm_config::fast_accum);
 
   py::class_<GemmScales> scales(m, "GemmScales", py::module_local());
-  scales.def(py::init([](Ptr a, Ptr b, int a_per_row, int b_per_col) {
+  scales.def(py::init([](Ptr a, Ptr b, int a_per_row, int b_per_col,
+                          std::array<int64_t, 2> a_stride, std::array<int64_t, 2> b_stride) {
                 GemmScales s;
                 s.c = fo_gemm_scales{a.as<const float*>(), b.as<const float*>(), a_per_row,
-                                     b_per_col};
+                                     b_per_col, {a_stride[0], a_stride[1]},
+                                     {b_stride[0], b_stride[1]}};
                 return s;
               }),
               py::arg("a") = Ptr{}, py::arg("b") = Ptr{}, py::arg("a_per_row") = 0,
-              py::arg("b_per_col") = 0);
+              py::arg("b_per_col") = 0, py::arg("a_stride") = std::array<int64_t, 2>{0, 0},
+              py::arg("b_stride") = std::array<int64_t, 2>{0, 0});
   {
     using S = fo_gemm_scales;
     Fields<GemmScales, S>{scales} FO_FIELD(a) FO_FIELD(b) FO_FIELD(a_per_row) FO_FIELD(b_per_col);
   }
+  // block-wise scales' element strides (FO_SCALE_BLOCKS), as pairs
+  scales.def_property_readonly("a_stride", [](const GemmScales& s) {
+    return std::array<int64_t, 2>{s.c.a_stride[0], s.c.a_stride[1]};
+  });
+  scales.def_property_readonly("b_stride", [](const GemmScales& s) {
+    return std::array<int64_t, 2>{s.c.b_stride[0], s.c.b_stride[1]};
+  });
 
   py::class_<GemmParams> params(m, "GemmParams", py::module_local());
   keyword_init(params);
@@ -524,6 +534,21 @@ PYBIND11_MODULE(fo_runtime, m) {
         FO_FIELD(per_step) FO_FIELD(num_blocks) FO_FIELD(ldo) FO_FIELD(elem_size)
         FO_FIELD(comm_stream) FO_FIELD(gemm_set_node) FO_FIELD(use_graph) FO_FIELD(scaled)
         FO_FIELD(scale_a_per_row) FO_FIELD(scale_b_per_col) FO_FIELD(rows);
+  }
+  // block-wise scales' element strides (fo_call_desc, FO_SCALE_BLOCKS), as pairs
+  using StridePair = int64_t (fo_call_desc::*)[2];
+  for (const std::pair<const char*, StridePair>& field :
+       {std::pair<const char*, StridePair>{"scale_a_stride", &fo_call_desc::scale_a_stride},
+        std::pair<const char*, StridePair>{"scale_b_stride", &fo_call_desc::scale_b_stride}}) {
+    const StridePair member = field.second;
+    call.def_property(
+        field.first,
+        [member](const CallDescription& d) {
+          return std::array<int64_t, 2>{(d.c.*member)[0], (d.c.*member)[1]};
+        },
+        [member](CallDescription& d, std::array<int64_t, 2> v) {
+          (d.c.*member)[0] = v[0], (d.c.*member)[1] = v[1];
+        });
   }
   call.def_readwrite("group_sizes", &CallDescription::group_sizes)
       .def_readwrite("steps", &CallDescription::steps)

@@ -1,6 +1,8 @@
-"""fp8 calls on spawned ranks: float8_e4m3fn a and b (b column-major) with tensor-wise and
-row-wise float32 scales, bf16 and fp16 out, every op, ragged shapes, against float64 of the
-dequantized inputs recomputed by each rank from every rank's seeds."""
+"""fp8 calls on spawned ranks: float8_e4m3fn a and b (b column-major) with tensor-wise,
+row-wise and block-wise (1x128 groups of a, 128x128 blocks of b) float32 scales, bf16 and fp16
+out, every op, ragged shapes (block-wise: K and N not multiples of 128 too), into poisoned
+outputs, against float64 of the dequantized inputs recomputed by each rank from every rank's
+seeds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,13 +30,19 @@ class Fp8Case:
     m: int
     n: int
     k: int
-    rowwise: bool  # scale_a [M, 1] and scale_b [1, N]; else 0-dim scales
+    scaling: str  # "tensorwise" (0-dim scales), "rowwise" ([M, 1], [1, N]) or "blockwise"
     out_dtype: str
 
     @property
     def id(self) -> str:
-        return (f"W{self.world_size}-{self.op}-fp8-{'rowwise' if self.rowwise else 'tensorwise'}-"
-                f"{self.out_dtype}-{self.m}x{self.n}x{self.k}")
+        return (f"W{self.world_size}-{self.op}-fp8-{self.scaling}-{self.out_dtype}-"
+                f"{self.m}x{self.n}x{self.k}")
+
+
+# Block-wise shapes (M, N, K): K and N ragged against the 128 blocks (a partial last group and
+# block), exact multiples, a K of one group, and 1x1x1.
+BLOCK_SHAPES = ((33, 257, 300), (130, 128, 1000), (7, 300, 128), (1, 1, 1), (64, 129, 129),
+                (200, 384, 512), (2, 96, 257))
 
 
 def fp8_matrix(world_sizes) -> list[Fp8Case]:
@@ -44,7 +52,13 @@ def fp8_matrix(world_sizes) -> list[Fp8Case]:
             for j in range(2):
                 shape = SHAPES[(w + 2 * o + 5 * j) % len(SHAPES)]
                 m = -(-shape.m // w) * w if op == "reduce_scatter" else shape.m
-                cases.append(Fp8Case(op, w, m, shape.n, shape.k, bool((o + j) % 2), OUT[(w + j) % 2]))
+                scaling = "rowwise" if (o + j) % 2 else "tensorwise"
+                cases.append(Fp8Case(op, w, m, shape.n, shape.k, scaling, OUT[(w + j) % 2]))
+            # block-wise: every op at every world size, one shape each (CI time); across the
+            # ops of one world size the shapes cover ragged K, ragged N and exact blocks
+            bm, bn, bk = BLOCK_SHAPES[(w + 2 * o) % len(BLOCK_SHAPES)]
+            bm = -(-bm // w) * w if op == "reduce_scatter" else bm
+            cases.append(Fp8Case(op, w, bm, bn, bk, "blockwise", OUT[(w + o) % 2]))
     return cases
 
 
@@ -60,7 +74,11 @@ def inputs(case: Fp8Case, seed: int, rank: int):
     f8 = FP8_DTYPES[0]
     a = (torch.randn(case.m, case.k, generator=g) * 2).to(f8)
     b = (torch.randn(case.n, case.k, generator=g) * 2).to(f8).t()
-    if case.rowwise:
+    if case.scaling == "blockwise":  # scale_a outer-dim-major, as torch keeps it
+        kb, nb = -(-case.k // 128), -(-case.n // 128)
+        sa = (torch.rand(kb, case.m, generator=g) + 0.25).t()
+        sb = torch.rand(kb, nb, generator=g) + 0.25
+    elif case.scaling == "rowwise":
         sa = torch.rand(case.m, 1, generator=g) + 0.25
         sb = torch.rand(1, case.n, generator=g) + 0.25
     else:
@@ -71,10 +89,26 @@ def inputs(case: Fp8Case, seed: int, rank: int):
     return a, b, sa, sb, splits
 
 
+def expand(scale: torch.Tensor, rows: int, cols: int, row_block: int, blockwise: bool):
+    """A scale as float64 to multiply its operand by: 0-dim and row/column scales broadcast
+    as they are; a block-wise one repeated over its row_block x 128 blocks, cut to the
+    operand's [rows, cols] (written here apart from flashoverlap_core.fp8)."""
+    scale = scale.double()
+    if not blockwise:
+        return scale
+    full = torch.empty(rows, cols, dtype=torch.float64)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            full[i * row_block:(i + 1) * row_block, j * 128:(j + 1) * 128] = scale[i, j]
+    return full
+
+
 def reference(case: Fp8Case, seed: int, rank: int) -> torch.Tensor:
     w = case.world_size
     per = [inputs(case, seed, r) for r in range(w)]
-    deq = [(a.double() * sa.double(), b.double() * sb.double(), s) for a, b, sa, sb, s in per]
+    block = case.scaling == "blockwise"
+    deq = [(a.double() * expand(sa, case.m, case.k, 1, block),
+            b.double() * expand(sb, case.k, case.n, 128, block), s) for a, b, sa, sb, s in per]
     if case.op == "allgather":
         return torch.cat([x for x, _, _ in deq]) @ deq[rank][1]
     if case.op == "all_to_all":
@@ -135,7 +169,8 @@ def fp8_reasons(backend, case: Fp8Case, seed: int, device_type: str) -> list[str
     if case.op == "all_to_all":
         return call_reasons(backend, spec)
     return call_reasons(backend, dataclasses.replace(spec, dtype=FP8_DTYPE_NAME,
-                                                     out_dtype=case.out_dtype))
+                                                     out_dtype=case.out_dtype,
+                                                     scaling=case.scaling))
 
 
 def test_fp8_on_ranks(fp8_case, fo_pools, fo_backend, fo_target, fo_settings):

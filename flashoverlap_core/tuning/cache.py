@@ -188,7 +188,8 @@ def rebuild_plan(tuned: Plan, spec: OverlapSpec, backend: Backend) -> Plan | Non
     try:
         if tuned.mismatches(m=spec.m, n=spec.n, k=spec.k, op=spec.op,
                             world_size=spec.world_size, dtype=spec.dtype,
-                            send_splits=spec.send_splits):
+                            send_splits=spec.send_splits, out_dtype=spec.out_dtype,
+                            scaling=spec.scaling):
             rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
             tiles = TileGrid(rows, spec.n, *tuned.tile, tuned.schedule).num_tiles
             unit = group_unit(spec.op, spec.world_size, spec.n, tuned.tile, tuned.layout,
@@ -197,7 +198,8 @@ def rebuild_plan(tuned: Plan, spec: OverlapSpec, backend: Backend) -> Plan | Non
                         tuned.tile, tuned.wave_size, carried_groups(tuned, tiles, unit),
                         tuned.schedule, spec.send_splits, backend.name,
                         strategy=tuned.strategy,  # a "sequential" plan stays sequential
-                        layout=tuned.layout)
+                        layout=tuned.layout, out_dtype=spec.out_dtype,
+                        scaling=spec.scaling if spec.scaling == "blockwise" else None)
         else:
             plan = tuned
     except (ValueError, TypeError) as e:

@@ -6,7 +6,11 @@ ragged shapes (partial tiles, K not a multiple of the 128-element K tile, K not 
 16: the rows are then copied to 16-byte strides), tensor-wise, row-wise and mixed scales, bf16
 and fp16 out, allreduce and reduce_scatter on a NCCL group of one rank, callable ops, graph
 replays with moving operands and scales, torch.compile, and what cuda declines (allgather,
-all_to_all, sm_80 kernels) running dequantized on 'decomposition'. The kernel-level paths
+all_to_all, sm_80 kernels) running dequantized on 'decomposition'. Block-wise scales (1x128
+groups of a, 128x128 blocks of b; issue 32): every element's error at most that of torch's
+block-wise scaled_mm on the same inputs plus 2 ulps of the output dtype (where torch lacks it,
+the float32 dequantized product, and the failure message says which), their scale layouts,
+replays, the NCCL group of one rank, the plain path, and what cuda declines. The kernel-level paths
 (every epilogue, item tables with gaps, counters, release order) are in test_gemm_epilogue.py.
 Skips without a GPU (fails under FLASHOVERLAP_REQUIRE_HW=1).
 """
@@ -91,16 +95,21 @@ def _check(got, a, b, sa, sb, out_dtype, what):
     assert rel < (1.5e-2 if out_dtype == torch.bfloat16 else 5e-3), f"{what}: normwise error {rel:.3g}"
 
 
-def _call(m, n, k, scaling, out_name, op="allreduce", group=None, **kw):
+def _call(m, n, k, scaling, out_name, op="allreduce", group=None, layout="torch", **kw):
+    """One call at world size 1 into a poisoned out, checked (block-wise: with _block_check,
+    whose baseline's name it returns; ``layout``: its scales', see _block_inputs)."""
     seed = random.randrange(2**31)
-    a, b, sa, sb = _inputs(m, n, k, scaling, seed)
+    blockwise = scaling == "blockwise"
+    a, b, sa, sb = (_block_inputs(m, n, k, seed, layout) if blockwise
+                    else _inputs(m, n, k, scaling, seed))
     out_dtype = OUT[out_name]
     out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)  # world size 1
     got = fo.overlap(a, b, op, group, scale_a=sa, scale_b=sb, out_dtype=out_dtype, out=out,
                      backend="cuda", **kw)
     torch.cuda.synchronize()
     assert got is out
-    _check(got, a, b, sa, sb, out_dtype, f"{op} {m}x{n}x{k} {scaling} {out_name}, seed {seed}")
+    what = f"{op} {m}x{n}x{k} {scaling} {out_name}{' ' + layout if blockwise else ''}, seed {seed}"
+    return (_block_check if blockwise else _check)(got, a, b, sa, sb, out_dtype, what)
 
 
 @pytest.mark.parametrize("out_name", sorted(OUT))
@@ -132,21 +141,27 @@ def test_fp8_explicit_plan_and_pingpong_tile():
         _call(1000, 1000, 512, "rowwise", "bfloat16", plan=plan)
 
 
-def test_fp8_replays_follow_moving_operands_and_scales():
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_fp8_replays_follow_moving_operands_and_scales(scaling):
     """A key's calls replay one captured graph: new a, b and scales (new addresses, and new
-    values at the same addresses) must each be what the next call computes."""
+    values at the same addresses) must each be what the next call computes (block-wise: the
+    scales are read per K tile in the main loop)."""
     m, n, k = 1536, 1280, 768
-    a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+    blockwise = scaling == "blockwise"
+    inputs = ((lambda seed: _block_inputs(m, n, k, seed)) if blockwise
+              else (lambda seed: _inputs(m, n, k, scaling, seed)))
+    a, b, sa, sb = inputs(random.randrange(2**31))
     for i in range(6):
         if i % 2:  # new tensors: the graph's GEMM node is re-pointed
-            a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+            a, b, sa, sb = inputs(random.randrange(2**31))
         else:  # same tensors, new values: the kernel reads the scales at run time
             sa.uniform_(0.25, 1.25)
             sb.uniform_(0.25, 1.25)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, out=out, backend="cuda")
         torch.cuda.synchronize()
-        _check(out, a, b, sa, sb, torch.bfloat16, f"call {i}")
+        (_block_check if blockwise else _check)(out, a, b, sa, sb, torch.bfloat16,
+                                                f"{scaling} call {i}")
 
 
 def test_fp8_strided_scales_and_unaligned_rows():
@@ -191,24 +206,149 @@ def test_fp8_compiles_on_cuda():
     _check(got, a, b, sa, sb, torch.float16, "compiled")
 
 
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("op", ["allgather", "all_to_all"])
-def test_fp8_ops_cuda_declines_run_dequantized(op):
-    m, n, k = 512, 384, 256
-    a, b, sa, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+def test_fp8_ops_cuda_declines_run_dequantized(op, scaling):
+    blockwise = scaling == "blockwise"
+    seed = random.randrange(2**31)
+    a, b, sa, sb = (_block_inputs(512, 384, 300, seed) if blockwise
+                    else _inputs(512, 384, 256, scaling, seed))
     with pytest.raises(fo.BackendError, match=f"fp8 {op}|float32"):
         fo.overlap(a, b, op, scale_a=sa, scale_b=sb, backend="cuda")
     got = fo.overlap(a, b, op, scale_a=sa, scale_b=sb)  # the automatic choice
     torch.cuda.synchronize()
-    _check(got, a, b, sa, sb, torch.bfloat16, f"{op} dequantized")
+    (_block_check if blockwise else _check)(got, a, b, sa, sb, torch.bfloat16,
+                                            f"{op} {scaling} dequantized")
     assert fo.prepared_calls()[-1]["backend"] == "decomposition"
 
 
-def test_fp8_on_sm80_kernels_is_declined_with_the_reason(monkeypatch):
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
+def test_fp8_on_sm80_kernels_is_declined_with_the_reason(monkeypatch, scaling):
     monkeypatch.setenv("FLASHOVERLAP_CUDA_ARCH", "80")
-    a, b, sa, sb = _inputs(256, 256, 128, "tensorwise", random.randrange(2**31))
-    with pytest.raises(fo.BackendError, match="sm_90a"):
+    blockwise = scaling == "blockwise"
+    seed = random.randrange(2**31)
+    a, b, sa, sb = (_block_inputs(256, 256, 300, seed) if blockwise
+                    else _inputs(256, 256, 128, scaling, seed))
+    with pytest.raises(fo.BackendError, match="block-wise scales .*needs sm_90a" if blockwise
+                       else "sm_90a"):
         fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, backend="cuda")
     got = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb)
     torch.cuda.synchronize()
-    _check(got, a, b, sa, sb, torch.bfloat16, "sm80: dequantized")
+    (_block_check if blockwise else _check)(got, a, b, sa, sb, torch.bfloat16,
+                                            f"sm80 {scaling}: dequantized")
     assert fo.prepared_calls()[-1]["backend"] == "decomposition"
+
+
+# ---- block-wise scales (issue 32): 1x128 groups of a along K, 128x128 blocks of b ------------
+BLOCK_SHAPES = [(1, 1, 1), (7, 127, 33), (130, 300, 300), (1000, 1000, 1000), (777, 1234, 999),
+                (4097, 384, 72), (256, 8192, 128), (3000, 2500, 320), (2048, 4096, 4096),
+                (512, 7168, 2048)]
+
+
+def _block_inputs(m, n, k, seed, layout="torch"):
+    """e4m3 a and b = w.t(), block-wise scales: scale_a [m, ceil(k/128)] (``layout`` "torch":
+    outer-dim-major, strides (1, m), as torch keeps it; "rows": row-major) and scale_b
+    [ceil(k/128), ceil(n/128)] as weight_scale.t() of a checkpoint's [ceil(n/128), ceil(k/128)]
+    ("padded": F.scaled_mm's [round_up(ceil(k/128), 4), ceil(n/128)], its pad rows huge)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 2).to(F8)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 2).to(F8).t()
+    sa = torch.rand(m, kb, device="cuda", generator=g) + 0.25
+    sb = (torch.rand(nb, kb, device="cuda", generator=g) + 0.25).t()
+    if layout == "torch":
+        sa = sa.t().contiguous().t()
+    if layout == "padded":
+        rows = -(-kb // 4) * 4
+        padded = torch.full((nb, rows), 1e30, device="cuda")
+        padded[:, :kb] = sb.t()
+        sb = padded.t()
+    return a, b, sa, sb
+
+
+def _block_expand(scale, rows, cols, row_block):
+    used = scale[:-(-rows // row_block), :-(-cols // 128)].double()
+    return used.repeat_interleave(row_block, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+
+
+def _block_reference(a, b, sa, sb):
+    (m, k), n = a.shape, b.shape[1]
+    return (a.double() * _block_expand(sa, m, k, 1)) @ (b.double() * _block_expand(sb, k, n, 128))
+
+
+def _block_baseline(a, b, sa, sb, out_dtype):
+    """(torch's result for the same inputs, what it is): torch.nn.functional.scaled_mm with
+    BlockWise1x128 / BlockWise128x128 where this torch and device take the shape, else the
+    float32 product of the dequantized inputs rounded to out_dtype."""
+    from flashoverlap_core import fp8
+
+    if fp8.blockwise_available(a.device) and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0:
+        try:
+            return fp8.blockwise_mm(a, b, sa, sb, out_dtype), "torch block-wise scaled_mm"
+        except (RuntimeError, NotImplementedError, ValueError):
+            pass
+    a32, b32 = fp8.dequantized(a, b, sa, sb)
+    return (a32 @ b32).to(out_dtype), "float32 dequantized matmul (no torch block-wise GEMM)"
+
+
+def _block_check(got, a, b, sa, sb, out_dtype, what):
+    """Every element's error against float64 of the dequantized inputs at most the baseline's
+    own error (torch's block-wise GEMM on the same inputs) plus 2 ulps of the output dtype at
+    that element; nothing unwritten."""
+    ref = _block_reference(a, b, sa, sb)
+    base, base_name = _block_baseline(a, b, sa, sb, out_dtype)
+    assert got.dtype == out_dtype, f"{what}: result is {got.dtype}, expected {out_dtype}"
+    assert not torch.isnan(got).any(), f"{what}: elements never written (NaN)"
+    info = torch.finfo(out_dtype)
+    ulp = info.eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=info.tiny))))
+    err, base_err = (got.double() - ref).abs(), (base.double() - ref).abs()
+    over = err > base_err + 2 * ulp
+    assert not over.any(), (
+        f"{what}: {int(over.sum())} elements beyond {base_name}'s error + 2 ulps; max err "
+        f"{err.max().item():.4g} (baseline {base_err.max().item():.4g})")
+    return base_name
+
+
+@pytest.mark.parametrize("out_name", sorted(OUT))
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_blockwise_one_rank_matches_float64(shape, out_name):
+    _call(*shape, "blockwise", out_name)
+    call = fo.prepared_calls()[-1]
+    assert (call["backend"], call["runner"]) == ("cuda", "CudaCall"), call
+
+
+@pytest.mark.parametrize("layout", ["torch", "rows", "padded"])
+def test_fp8_blockwise_scale_layouts(layout):
+    _call(1000, 1000, 1000, "blockwise", "bfloat16", layout=layout)
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (4096, 4096, 1024), (300, 520, 72)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fp8_blockwise_collectives_on_a_nccl_group(op, shape, nccl_group):
+    for out_name in ("bfloat16", "float16"):
+        for _ in range(3):  # the first call, then the captured graph's replays
+            _call(*shape, "blockwise", out_name, op=op, group=nccl_group)
+    call = fo.prepared_calls()[-1]
+    assert (call["backend"], call["runner"]) == ("cuda", "CudaCall"), call
+
+
+def test_fp8_blockwise_plans_take_its_tile_only():
+    plan = fo.plan(1000, 1000, 512, dtype=F8, scaling="blockwise", backend="cuda")
+    assert (plan.tile, plan.scaling) == ((128, 128), "blockwise")
+    _call(1000, 1000, 512, "blockwise", "bfloat16", plan=plan)
+    with pytest.raises(ValueError, match="no CUDA kernel with block-wise fp8 scales"):
+        fo.plan(1000, 1000, 512, dtype=F8, scaling="blockwise", tile=(128, 256), backend="cuda")
+
+
+def test_fp8_blockwise_plain_path_runs_torchs_blockwise_gemm(monkeypatch):
+    """The plain path (a "sequential" plan) runs torch.nn.functional.scaled_mm block-wise where
+    this torch has it on the device, else the dequantized product; the runner says which."""
+    from flashoverlap_core import fp8
+
+    monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "plain")
+    base = _call(1024, 1024, 1024, "blockwise", "bfloat16")
+    runner = fo.prepared_calls()[-1]["runner"]
+    torch_has_it = base.startswith("torch")
+    assert runner == ("ScaledSequentialCall" if torch_has_it else "DequantizedCall"), (runner, base)
+    assert fp8.blockwise_available(torch.device("cuda")) or not torch_has_it
