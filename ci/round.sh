@@ -15,6 +15,8 @@ for s in "$@"; do
     callpath) stage callpath 90 $PY bench/callpath.py ;;
     mr-conf) stage multirank-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_MR_WORLDS:-2,3,4} --junitxml "$OUT/multirank-conformance.xml" ;;
     gemm) stage gemm 240 $PY bench/gemm.py ;;
+    plain) stage plain-path 90 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda.py -k "plain_path or native_call" ;;
+    fp8all) stage fp8-all 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py ;;
     norm-plain) stage norm-plain 90 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py -k "plain or rows" ;;
     mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ;;
     strategy) stage strategy 150 $PY bench/strategy.py ;;
