@@ -26,5 +26,7 @@ for s in "$@"; do
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
   echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
 done
-( cd .fo_build/cache && find . -type f -newer /tmp/fo-marker | tar -czf "$OUT/new-cache.tar.gz" -T - ) && ls -la "$OUT"
+# (files come back at most 16 MiB each: the archive in parts of 15 MiB, joined with cat)
+( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
+    | split -b 15m - "$OUT/new-cache.tgz.part-" ) && ls -la "$OUT"
 cat "$SUMMARY"
