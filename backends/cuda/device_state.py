@@ -18,6 +18,7 @@ ENV_RESERVED_SMS = "FLASHOVERLAP_CUDA_RESERVED_SMS"
 ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
 ENV_ARCH = "FLASHOVERLAP_CUDA_ARCH"
 ENV_GRAPH = "FLASHOVERLAP_CUDA_GRAPH"
+ENV_FP8_BLOCK = "FLASHOVERLAP_CUDA_FP8_BLOCK"  # 1: run the block-scaled fp8 GEMM (unverified)
 DEFAULT_RESERVED_SMS = 4  # 128 CTAs: measured faster than 132 for the cluster-2 kernels (csrc/cuda/NOTES.md)
 DEFAULT_WAIT = "stream_wait_value"
 ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned

@@ -57,6 +57,13 @@ SHAPES = [(1, 1, 1), (7, 127, 33), (1000, 1000, 1000), (4097, 384, 72), (256, 81
 
 
 @pytest.fixture(autouse=True)
+def _block_scaled_kernel(monkeypatch):
+    """These tests are the block-scaled kernel's verification: run it (cuda declines block-wise
+    scales by default until it is verified)."""
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_FP8_BLOCK", "1")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_keys():
     api.forget_prepared()
     yield
