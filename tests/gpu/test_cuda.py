@@ -132,7 +132,7 @@ def test_native_call_with_nccl_matches_float64(op, shape, nccl_group):
 def test_plain_path_collectives_on_the_own_communicator(op, shape, nccl_group, monkeypatch):
     """The plain path (FLASHOVERLAP_STRATEGY=plain) runs its collective on FlashOverlap's own
     NCCL communicator (nccl.PlainCollectives), back to back, with poisoned outputs; fp8 too."""
-    from backends.cuda.nccl import PlainCollectives
+    from flashoverlap_backends.cuda.nccl import PlainCollectives
     from flashoverlap_core import api
     monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "plain")
     api.forget_prepared()
