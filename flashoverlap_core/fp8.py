@@ -260,7 +260,12 @@ class ScaledSequentialCall:
             return False
         return True
 
-    def _product(self, a, b, scale_a, scale_b, out_dtype):
+    def _product(self, a, b, scale_a, scale_b, out_dtype, out=None):
+        """The scaled product; into ``out`` (contiguous) where given, as the plain path's
+        in-place collectives take it (no copy of the result into the call's output)."""
+        if out is not None and not self.blockwise:
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                    use_fast_accum=self.fast, out=out)
         if self.blockwise:
             if not self.dequantize:
                 try:
@@ -284,7 +289,9 @@ class ScaledSequentialCall:
             a = plain.gathered(a)
             scale_a = plain.gathered(scale_a) if scale_a.dim() else scale_a
             return out.copy_(self._product(a, b, scale_a, scale_b, out.dtype))
-        product = self._product(a, b, scale_a, scale_b, out.dtype)
+        in_place = plain.collective in ("all_reduce", None) or plain.group is None
+        into = out if in_place and out.is_contiguous() else None
+        product = self._product(a, b, scale_a, scale_b, out.dtype, into)
         return plain.collect(product, out, op)
 
 
