@@ -413,8 +413,9 @@ def backends() -> list[registry.BackendStatus]:
 def prepared_calls() -> list[dict]:
     """What each prepared call key runs, oldest first: ``op``, the shapes of ``a`` and ``b``
     (this rank's), ``b_layout``, ``dtype`` (of a and b), ``out_dtype`` (an fp8 call's result,
-    else None), ``device``, the plan's ``M``, ``N``, ``K`` and ``world_size`` (all_to_all's
-    rows are each call's own: its ``a`` is ``["per call", K]`` and its ``M`` ``"per call"``),
+    else None), ``scaling`` ("blockwise" for block-wise fp8 scales, else None), ``device``,
+    the plan's ``M``, ``N``, ``K`` and ``world_size`` (all_to_all's rows are each call's own:
+    its ``a`` is ``["per call", K]`` and its ``M`` ``"per call"``),
     the ``backend`` that runs it, the plan's ``strategy`` (a "sequential" plan runs the
     device's matmul and torch.distributed, whatever backend made it) with
     ``strategy_reason``, ``predicted_overlap_s`` and ``predicted_plain_s`` (how a default
@@ -434,6 +435,7 @@ def prepared_calls() -> list[dict]:
         found.append({
             "op": p.op, "a": list(a_shape), "b": list(b_shape),
             "b_layout": b_layout(b_view), "dtype": p.dtype, "out_dtype": p.out_dtype,
+            "scaling": p.scaling,
             "device": str(entry.device), "M": ROWS_PER_CALL if p.kind.splits else p.m,
             "N": p.n, "K": p.k,
             "world_size": p.world_size,

@@ -59,8 +59,8 @@ def test_blockwise_scales_take_torch_layouts_and_the_padded_scale_b():
                              (outer, padded.t().contiguous().t())):
         got = fo.overlap(a, b, "allreduce", scale_a=scale_a, scale_b=scale_b)
         assert torch.equal(got.double(), want)
-    kinds = {(e["a"][0], tuple(e["b"])) for e in fo.prepared_calls()}
-    assert kinds == {(8, (300, 200))}
+    kinds = {(e["a"][0], tuple(e["b"]), e["scaling"]) for e in fo.prepared_calls()}
+    assert kinds == {(8, (300, 200), "blockwise")}
 
 
 @pytest.mark.parametrize("m, n, k, scales, kind", [

@@ -854,11 +854,11 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         block_scaled_mainloop(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop,
                               block_scale_stages(ss.tensors.epi), row_base, lane);
       } else {
-      if constexpr (kPingpong) math_order.wait();
-      mainloop.mma(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop, p.mainloop);
-      if constexpr (kPingpong) math_order.arrive();
-      mainloop.mma_tail(pipeline, read_state, k_tiles);
-      read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
+        if constexpr (kPingpong) math_order.wait();
+        mainloop.mma(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop, p.mainloop);
+        if constexpr (kPingpong) math_order.arrive();
+        mainloop.mma_tail(pipeline, read_state, k_tiles);
+        read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
       }
       if constexpr (kFp8 && !kBlockScaled) {
         if (per_element) {

@@ -168,7 +168,7 @@ void check_scales(const Coords& c) {
     for (const Case& k : cases)
       for (int a_per_row = 0; a_per_row < 2; ++a_per_row)
         for (int b_per_col = 0; b_per_col < 2; ++b_per_col) {
-          const fo_gemm_scales sc{sa.data(), sb.data(), a_per_row, b_per_col};
+          const fo_gemm_scales sc{sa.data(), sb.data(), a_per_row, b_per_col, {0, 0}, {0, 0}};
           fo::WorkTile w{};
           w.row0 = k.row0, w.rows = k.rows, w.col0 = k.col0, w.cols = k.cols, w.valid = k.valid;
           std::vector<float> staged(kBM + kBN);
