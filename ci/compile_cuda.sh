@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Compile-check every CUDA source (csrc/cuda/*.cu) for sm_90a and sm_80 without a GPU: the
 # objects are built with the flags of backends/cuda/build.py, in representative configurations
-# (sm90 cooperative bf16, pingpong fp16 and e4m3 with scales; sm80 bf16 and fp16), links the
-# runtime from its translation units (build.py's RUNTIME_SOURCES) leaving no symbol undefined, and
-# compiles its Python binding. Needs nvcc (CUDA_HOME or PATH), Python's C headers, the CUTLASS
-# headers of the nvidia-cutlass package and pybind11, installed here into a temporary folder when
-# the Python environment lacks them.
+# (build.py's CI_CHECK_CONFIGS: sm90 pingpong fp16, sm90 cooperative e4m3 with scales, sm80 fp16
+# with unequal blocks; `build.py --all-configs` builds all of CHECK_CONFIGS), the runtime
+# extension module from its translation units (build.py's RUNTIME_SOURCES) and its Python binding,
+# imported so that no symbol is left undefined (the cached one when the tests built it in the same
+# FLASHOVERLAP_CACHE_DIR), and the sm90 layout self-tests, built and run. Needs nvcc (CUDA_HOME or
+# PATH), Python's C headers, the CUTLASS headers of the nvidia-cutlass package and pybind11,
+# installed here into a temporary folder when the Python environment lacks them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

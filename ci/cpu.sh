@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU test run, as on a fresh machine: a virtual environment, torch==2.13.0 (the CPU build;
-# installed first so that nothing pulls a multi-GB accelerator build), the package with its test
-# and examples extras, then exactly the README's test command, the full matrix's own tests
+# installed first so that nothing pulls a multi-GB accelerator build), the package with its test,
+# examples and cuda extras, then exactly the README's test command, the full matrix's own tests
 # (pytest --full -m full: world sizes 3-4, compile variants, long sequences, faults) and the
 # examples under torchrun (ci/examples.sh). Every stage runs; the script fails if any did. "No
 # tests collected" (pytest exit code 5) is a failure, not a pass.
@@ -21,15 +21,17 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e '.[test,examples]'
+# the cuda extra too (CUTLASS's headers, pybind11): where nvcc is present, the CPU tests of the
+# cuda runtime's binding build it and run (ci/compile_cuda.sh then reuses that build)
+python -m pip install --quiet -e '.[test,examples,cuda]'
 
 failed=0
-stage() {  # stage NAME CMD...: run it, say its status and time
-    local name=$1 start=$SECONDS status
+stage() {  # stage NAME CMD...: run it, say its status, time and CPU time (of all its processes)
+    local name=$1 start=$SECONDS status TIMEFORMAT="ci/cpu.sh: $1: %0U s user + %0S s system CPU"
     shift
     echo "+ $*"
     set +e
-    "$@"
+    time "$@"
     status=$?
     set -e
     if [ "$status" -eq 5 ]; then

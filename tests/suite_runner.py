@@ -13,6 +13,19 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 # --fo-world-sizes of a backend's whole suite: the default run's, then the full matrix's own
 WORLD_SIZES = ["1,2", pytest.param("3,4", marks=pytest.mark.full)]
+# passed tests a backend that runs every case has at least, per WORLD_SIZES entry
+MIN_PASSED = {"1,2": 150, "3,4": 100}
+
+
+def world_size_args(world_sizes: str) -> list[str]:
+    """The suite's arguments for one WORLD_SIZES entry. Beyond the default run's "1,2" only
+    the tests at those world sizes run: the rest of the suite (single-process cases at W1,
+    argument checks, plan properties, checks that need W2) does not depend on them and ran
+    in the default run already."""
+    args = ["--fo-world-sizes", world_sizes]
+    if world_sizes != "1,2":
+        args += ["-k", " or ".join(f"W{w}" for w in world_sizes.split(","))]
+    return args
 
 
 def plugin_args() -> list[str]:
@@ -23,17 +36,19 @@ def plugin_args() -> list[str]:
 
 
 def run_suite(backend: str, *args: str, timeout: float, env: dict | None = None,
-              paths: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+              paths: tuple[str, ...] = (), fail_fast: bool = False) -> subprocess.CompletedProcess:
     """``pytest --pyargs flashoverlap_core.testing --fo-backend backend *args``, with ``paths``
     and this directory importable (for ``broken_backends:...``) and no backend choice
-    inherited."""
+    inherited. ``fail_fast`` (a run that must fail, with ``--maxfail``): the tests in the
+    child's own process first (tests/suite_order.py)."""
     child_env = {k: v for k, v in os.environ.items()
                  if k not in ("FLASHOVERLAP_BACKEND", "FLASHOVERLAP_REQUIRE_HW", "PYTEST_ADDOPTS")}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, paths), str(TESTS), str(REPO),
                                                             os.environ.get("PYTHONPATH")]))
     child_env.update(env or {})
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "flashoverlap_core.testing", "--fo-backend", backend,
-           "-p", "no:cacheprovider", "-q", "-rfEs", "--tb=short", *plugin_args(), *args]
+           "-p", "no:cacheprovider", "-q", "-rfEs", "--tb=short", *plugin_args(),
+           *(["-p", "suite_order"] if fail_fast else []), *args]
     return subprocess.run(cmd, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -79,7 +79,7 @@ BROKEN = [("test_allgather_broken", "ReadsBeforeArrival"), ("test_allgather_brok
 @pytest.mark.parametrize("module, broken", BROKEN, ids=[b for _, b in BROKEN])
 def test_broken_allgather_fails_the_suite(module, broken):
     result = run_suite(f"{module}:{broken}", "--fo-world-sizes", "1,2", "-k", "allgather",
-                       "--maxfail", "2", timeout=540)
+                       "--maxfail", "2", timeout=540, fail_fast=True)
     assert result.returncode == 1, f"the suite did not fail as it must: {describe(result)}"
     assert summary(result).get("failed", 0) >= 1, describe(result)
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]

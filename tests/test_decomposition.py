@@ -15,7 +15,8 @@ from flashoverlap_core import registry
 from flashoverlap_core.decomposition import (AcceleratorDecomposition, DecompositionBackend,
                                              HostStreams, compute_rect, packed_rects,
                                              rows_in_order, streams_for)
-from suite_runner import WORLD_SIZES, describe, run_suite, summary, unexpected_skips
+from suite_runner import (MIN_PASSED, WORLD_SIZES, describe, run_suite, summary, unexpected_skips,
+                          world_size_args)
 from test_torch_ops_ranks import ranks as shared_ranks
 
 SEED = 20261129
@@ -162,10 +163,11 @@ def test_selection_prefers_decomposition_to_reference():
 def test_conformance_suite(world_sizes):
     """The packaged suite against the decomposition backend, which runs every case: a run
     whose cases were skipped (or not collected) fails as surely as one whose cases failed."""
-    result = run_suite("decomposition", "--fo-world-sizes", world_sizes, timeout=880)
+    result = run_suite("decomposition", *world_size_args(world_sizes), timeout=880)
     counts = summary(result)
     assert result.returncode == 0, describe(result)
-    assert counts.get("passed", 0) >= 150 and not unexpected_skips(result), describe(result)
+    assert counts.get("passed", 0) >= MIN_PASSED[world_sizes] and not unexpected_skips(result), \
+        describe(result)
 
 
 def test_accelerator_variant_names_the_accelerator_or_says_there_is_none():

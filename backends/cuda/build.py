@@ -490,6 +490,8 @@ def prebuild(configs, jobs: int | None = None) -> list[Path]:
 
 # ---- compile check (CI: nvcc, no GPU) ---------------------------------------------------------
 
+# Representative configurations, every feature of the kernels in at least one (`build.py
+# --all-configs` compiles them all) ...
 CHECK_CONFIGS = (
     GemmConfig(),  # sm90 cooperative, bf16, b column-major, cluster 2x1
     GemmConfig(epilogue="tma"),
@@ -501,6 +503,16 @@ CHECK_CONFIGS = (
     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True),
     default_config(80),
     default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
+)
+# ... and the compile check's default (CI's): one sm90 16-bit, one sm90 e4m3 scaled and one sm80
+# build, each a configuration that plans use (the tma and staged epilogues). Between them: both
+# sm90 schedules, both layouts of b, both 16-bit dtypes and fp8, clusters 1x2 and 2x1, and
+# unequal destination blocks (all_to_all's sm80 build). The GPU machine builds every
+# configuration of the kernel table (ci/gpu.sh's build stage).
+CI_CHECK_CONFIGS = (
+    CHECK_CONFIGS[3],  # sm90 pingpong 128x128, fp16, b row-major, cluster 1x2, tma
+    CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled), tma with 4 slots
+    replace(CHECK_CONFIGS[7], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128; e4m3 row-wise and block-wise
@@ -518,33 +530,55 @@ def selftest_job(config: GemmConfig) -> Job:
     return Job("selftest_" + gemm.name, tuple(flags), ("gemm_sm90_selftest.cu",), needs_cutlass=True)
 
 
-def compile_check(out_dir: str | Path, jobs: int = 2, selftests: bool = True) -> bool:
-    """Compile every CUDA source for its architectures, in representative configurations, link
-    the runtime's translation units, compile its Python binding, and build and run the sm90
-    layout self-tests (host programs, no GPU); print one line per job. True when all passed."""
+# Imports the runtime extension module in a fresh interpreter, which binds every symbol at load
+# (Python dlopens with RTLD_NOW): a symbol that no translation unit defines fails the import.
+_IMPORT_RUNTIME = """import importlib.machinery, importlib.util, sys
+loader = importlib.machinery.ExtensionFileLoader("fo_runtime", sys.argv[1])
+loader.exec_module(importlib.util.module_from_spec(
+    importlib.util.spec_from_file_location("fo_runtime", sys.argv[1], loader=loader)))
+"""
+
+
+def compile_check(out_dir: str | Path, jobs: int = 2, selftests: bool = True,
+                  configs=CI_CHECK_CONFIGS) -> bool:
+    """Compile every CUDA source for its architectures, in representative configurations
+    (``configs``), build the runtime extension module from all its translation units and its
+    binding and import it (no symbol left undefined), and build and run the sm90 layout
+    self-tests (host programs, no GPU); print one line per job. True when all passed.
+
+    The runtime is the cached object of :func:`build_runtime` (content-addressed by sources,
+    flags and toolchain), so a run that built it already (the CPU tests of its binding) does
+    not compile it again."""
+    import sys
     import time
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checks = [_gemm_job(c) for c in CHECK_CONFIGS] + [
-        replace(RUNTIME_JOB, sources=RUNTIME_SOURCES, python=False),  # linked: see run
-        replace(RUNTIME_JOB, name="runtime_binding", sources=(BINDING_SOURCE,))]
-    if selftests:
-        checks += [selftest_job(c) for c in SELFTEST_CONFIGS]
+    checks = [_gemm_job(c) for c in configs] + (
+        [selftest_job(c) for c in SELFTEST_CONFIGS] if selftests else [])
+    # the slowest first (sm80 builds three architectures; the runtime, when not cached yet,
+    # compiles its units one after another): two workers then finish at about the same time
+    checks.sort(key=lambda job: not job.name.startswith("sm80"))
+    checks.insert(0, RUNTIME_JOB)
 
     def run(job: Job):
-        program = job.name.startswith("selftest_")
-        # One source compiles to an object (-c); several are linked into their shared object,
-        # which must then leave no symbol undefined (a definition missing from every unit).
-        # (The binding's references to them are resolved when the runtime is imported.)
-        linked, flags = len(job.sources) > 1, job.flags
-        if linked:
-            flags += ("-Xlinker", "--no-undefined")
-        elif not program:
-            flags = tuple(f for f in flags if f not in LINK_FLAGS) + ("-c",)
-        output = out_dir / (job.name if program else f"{job.name}.so" if linked else f"{job.name}.o")
-        cmd = command(replace(job, flags=flags), output)
         start = time.monotonic()
+        if job is RUNTIME_JOB:
+            before = _prebuilt(job)
+            try:
+                path = build_runtime()
+            except BuildError as e:
+                return job.name, subprocess.CompletedProcess([], 1, "", str(e)), \
+                    time.monotonic() - start, ["build_runtime()"]
+            cmd = [sys.executable, "-c", _IMPORT_RUNTIME, str(path)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            name = f"{job.name} ({'cached, ' if path == before else ''}imported: {path.name})"
+            return name, done, time.monotonic() - start, cmd
+        program = job.name.startswith("selftest_")
+        flags = job.flags if program else (
+            tuple(f for f in job.flags if f not in LINK_FLAGS) + ("-c",))
+        output = out_dir / (job.name if program else f"{job.name}.o")
+        cmd = command(replace(job, flags=flags), output)
         done = subprocess.run(cmd, capture_output=True, text=True)
         if program and done.returncode == 0:
             done = subprocess.run([str(output)], capture_output=True, text=True)
@@ -569,5 +603,8 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-selftests", action="store_true",
                         help="skip building and running the sm90 layout self-tests")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="compile every configuration of CHECK_CONFIGS, not only CI's three")
     args = parser.parse_args()
-    sys.exit(0 if compile_check(args.out, args.jobs, not args.no_selftests) else 1)
+    configs = CHECK_CONFIGS if args.all_configs else CI_CHECK_CONFIGS
+    sys.exit(0 if compile_check(args.out, args.jobs, not args.no_selftests, configs) else 1)
