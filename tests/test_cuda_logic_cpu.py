@@ -449,3 +449,12 @@ def test_fp8_scales_as_the_kernel_reads_them(monkeypatch):
     assert kernel_scale(sa, True) is sa and kernel_scale(sb, True) is sb
     s = gemm_scales(sa, sb, blockwise=True)
     assert (s.a_per_row, s.b_per_col, s.a_stride, s.b_stride) == (2, 2, (1, 6), (1, 3))
+
+
+def test_ci_compile_check_configurations():
+    """CI compiles three representative GEMM builds: an sm90 16-bit one, an sm90 e4m3 scaled
+    one and an sm80 one with unequal destination blocks (named by index into CHECK_CONFIGS)."""
+    names = [build.config_name(c) for c in build.CI_CHECK_CONFIGS]
+    assert names[0].startswith("sm90_fp16_brow_128x128") and "pingpong" in names[0], names
+    assert names[1].startswith("sm90_e4m3_") and "cooperative" in names[1], names
+    assert names[2].startswith("sm80_fp16_brow") and names[2].endswith("_blocks"), names

@@ -509,10 +509,10 @@ CHECK_CONFIGS = (
 # sm90 schedules, both layouts of b, both 16-bit dtypes and fp8, clusters 1x2 and 2x1, and
 # unequal destination blocks (all_to_all's sm80 build). The GPU machine builds every
 # configuration of the kernel table (ci/gpu.sh's build stage).
-CI_CHECK_CONFIGS = (
+CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they name)
     CHECK_CONFIGS[3],  # sm90 pingpong 128x128, fp16, b row-major, cluster 1x2, tma
     CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled), tma with 4 slots
-    replace(CHECK_CONFIGS[7], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
+    replace(CHECK_CONFIGS[8], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128; e4m3 row-wise and block-wise
