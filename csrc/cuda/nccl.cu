@@ -1,12 +1,35 @@
 // NCCL's C ABI (fo_nccl_* in flashoverlap_cuda.h), one translation unit of the runtime object:
-// loading NCCL from the process (nccl_loader.cuh says how) and making and destroying
-// communicators.
+// loading NCCL from the process (nccl_loader.cuh says how), making and destroying
+// communicators, and the watchdog of the communicators FlashOverlap makes.
+//
+// The watchdog. A watched communicator (fo_nccl_watch) has a deadline (seconds) and a list of
+// pending events: the guarded entry points (api() after load) record one on the stream after
+// each piece of work they queue, and note the time the host entered NCCL (so an enqueue that
+// blocks is timed too). One thread, started with the first watch, polls every watch every
+// kPollMs: it drops the events that completed, and when the oldest pending one is older than
+// the deadline, or ncclCommGetAsyncError reports an error, it fails the watch and every other
+// watch of the same group id: marks them aborted (the guarded entry points then refuse them),
+// waits for enqueues in flight to leave NCCL (at most kDrainMs) and calls ncclCommAbort, so
+// that kernels stuck waiting for a peer return. What follows is the watch's `handling`: 0 the
+// next call on it fails (Python raises); 1 the process is torn down (SIGABRT) after the abort;
+// 2 it is torn down without aborting (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING 1 and 3).
+// Nothing here is ever freed: the thread may poll while the process exits.
 #include <dlfcn.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
+#include <shared_mutex>
+#include <thread>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "nccl_loader.cuh"
 
@@ -33,6 +56,8 @@ inline ConfigPrefix bounded_config(int max_ctas) {
   c.netName = nullptr;
   return c;
 }
+
+Api guarded(const Api& a);  // NCCL's entry points with the watchdog's guard (below)
 
 cudaError_t load(const char* path) {
   static std::mutex lock;
@@ -69,7 +94,328 @@ cudaError_t load(const char* path) {
                 missing);
   a.CommInitRankConfig = reinterpret_cast<decltype(a.CommInitRankConfig)>(
       dlsym(lib, "ncclCommInitRankConfig"));  // optional: only allgather's communicator needs it
-  api() = a;
+  raw() = a;
+  api() = guarded(a);
+  return cudaSuccess;
+}
+
+// ---- the watchdog ------------------------------------------------------------------------------
+
+namespace {
+
+constexpr int kPollMs = 100;          // how often the thread looks at every watch
+constexpr int kDrainMs = 2000;        // how long an abort waits for enqueues to leave NCCL
+constexpr size_t kMaxPending = 4096;  // events per watch; past it the host mark times the work
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// What a guarded entry point queued, by kind (fo_nccl_watch_status's `kind`).
+enum Kind { kNone = 0, kAllReduce, kReduceScatter, kAllGather, kSendRecv, kGraph };
+
+struct Pending {
+  cudaEvent_t event;
+  int64_t since_ns;  // when the host queued the work
+  int kind;
+};
+
+}  // namespace
+
+struct Watch {
+  Comm comm = nullptr;
+  int device = 0;
+  int64_t group = 0;  // the watches of one group id fail together
+  int handling = 0;
+  std::atomic<int64_t> timeout_ns{0};
+  std::atomic<bool> aborted{false};
+  std::atomic<int> state{FO_WATCH_OK};
+  // since when the host has been inside NCCL with no event recorded after it (0: not)
+  std::atomic<int64_t> host_since{0};
+  std::atomic<int> host_kind{kNone};
+  std::mutex m;  // pending, free_events, and the report below
+  std::deque<Pending> pending;
+  std::vector<cudaEvent_t> free_events;
+  int nccl_error = 0, kind = kNone;
+  double waited_s = 0;
+  char reason[512] = {0};
+
+  // The host enters NCCL for work of `k` (nothing to do when it already is).
+  void mark(int k) {
+    int64_t zero = 0;
+    if (host_since.compare_exchange_strong(zero, now_ns())) host_kind.store(k);
+  }
+
+  // An event after the work just queued on `stream` (not capturing), timed from the mark.
+  void record(cudaStream_t stream) {
+    std::lock_guard<std::mutex> hold(m);
+    const int64_t since = host_since.load();
+    if (pending.size() >= kMaxPending) return;  // the mark stays: the work is still timed
+    cudaEvent_t e = nullptr;
+    if (!free_events.empty()) {
+      e = free_events.back();
+      free_events.pop_back();
+    } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    if (cudaEventRecord(e, stream) != cudaSuccess) {
+      cudaGetLastError();
+      free_events.push_back(e);
+      return;
+    }
+    pending.push_back({e, since ? since : now_ns(), host_kind.load()});
+    host_since.store(0);
+  }
+};
+
+namespace {
+
+struct Registry {
+  // Shared by every guarded entry point while it is inside NCCL; an abort takes it exclusively
+  // (briefly) so that no enqueue on the communicator is in flight when NCCL frees it. The list
+  // of watches changes only under it, exclusively.
+  std::shared_timed_mutex guard;
+  std::vector<Watch*> watches;
+  std::once_flag thread_started;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: the thread outlives static destructors
+  return *r;
+}
+
+Watch* find(Comm comm) {  // under registry().guard
+  for (Watch* w : registry().watches)
+    if (w->comm == comm) return w;
+  return nullptr;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return true;  // not known: record nothing into it
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The entry points of a group (ncclGroupStart .. ncclGroupEnd) on this thread: the guard is held
+// across it (NCCL queues the work at ncclGroupEnd), and the events are recorded after it.
+struct ThreadGroup {
+  int depth = 0;
+  std::vector<std::pair<Watch*, cudaStream_t>> touched;
+};
+thread_local ThreadGroup tls_group;
+
+// One guarded entry point: `call` is NCCL's, on `comm` and `stream`.
+template <class Call>
+Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
+  Registry& reg = registry();
+  const bool outer = tls_group.depth == 0;
+  if (outer) reg.guard.lock_shared();
+  Watch* w = find(comm);
+  Result r;
+  if (w && w->aborted.load()) {
+    r = kInvalidUsage;  // refused: NCCL freed, or is freeing, this communicator
+  } else {
+    const bool watched = w && !capturing(stream);
+    if (watched) w->mark(kind);
+    r = call();
+    if (watched && r == 0) {
+      if (outer) {
+        w->record(stream);
+      } else {
+        const std::pair<Watch*, cudaStream_t> touched(w, stream);
+        bool seen = false;
+        for (const auto& t : tls_group.touched) seen = seen || t == touched;
+        if (!seen) tls_group.touched.push_back(touched);
+      }
+    }
+  }
+  if (outer) reg.guard.unlock_shared();
+  return r;
+}
+
+Result g_all_reduce(const void* s, void* r, size_t n, int t, int op, Comm c, cudaStream_t st) {
+  return guarded_call(c, st, kAllReduce, [&] { return raw().AllReduce(s, r, n, t, op, c, st); });
+}
+Result g_reduce_scatter(const void* s, void* r, size_t n, int t, int op, Comm c, cudaStream_t st) {
+  return guarded_call(c, st, kReduceScatter,
+                      [&] { return raw().ReduceScatter(s, r, n, t, op, c, st); });
+}
+Result g_all_gather(const void* s, void* r, size_t n, int t, Comm c, cudaStream_t st) {
+  return guarded_call(c, st, kAllGather, [&] { return raw().AllGather(s, r, n, t, c, st); });
+}
+Result g_send(const void* s, size_t n, int t, int peer, Comm c, cudaStream_t st) {
+  return guarded_call(c, st, kSendRecv, [&] { return raw().Send(s, n, t, peer, c, st); });
+}
+Result g_recv(void* r, size_t n, int t, int peer, Comm c, cudaStream_t st) {
+  return guarded_call(c, st, kSendRecv, [&] { return raw().Recv(r, n, t, peer, c, st); });
+}
+Result g_group_start() {
+  if (tls_group.depth++ == 0) registry().guard.lock_shared();
+  const Result r = raw().GroupStart();
+  return r;
+}
+Result g_group_end() {
+  const Result r = raw().GroupEnd();
+  if (tls_group.depth > 0 && --tls_group.depth == 0) {
+    for (auto& [w, stream] : tls_group.touched)
+      if (r == 0) w->record(stream);
+    tls_group.touched.clear();
+    registry().guard.unlock_shared();
+  }
+  return r;
+}
+
+const char* kind_name(int kind) {
+  switch (kind) {
+    case kAllReduce: return "ncclAllReduce";
+    case kReduceScatter: return "ncclReduceScatter";
+    case kAllGather: return "ncclAllGather";
+    case kSendRecv: return "ncclSend/ncclRecv";
+    case kGraph: return "a replayed graph of collectives";
+    default: return "collective work";
+  }
+}
+
+void torn_down(const Watch& w) {
+  std::fprintf(stderr,
+               "[flashoverlap] the watchdog tears this process down "
+               "(TORCH_NCCL_ASYNC_ERROR_HANDLING=%d): %s\n",
+               w.handling == 1 ? 1 : 3, w.reason);
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Fails `w` (its first failure wins) with `state` and a reason, and aborts its communicator.
+void fail_watch(Watch* w, int state, int nccl_error, int kind, double waited_s, const char* fmt, ...) {
+  int expected = FO_WATCH_OK;
+  if (!w->state.compare_exchange_strong(expected, state)) return;
+  {
+    std::lock_guard<std::mutex> hold(w->m);
+    w->nccl_error = nccl_error, w->kind = kind, w->waited_s = waited_s;
+    va_list args;
+    va_start(args, fmt);
+    std::vsnprintf(w->reason, sizeof(w->reason), fmt, args);
+    va_end(args);
+  }
+  w->aborted.store(true);
+  if (w->handling == 2) torn_down(*w);  // torch's 3: no abort (it may hang), tear down
+  // No enqueue on the communicator may be inside NCCL when it is freed: wait for those in
+  // flight (every new one sees `aborted`). One that cannot leave (NCCL's queue is full behind
+  // the stuck kernel) is released by the abort itself, which sets NCCL's abort flag first.
+  Registry& reg = registry();
+  if (reg.guard.try_lock_for(std::chrono::milliseconds(kDrainMs))) reg.guard.unlock();
+  cudaSetDevice(w->device);
+  raw().CommAbort(w->comm);
+  cudaGetLastError();
+  if (w->handling == 1) torn_down(*w);
+}
+
+// One look at `w`: completed events dropped; a timeout or an asynchronous error fails it.
+// Returns the state.
+int poll(Watch* w) {
+  if (w->state.load() != FO_WATCH_OK) return w->state.load();
+  const int64_t now = now_ns();
+  int64_t oldest = 0;
+  int kind = kNone;
+  bool device_error = false;
+  cudaError_t query = cudaSuccess;
+  {
+    std::lock_guard<std::mutex> hold(w->m);
+    while (!w->pending.empty()) {
+      query = cudaEventQuery(w->pending.front().event);
+      if (query == cudaErrorNotReady) break;
+      if (query != cudaSuccess) {
+        cudaGetLastError();
+        device_error = true;
+        break;
+      }
+      w->free_events.push_back(w->pending.front().event);
+      w->pending.pop_front();
+    }
+    if (!w->pending.empty()) oldest = w->pending.front().since_ns, kind = w->pending.front().kind;
+  }
+  const int64_t host = w->host_since.load();
+  if (host && (!oldest || host < oldest)) oldest = host, kind = w->host_kind.load();
+  const double waited = oldest ? double(now - oldest) * 1e-9 : 0.0;
+  const double timeout = double(w->timeout_ns.load()) * 1e-9;
+  if (device_error) {
+    fail_watch(w, FO_WATCH_DEVICE_ERROR, 0, kind, waited,
+         "the device reported %s while FlashOverlap's watchdog followed the communicator's work",
+         cudaGetErrorString(query));
+  } else if (oldest && timeout > 0 && waited > timeout) {
+    fail_watch(w, FO_WATCH_TIMED_OUT, 0, kind, waited,
+         "%s queued %.1f s ago has not completed, past the timeout of %.1f s: a peer rank "
+         "stalled or died; FlashOverlap's watchdog aborted the communicator",
+         kind_name(kind), waited, timeout);
+  } else {
+    Result async = 0;
+    if (raw().CommGetAsyncError(w->comm, &async) == 0 && async != 0 && async != kInProgress)
+      fail_watch(w, FO_WATCH_NCCL_ERROR, async, kind, waited,
+           "NCCL reported an asynchronous error on the communicator: %s (ncclResult %d); a "
+           "peer rank likely died; FlashOverlap's watchdog aborted the communicator",
+           raw().GetErrorString(async), async);
+  }
+  return w->state.load();
+}
+
+// Fails every other watch of `failed`'s group (the group's peers are gone for them too).
+void fail_group(Watch* failed, const std::vector<Watch*>& watches) {
+  for (Watch* w : watches)
+    if (w != failed && w->group == failed->group && w->state.load() == FO_WATCH_OK)
+      fail_watch(w, FO_WATCH_GROUP_FAILED, 0, kNone, 0.0,
+           "another communicator of the same process group failed (%s); FlashOverlap's "
+           "watchdog aborted this one too",
+           failed->reason);
+}
+
+void watchdog_loop() {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(kPollMs));
+    std::vector<Watch*> watches;
+    {
+      std::shared_lock<std::shared_timed_mutex> hold(registry().guard);
+      watches = registry().watches;
+    }
+    for (Watch* w : watches) {
+      const bool was_ok = w->state.load() == FO_WATCH_OK;
+      if (poll(w) != FO_WATCH_OK && was_ok) fail_group(w, watches);
+    }
+  }
+}
+
+}  // namespace
+
+Api guarded(const Api& a) {
+  Api g = a;
+  g.AllReduce = g_all_reduce;
+  g.ReduceScatter = g_reduce_scatter;
+  g.AllGather = g_all_gather;
+  g.Send = g_send;
+  g.Recv = g_recv;
+  g.GroupStart = g_group_start;
+  g.GroupEnd = g_group_end;
+  return g;
+}
+
+cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream, Comm comm) {
+  if (!comm || !loaded()) {
+    FO_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    return cudaSuccess;
+  }
+  std::shared_lock<std::shared_timed_mutex> hold(registry().guard);
+  Watch* w = find(comm);
+  if (w && w->aborted.load())
+    return fo::fail(cudaErrorLaunchFailure,
+                "the call's communicator was aborted by FlashOverlap's watchdog: %s", w->reason);
+  if (w) w->mark(kGraph);
+  FO_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  if (w) w->record(stream);
   return cudaSuccess;
 }
 
@@ -132,6 +478,67 @@ FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void
 FO_API cudaError_t fo_nccl_comm_destroy(void* comm) {
   if (!comm || !fo::nccl::loaded()) return cudaSuccess;
   FO_NCCL_CHECK(fo::nccl::api().CommDestroy(static_cast<fo::nccl::Comm>(comm)));
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_watch(void* comm, int device, int64_t group, double timeout_s,
+                                 int handling, fo_nccl_watch_t** out) {
+  using namespace fo::nccl;
+  if (!loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  if (!comm || !out || handling < 0 || handling > 2 || !(timeout_s >= 0))
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_nccl_watch: bad arguments (handling %d, timeout %g s)", handling,
+                    timeout_s);
+  auto* w = new Watch();
+  w->comm = static_cast<Comm>(comm), w->device = device, w->group = group;
+  w->handling = handling;
+  w->timeout_ns.store(int64_t(timeout_s * 1e9));
+  Registry& reg = registry();
+  {
+    std::unique_lock<std::shared_timed_mutex> hold(reg.guard);
+    if (find(w->comm)) {
+      delete w;
+      return fo::fail(cudaErrorInvalidValue, "fo_nccl_watch: the communicator is watched already");
+    }
+    reg.watches.push_back(w);
+  }
+  std::call_once(reg.thread_started, [] { std::thread(watchdog_loop).detach(); });
+  *out = reinterpret_cast<fo_nccl_watch_t*>(w);
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_watch_set_timeout(fo_nccl_watch_t* watch, double timeout_s) {
+  if (!watch || !(timeout_s >= 0))
+    return fo::fail(cudaErrorInvalidValue, "fo_nccl_watch_set_timeout: bad arguments");
+  reinterpret_cast<fo::nccl::Watch*>(watch)->timeout_ns.store(int64_t(timeout_s * 1e9));
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_watch_status(fo_nccl_watch_t* watch, int* state, int* nccl_error,
+                                        double* waited_s, char* reason, size_t reason_len) {
+  if (!watch || !state) return fo::fail(cudaErrorInvalidValue, "fo_nccl_watch_status: null argument");
+  auto* w = reinterpret_cast<fo::nccl::Watch*>(watch);
+  *state = w->state.load();
+  if (*state == FO_WATCH_OK) return cudaSuccess;
+  std::lock_guard<std::mutex> hold(w->m);
+  if (nccl_error) *nccl_error = w->nccl_error;
+  if (waited_s) *waited_s = w->waited_s;
+  if (reason && reason_len) std::snprintf(reason, reason_len, "%s", w->reason);
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_watch_pending(fo_nccl_watch_t* watch, int* pending) {
+  if (!watch || !pending) return fo::fail(cudaErrorInvalidValue, "fo_nccl_watch_pending: null argument");
+  auto* w = reinterpret_cast<fo::nccl::Watch*>(watch);
+  std::lock_guard<std::mutex> hold(w->m);
+  *pending = int(w->pending.size()) + (w->host_since.load() ? 1 : 0);
+  return cudaSuccess;
+}
+
+FO_API cudaError_t fo_nccl_watch_abort(fo_nccl_watch_t* watch, const char* why) {
+  if (!watch) return fo::fail(cudaErrorInvalidValue, "fo_nccl_watch_abort: null argument");
+  auto* w = reinterpret_cast<fo::nccl::Watch*>(watch);
+  fo::nccl::fail_watch(w, FO_WATCH_ABORTED, 0, 0, 0.0, "%s", why && *why ? why : "aborted on request");
   return cudaSuccess;
 }
 
