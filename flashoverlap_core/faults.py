@@ -205,6 +205,14 @@ def check(group, op) -> None:
         raise found.for_op(op)
 
 
+def check_group(group=None) -> None:
+    """Raise ``group``'s :class:`CommunicationError` (None: the default group's) if its
+    communication failed; nothing else, and no communication. A call raises it by itself; a
+    loop that only replays a captured graph (whose replays call nothing that could raise)
+    calls this to learn of a failure."""
+    check(group, None)
+
+
 def add_probe(probe: Callable) -> None:
     """``probe(group)`` -> a CommunicationError or None: how a backend that watches
     communicators of its own says a group failed (asked at a key's first call)."""
@@ -272,5 +280,5 @@ def raised(e: RuntimeError, group, op) -> CommunicationError | None:
 
 
 __all__ = ["CommunicationError", "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT", "add_probe",
-           "call_with_deadline", "check", "collective", "error", "failure_of", "forget",
+           "call_with_deadline", "check", "check_group", "collective", "error", "failure_of", "forget",
            "on_forget", "raised", "record", "set_timeout", "timeout"]

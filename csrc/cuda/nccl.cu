@@ -13,7 +13,12 @@
 // that kernels stuck waiting for a peer return. What follows is the watch's `handling`: 0 the
 // next call on it fails (Python raises); 1 the process is torn down (SIGABRT) after the abort;
 // 2 it is torn down without aborting (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING 1 and 3).
+// Work captured into a graph (the caller's, or the call path's own) has no event to record: the
+// capture gets two stream writes around each collective, to a slot of host memory of the watch
+// (1 before, 2 after), and the thread times a slot it sees at 1 from when it first saw it. So a
+// replay stuck in a collective is found too; one that completes between two looks is never seen.
 // Nothing here is ever freed: the thread may poll while the process exits.
+#include <cuda.h>  // driver types only: cuStreamWriteValue32 is reached through the runtime
 #include <dlfcn.h>
 
 #include <atomic>
@@ -23,10 +28,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <deque>
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -106,6 +113,24 @@ namespace {
 constexpr int kPollMs = 100;          // how often the thread looks at every watch
 constexpr int kDrainMs = 2000;        // how long an abort waits for enqueues to leave NCCL
 constexpr size_t kMaxPending = 4096;  // events per watch; past it the host mark times the work
+constexpr int kSlots = 4096;          // captured collectives followed per watch
+
+using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+StreamWriteValue32 write_value() {  // null when the driver has none
+  static StreamWriteValue32 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return StreamWriteValue32(nullptr);
+    }
+    return reinterpret_cast<StreamWriteValue32>(p);
+  }();
+  return fn;
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -141,6 +166,29 @@ struct Watch {
   int nccl_error = 0, kind = kNone;
   double waited_s = 0;
   char reason[512] = {0};
+  // captured collectives: slot i of the host memory `slots` (device address `slots_dev`) is 1
+  // while a replay is inside collective i; `first_seen` is the thread's own
+  uint32_t* slots = nullptr;
+  CUdeviceptr slots_dev = 0;
+  std::atomic<int> slots_used{0};
+  std::vector<int64_t> first_seen;
+
+  // A slot for a collective being captured on `stream`, its "inside" write queued (-1: none).
+  int enter_capture(cudaStream_t stream) {
+    StreamWriteValue32 write = write_value();
+    if (!slots || !write) return -1;
+    const int slot = slots_used.fetch_add(1);
+    if (slot >= kSlots) return -1;
+    if (write(reinterpret_cast<CUstream>(stream), slots_dev + 4 * CUdeviceptr(slot), 1, 0) != 0)
+      return -1;
+    return slot;
+  }
+
+  // The "done" write of `slot` on `stream`, after the collective.
+  void leave_capture(cudaStream_t stream, int slot) {
+    if (slot >= 0)
+      write_value()(reinterpret_cast<CUstream>(stream), slots_dev + 4 * CUdeviceptr(slot), 2, 0);
+  }
 
   // The host enters NCCL for work of `k` (nothing to do when it already is).
   void mark(int k) {
@@ -172,6 +220,10 @@ struct Watch {
 };
 
 namespace {
+
+// Set at process exit (std::atexit, registered after the CUDA runtime's, so it runs first): the
+// thread stops looking, so that nothing is aborted, nor the process torn down, while it ends.
+std::atomic<bool> exiting{false};
 
 struct Registry {
   // Shared by every guarded entry point while it is inside NCCL; an abort takes it exclusively
@@ -207,6 +259,7 @@ bool capturing(cudaStream_t stream) {
 struct ThreadGroup {
   int depth = 0;
   std::vector<std::pair<Watch*, cudaStream_t>> touched;
+  std::vector<std::tuple<Watch*, cudaStream_t, int>> captured;  // slots to leave at its end
 };
 thread_local ThreadGroup tls_group;
 
@@ -221,9 +274,19 @@ Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
   if (w && w->aborted.load()) {
     r = kInvalidUsage;  // refused: NCCL freed, or is freeing, this communicator
   } else {
-    const bool watched = w && !capturing(stream);
+    const bool in_capture = w && capturing(stream);
+    const bool watched = w && !in_capture;
+    int slot = -1;
+    if (in_capture) {
+      bool entered = false;  // in a group, the first collective on (w, stream) enters
+      for (const auto& t : tls_group.captured)
+        entered = entered || (std::get<0>(t) == w && std::get<1>(t) == stream);
+      if (!entered) slot = w->enter_capture(stream);
+      if (!outer && slot >= 0) tls_group.captured.emplace_back(w, stream, slot);
+    }
     if (watched) w->mark(kind);
     r = call();
+    if (outer && slot >= 0) w->leave_capture(stream, slot);
     if (watched && r == 0) {
       if (outer) {
         w->record(stream);
@@ -266,6 +329,8 @@ Result g_group_end() {
     for (auto& [w, stream] : tls_group.touched)
       if (r == 0) w->record(stream);
     tls_group.touched.clear();
+    for (auto& [w, stream, slot] : tls_group.captured) w->leave_capture(stream, slot);
+    tls_group.captured.clear();
     registry().guard.unlock_shared();
   }
   return r;
@@ -277,7 +342,7 @@ const char* kind_name(int kind) {
     case kReduceScatter: return "ncclReduceScatter";
     case kAllGather: return "ncclAllGather";
     case kSendRecv: return "ncclSend/ncclRecv";
-    case kGraph: return "a replayed graph of collectives";
+    case kGraph: return "a collective of a replayed graph";
     default: return "collective work";
   }
 }
@@ -319,7 +384,8 @@ void fail_watch(Watch* w, int state, int nccl_error, int kind, double waited_s, 
 // One look at `w`: completed events dropped; a timeout or an asynchronous error fails it.
 // Returns the state.
 int poll(Watch* w) {
-  if (w->state.load() != FO_WATCH_OK) return w->state.load();
+  if (w->state.load() != FO_WATCH_OK || exiting.load()) return w->state.load();
+  cudaSetDevice(w->device);
   const int64_t now = now_ns();
   int64_t oldest = 0;
   int kind = kNone;
@@ -330,6 +396,7 @@ int poll(Watch* w) {
     while (!w->pending.empty()) {
       query = cudaEventQuery(w->pending.front().event);
       if (query == cudaErrorNotReady) break;
+      if (query == cudaErrorCudartUnloading || exiting.load()) return w->state.load();
       if (query != cudaSuccess) {
         cudaGetLastError();
         device_error = true;
@@ -342,6 +409,13 @@ int poll(Watch* w) {
   }
   const int64_t host = w->host_since.load();
   if (host && (!oldest || host < oldest)) oldest = host, kind = w->host_kind.load();
+  const int used = std::min(w->slots_used.load(), kSlots);
+  for (int i = 0; i < used; ++i) {  // captured collectives being replayed
+    const uint32_t v = __atomic_load_n(w->slots + i, __ATOMIC_ACQUIRE);
+    int64_t& seen = w->first_seen[i];
+    seen = v == 1 ? (seen ? seen : now) : 0;
+    if (seen && (!oldest || seen < oldest)) oldest = seen, kind = kGraph;
+  }
   const double waited = oldest ? double(now - oldest) * 1e-9 : 0.0;
   const double timeout = double(w->timeout_ns.load()) * 1e-9;
   if (device_error) {
@@ -383,6 +457,7 @@ void watchdog_loop() {
       watches = registry().watches;
     }
     for (Watch* w : watches) {
+      if (exiting.load()) return;
       const bool was_ok = w->state.load() == FO_WATCH_OK;
       if (poll(w) != FO_WATCH_OK && was_ok) fail_group(w, watches);
     }
@@ -493,6 +568,20 @@ FO_API cudaError_t fo_nccl_watch(void* comm, int device, int64_t group, double t
   w->comm = static_cast<Comm>(comm), w->device = device, w->group = group;
   w->handling = handling;
   w->timeout_ns.store(int64_t(timeout_s * 1e9));
+  // the slots of captured collectives (none when pinned memory cannot be had: not followed)
+  void* host = nullptr;
+  if (cudaHostAlloc(&host, kSlots * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) ==
+      cudaSuccess) {
+    std::memset(host, 0, kSlots * sizeof(uint32_t));
+    void* dev = nullptr;
+    if (cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess) {
+      w->slots = static_cast<uint32_t*>(host);
+      w->slots_dev = reinterpret_cast<CUdeviceptr>(dev);
+      w->first_seen.assign(kSlots, 0);
+    }
+  }
+  cudaGetLastError();
+  write_value();  // resolved now, not first inside a capture
   Registry& reg = registry();
   {
     std::unique_lock<std::shared_timed_mutex> hold(reg.guard);
@@ -502,7 +591,10 @@ FO_API cudaError_t fo_nccl_watch(void* comm, int device, int64_t group, double t
     }
     reg.watches.push_back(w);
   }
-  std::call_once(reg.thread_started, [] { std::thread(watchdog_loop).detach(); });
+  std::call_once(reg.thread_started, [] {
+    std::atexit([] { exiting.store(true); });
+    std::thread(watchdog_loop).detach();
+  });
   *out = reinterpret_cast<fo_nccl_watch_t*>(w);
   return cudaSuccess;
 }
