@@ -196,22 +196,44 @@ struct Watch {
     if (host_since.compare_exchange_strong(zero, now_ns())) host_kind.store(k);
   }
 
+  // The host left NCCL without queuing anything (an error): nothing to time.
+  void unmark() { host_since.store(0); }
+
+  // Drops the completed events at the front (under `m`); the first error other than "not
+  // ready" is returned (the caller decides), or cudaSuccess.
+  cudaError_t drop_completed() {
+    while (!pending.empty()) {
+      const cudaError_t query = cudaEventQuery(pending.front().event);
+      if (query == cudaErrorNotReady) return cudaSuccess;
+      if (query != cudaSuccess) return query;
+      free_events.push_back(pending.front().event);
+      pending.pop_front();
+    }
+    return cudaSuccess;
+  }
+
   // An event after the work just queued on `stream` (not capturing), timed from the mark.
   void record(cudaStream_t stream) {
     std::lock_guard<std::mutex> hold(m);
     const int64_t since = host_since.load();
-    if (pending.size() >= kMaxPending) return;  // the mark stays: the work is still timed
+    if (pending.size() >= kMaxPending && drop_completed() != cudaSuccess) cudaGetLastError();
+    if (pending.size() >= kMaxPending) {  // the device is far behind: the older events time it
+      host_since.store(0);
+      return;
+    }
     cudaEvent_t e = nullptr;
     if (!free_events.empty()) {
       e = free_events.back();
       free_events.pop_back();
     } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
       cudaGetLastError();
+      host_since.store(0);
       return;
     }
     if (cudaEventRecord(e, stream) != cudaSuccess) {
       cudaGetLastError();
       free_events.push_back(e);
+      host_since.store(0);
       return;
     }
     pending.push_back({e, since ? since : now_ns(), host_kind.load()});
@@ -287,6 +309,7 @@ Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
     if (watched) w->mark(kind);
     r = call();
     if (outer && slot >= 0) w->leave_capture(stream, slot);
+    if (watched && r != 0) w->unmark();
     if (watched && r == 0) {
       if (outer) {
         w->record(stream);
@@ -326,8 +349,10 @@ Result g_group_start() {
 Result g_group_end() {
   const Result r = raw().GroupEnd();
   if (tls_group.depth > 0 && --tls_group.depth == 0) {
-    for (auto& [w, stream] : tls_group.touched)
+    for (auto& [w, stream] : tls_group.touched) {
       if (r == 0) w->record(stream);
+      else w->unmark();
+    }
     tls_group.touched.clear();
     for (auto& [w, stream, slot] : tls_group.captured) w->leave_capture(stream, slot);
     tls_group.captured.clear();
@@ -393,17 +418,11 @@ int poll(Watch* w) {
   cudaError_t query = cudaSuccess;
   {
     std::lock_guard<std::mutex> hold(w->m);
-    while (!w->pending.empty()) {
-      query = cudaEventQuery(w->pending.front().event);
-      if (query == cudaErrorNotReady) break;
-      if (query == cudaErrorCudartUnloading || exiting.load()) return w->state.load();
-      if (query != cudaSuccess) {
-        cudaGetLastError();
-        device_error = true;
-        break;
-      }
-      w->free_events.push_back(w->pending.front().event);
-      w->pending.pop_front();
+    query = w->drop_completed();
+    if (query == cudaErrorCudartUnloading || exiting.load()) return w->state.load();
+    if (query != cudaSuccess) {
+      cudaGetLastError();
+      device_error = true;
     }
     if (!w->pending.empty()) oldest = w->pending.front().since_ns, kind = w->pending.front().kind;
   }
@@ -489,7 +508,12 @@ cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream, Comm comm) {
     return fo::fail(cudaErrorLaunchFailure,
                 "the call's communicator was aborted by FlashOverlap's watchdog: %s", w->reason);
   if (w) w->mark(kGraph);
-  FO_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  const cudaError_t err = cudaGraphLaunch(exec, stream);
+  if (err != cudaSuccess) {
+    if (w) w->unmark();
+    cudaGetLastError();
+    return fo::fail(err, "cudaGraphLaunch: %s", cudaGetErrorString(err));
+  }
   if (w) w->record(stream);
   return cudaSuccess;
 }

@@ -202,6 +202,43 @@ def sequence(spec: dict, where: str) -> dict:
     return report
 
 
+def sequence_torch(spec: dict, where: str) -> dict:
+    """:func:`sequence` on torch's own path (``a @ b``, then ``dist.all_reduce`` on the process
+    group's communicator, the device synchronised after each call): the same faults, for
+    comparing how each path ends a survivor (torch's watchdog may tear the process down)."""
+    import torch
+    import torch.distributed as dist
+
+    where = Path(where)
+    rank, device = dist.get_rank(), _device()
+    faulty = rank == spec["faulty"]
+    report = {"rank": rank, "calls": 0, "exact": True, "error_type": None, "error": None,
+              "raised_at": None, "then": None}
+    try:
+        for i in range(spec["calls"]):
+            if faulty and i == spec["at"] and spec["fault"] != "none":
+                (where / "fault").write_text(repr(time.time()))
+                if spec["fault"] == "exit":
+                    os._exit(17)
+                if spec["fault"] == "raise":
+                    raise RuntimeError(f"rank {rank} raised before call {i} (injected fault)")
+                time.sleep(spec["sleep_s"])
+            a, b = _inputs(spec, rank, i, device)
+            out = a @ b
+            dist.all_reduce(out)
+            _sync(device)
+            report["calls"] += 1
+    except BaseException as e:  # noqa: BLE001 - reported
+        report.update(error_type=type(e).__name__, error=str(e), raised_at=time.time())
+        if not faulty:
+            (where / f"raised-{rank}").write_text(repr(time.time()))
+    if spec["fault"] == "raise" and faulty:  # lives on, as in sequence()
+        for r in range(spec["world_size"]):
+            if r != rank:
+                _wait_for(where / f"raised-{r}", 3 * spec["timeout_s"] + 60)
+    return report
+
+
 def _then(spec: dict, other, device, where: Path) -> dict:
     """The follow-up on every live rank: calls on the other group, or after a recovery."""
     import torch
@@ -235,16 +272,19 @@ def _then(spec: dict, other, device, where: Path) -> dict:
 # ---- in the parent ----------------------------------------------------------------------------
 
 def run(spec: dict, device_type: str = "cpu", *, env: dict | None = None,
-        shared_devices: bool | None = None, hard_timeout: float | None = None) -> dict:
+        shared_devices: bool | None = None, hard_timeout: float | None = None,
+        path: str = "fo") -> dict:
     """Run ``spec`` on fresh ranks (overlapped calls: ``FLASHOVERLAP_STRATEGY=overlap`` unless
-    ``env`` says otherwise). Returns ``{"scenario", "fault_at", "ranks"}``, with per rank
-    its ``status`` (run_once's), ``role`` ("faulty" or "survivor"), the report of
-    :func:`sequence` and ``after_fault_s`` (its error's time after the fault)."""
+    ``env`` says otherwise; ``path="torch"``: :func:`sequence_torch`). Returns ``{"scenario",
+    "fault_at", "ranks"}``, with per rank its ``status`` (run_once's), ``role`` ("faulty" or
+    "survivor"), the report of :func:`sequence` and ``after_fault_s``: its error's time after
+    the fault, or for a rank that died (torn down), when it was found dead."""
     import tempfile
 
     budget = hard_timeout or (3 * spec["timeout_s"] + spec["sleep_s"] + 120)
+    fn = sequence_torch if path == "torch" else sequence
     with tempfile.TemporaryDirectory(prefix="flashoverlap-faults-") as where:
-        outcomes = run_once(spec["world_size"], sequence, spec, where, device_type=device_type,
+        outcomes = run_once(spec["world_size"], fn, spec, where, device_type=device_type,
                             timeout=budget, pg_timeout=spec["timeout_s"],
                             env={"FLASHOVERLAP_STRATEGY": "overlap", **(env or {})},
                             shared_devices=shared_devices)
@@ -253,7 +293,7 @@ def run(spec: dict, device_type: str = "cpu", *, env: dict | None = None,
     ranks = []
     for o in outcomes:
         report = o["value"] or {}
-        raised_at = report.get("raised_at")
+        raised_at = report.get("raised_at") or (o["ended"] if o["status"] == "died" else None)
         ranks.append({
             "rank": o["rank"], "status": o["status"],
             "role": "faulty" if o["rank"] == spec["faulty"] and spec["fault"] != "none" else "survivor",
@@ -300,4 +340,4 @@ def problems(result: dict, limit_s: float | None = None) -> list[str]:
     return found
 
 
-__all__ = ["FAULTS", "SLACK_S", "problems", "run", "scenario", "sequence"]
+__all__ = ["FAULTS", "SLACK_S", "problems", "run", "scenario", "sequence", "sequence_torch"]
