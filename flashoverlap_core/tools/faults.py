@@ -147,6 +147,18 @@ def _wait_for(path: Path, seconds: float) -> bool:
     return False
 
 
+def _inject(spec: dict, rank: int, call: int, where: Path) -> None:
+    """The faulty rank's fault, before its call ``call`` (its time written for the parent)."""
+    if spec["fault"] == "none":
+        return
+    (where / "fault").write_text(repr(time.time()))
+    if spec["fault"] == "exit":
+        os._exit(17)
+    if spec["fault"] == "raise":
+        raise RuntimeError(f"rank {rank} raised before call {call} (injected fault)")
+    time.sleep(spec["sleep_s"])
+
+
 def sequence(spec: dict, where: str) -> dict:
     """One rank's part of a scenario (run by :func:`run` on every rank; ``where``: a folder all
     ranks share). Returns what happened: ``calls`` done, ``exact`` (every result checked),
@@ -172,13 +184,8 @@ def sequence(spec: dict, where: str) -> dict:
     try:
         step = _Step(spec, None, device)
         for i in range(spec["calls"]):
-            if faulty and i == spec["at"] and spec["fault"] != "none":
-                (where / "fault").write_text(repr(time.time()))
-                if spec["fault"] == "exit":
-                    os._exit(17)
-                if spec["fault"] == "raise":
-                    raise RuntimeError(f"rank {rank} raised before call {i} (injected fault)")
-                time.sleep(spec["sleep_s"])
+            if faulty and i == spec["at"]:
+                _inject(spec, rank, i, where)
             out, expected = step.run(i)
             if wrong is not None:
                 report["exact"] = False  # a wrong result, and the next step went on
@@ -216,13 +223,8 @@ def sequence_torch(spec: dict, where: str) -> dict:
               "raised_at": None, "then": None}
     try:
         for i in range(spec["calls"]):
-            if faulty and i == spec["at"] and spec["fault"] != "none":
-                (where / "fault").write_text(repr(time.time()))
-                if spec["fault"] == "exit":
-                    os._exit(17)
-                if spec["fault"] == "raise":
-                    raise RuntimeError(f"rank {rank} raised before call {i} (injected fault)")
-                time.sleep(spec["sleep_s"])
+            if faulty and i == spec["at"]:
+                _inject(spec, rank, i, where)
             a, b = _inputs(spec, rank, i, device)
             out = a @ b
             dist.all_reduce(out)
