@@ -216,7 +216,13 @@ struct Watch {
   void record(cudaStream_t stream) {
     std::lock_guard<std::mutex> hold(m);
     const int64_t since = host_since.load();
-    if (pending.size() >= kMaxPending && drop_completed() != cudaSuccess) cudaGetLastError();
+    if (pending.size() >= kMaxPending) {
+      // cudaEventQuery: relaxed, so that another thread's capture in global mode is not broken
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      if (drop_completed() != cudaSuccess) cudaGetLastError();
+      cudaThreadExchangeStreamCaptureMode(&mode);
+    }
     if (pending.size() >= kMaxPending) {  // the device is far behind: the older events time it
       host_since.store(0);
       return;
@@ -468,6 +474,10 @@ void fail_group(Watch* failed, const std::vector<Watch*>& watches) {
 }
 
 void watchdog_loop() {
+  // This thread's queries must not break a capture of another thread's in global mode (as the
+  // caching allocator's would): relaxed.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
   for (;;) {
     std::this_thread::sleep_for(std::chrono::milliseconds(kPollMs));
     std::vector<Watch*> watches;
