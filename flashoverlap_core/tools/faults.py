@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
-from .ranks import run_once
+from .ranks import init_process_group, run_once
 
 FAULTS = ("raise", "exit", "sleep")
 SLACK_S = 10.0  # what "within the timeout plus a few seconds" allows on a loaded host
 
 
 def scenario(fault: str, world_size: int = 2, *, timeout_s: float = 5.0, faulty: int = 1,
-             at: int = 3, calls: int = 8, op: str = "allreduce", shape=(128, 128, 64),
+             at: int = 3, calls: int = 8, op: str = "allreduce", shape=(120, 96, 64),
              dtype: str = "float32", mode: str = "eager", then: str = "",
              sleep_s: float | None = None, fo_timeout: float | None = None,
              backend: str | None = None) -> dict:
@@ -253,10 +252,9 @@ def _then(spec: dict, other, device, where: Path) -> dict:
         if spec["then"] == "recover":
             backend, rank = dist.get_backend(), dist.get_rank()
             dist.destroy_process_group()
-            dist.init_process_group(backend, init_method=f"file://{where / 'init-again'}",
-                                    rank=rank, world_size=spec["world_size"],
-                                    timeout=timedelta(seconds=spec["timeout_s"]),
-                                    device_id=device if device.type != "cpu" else None)
+            init_process_group(backend, f"file://{where / 'init-again'}", rank,
+                               spec["world_size"], spec["timeout_s"],
+                               device if device.type != "cpu" else None)
             fo.forget_prepared()
             group = None
         fresh = dict(spec, mode="eager")

@@ -101,10 +101,26 @@ def _join(rank, world_size, device_type, device_index, init_file, env, pg_timeou
         torch.get_device_module(device_type).set_device(device_index)
         device_id = torch.device(device_type, device_index)
     collective = dist.Backend.default_device_backend_map[device_type]
-    dist.init_process_group(collective, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=pg_timeout),
-                            device_id=device_id)
+    init_process_group(collective, f"file://{init_file}", rank, world_size, pg_timeout, device_id)
     return collective
+
+
+CONNECT_TIMEOUT = 120.0  # seconds the ranks may take to connect, whatever the group's timeout
+
+
+def init_process_group(collective: str, init_method: str, rank: int, world_size: int,
+                       timeout: float, device_id=None) -> None:
+    """``torch.distributed.init_process_group`` whose collectives time out after ``timeout``
+    seconds while its ranks may take up to :data:`CONNECT_TIMEOUT` to connect (on a loaded host a
+    short timeout would otherwise fail the connection itself)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(collective, init_method=init_method, rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(seconds=max(timeout, CONNECT_TIMEOUT)),
+                            device_id=device_id)
+    if timeout < CONNECT_TIMEOUT:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
 
 
 def _worker(rank, world_size, device_type, device_index, init_file, env, pg_timeout, inbox,
