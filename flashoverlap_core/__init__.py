@@ -6,7 +6,8 @@ started on the device as soon as the GEMM has written that group's tiles (for al
 chunk of rows computed as soon as it has arrived). See docs/design.md.
 """
 from . import api as _api
-from .api import backends, prepared_calls
+from .api import backends, forget_prepared, prepared_calls
+from .faults import CommunicationError, check_group, set_timeout
 from .planning import make_plan, plan
 from .backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from .plan import OPS, Plan, Region
@@ -25,8 +26,8 @@ _set_strategy(_StrategyChoice())  # ... and choose overlap or the plain path (tu
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BackendError", "BackendStatus", "OPS", "OverlapCall", "OverlapSpec", "Plan",
+    "Backend", "BackendError", "BackendStatus", "CommunicationError", "OPS", "check_group", "OverlapCall", "OverlapSpec", "Plan",
     "PreparedCall", "Region", "Schedule", "TileRect", "backends", "make_plan", "overlap",
-    "overlap_add_rmsnorm", "plan",
-    "prepared_calls", "register",
+    "forget_prepared", "overlap_add_rmsnorm", "plan",
+    "prepared_calls", "register", "set_timeout",
 ]

@@ -21,7 +21,7 @@ import numbers
 
 import torch
 
-from . import api
+from . import api, faults
 from .ops import REDUCE_OPS
 from .reorder import add_rmsnorm
 
@@ -83,4 +83,12 @@ def overlap_add_rmsnorm(a, b, residual, weight, eps: float = 1e-6, op: str = "al
         prepared = api.prepared_call(a, b, op, group, plan, backend)
         if key is not None:
             api.remember(_prepared, key, prepared)
-    return prepared.run_add_rmsnorm(a, b, op, residual, weight, float(eps))
+    if faults.failures:
+        faults.check(group, op)
+    try:
+        return prepared.run_add_rmsnorm(a, b, op, residual, weight, float(eps))
+    except RuntimeError as e:  # communication that failed: the group's CommunicationError
+        failure = faults.raised(e, group, op)
+        if failure is None:
+            raise
+        raise failure from e

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .backend import Backend, OverlapCall
 from .checks import check_splits_use
 from .collectives import INVALID, exchange_objects, exchange_rows, rows_from_ranks
+from .faults import collective as _collective
 from .ops import KINDS
 
 ALL_TO_ALL = KINDS["all_to_all"]
@@ -119,7 +120,7 @@ class AllToAllCall:
         if problem is None and INVALID not in sent and recv is not None and list(recv) != sent:
             problem = (f"ValueError: recv_splits of rank {self.rank} are {list(recv)}, but the "
                        f"ranks send it {sent} rows (their send_splits)")
-        verdicts = exchange_objects(problem, self.group)
+        verdicts = exchange_objects(problem, self.group, "all_to_all's first-call check")
         self.verified = True
         failed = {r: v for r, v in enumerate(verdicts) if v is not None}
         if failed and error is None:
@@ -185,6 +186,7 @@ class AllToAllCall:
         if recv is None:
             recv = self._received(send, a.device)
             out = self._out_for(out, c, sum(recv))
-        dist.all_to_all_single(out, c, output_split_sizes=list(recv),
-                               input_split_sizes=list(send), group=self.group)
+        with _collective(self.group, "the plain path's all_to_all"):
+            dist.all_to_all_single(out, c, output_split_sizes=list(recv),
+                                   input_split_sizes=list(send), group=self.group)
         return out

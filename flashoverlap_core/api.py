@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from . import fp8, planning, registry
+from . import faults, fp8, planning, registry
 from .agreement import agree, tell_agreeing_peers
 from .all_to_all import AllToAllCall
 from .backend import Backend, OverlapCall, PreparedCall, b_layout, call_reasons
@@ -91,12 +91,15 @@ _prepare_lock = threading.Lock()
 
 def forget_prepared() -> None:
     """Drop every prepared call and every settled choice (the next call of each key prepares
-    it again; at world size > 1 that is collective: call it on every rank)."""
+    it again; at world size > 1 that is collective: call it on every rank), and forget every
+    failed group (the recovery after a CommunicationError, once the process group is made anew:
+    docs/design.md, "Failure model")."""
     with _prepare_lock:
         _prepared.clear()
         _settled.clear()
         for table in _keyed_tables:
             table.clear()
+    faults.forget()
 
 
 _keyed_tables: list[dict] = []
@@ -176,18 +179,26 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
     torch tensors without a copy, and the result comes back in ``a``'s array type.
     """
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if faults.failures:  # a failed group raises at once (docs/design.md, "Failure model")
+            faults.check(group, op)
         kind = op if op.__class__ is str else type(op)
         key = call_key(a, b, kind, group, plan, backend, send_splits, recv_splits)
         entry = _prepared.get(key)
-        if entry is not None:
-            if out is None and entry.out_shape is not None:  # the common call: a new result
-                out = torch.empty(entry.out_shape, dtype=entry.dtype, device=entry.device)
-                return entry.prepared.run(a, b, out, op)
-            if kind == "all_to_all":  # each call's rows and splits (out_shape is None)
-                return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
-            if entry.fits(out):
-                return entry.run(a, b, out, op)
-        return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
+        try:
+            if entry is not None:
+                if out is None and entry.out_shape is not None:  # the common call: a new result
+                    out = torch.empty(entry.out_shape, dtype=entry.dtype, device=entry.device)
+                    return entry.prepared.run(a, b, out, op)
+                if kind == "all_to_all":  # each call's rows and splits (out_shape is None)
+                    return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
+                if entry.fits(out):
+                    return entry.run(a, b, out, op)
+            return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
+        except RuntimeError as e:  # communication that failed: the group's CommunicationError
+            failure = faults.raised(e, group, op)
+            if failure is None:
+                raise
+            raise failure from e
     a, a_type = _from_dlpack(a)
     b, _ = _from_dlpack(b)
     if out is not None:
@@ -216,6 +227,8 @@ def prepared_call(a, b, op: str, group=None, plan: Plan | None = None, backend: 
     reduce_scatter): its key's prepared call, a :class:`PreparedCall` or alike, prepared on the
     key's first use (every argument checked, collective at world size > 1) and not run. For
     ops built on an overlapped call (``overlap_add_rmsnorm``: ``run_add_rmsnorm``)."""
+    if faults.failures:
+        faults.check(group, op)
     key = call_key(a, b, op, group, plan, backend)
     entry = _prepared.get(key)
     if entry is None:
@@ -234,20 +247,28 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     kind = op if op.__class__ is str else type(op)
     tensors = all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b))
+    if faults.failures:
+        faults.check(group, op)
     key = None
-    if tensors and kind != "all_to_all":
-        # overlap's key, then the scales' layout and the result's dtype
-        key = call_key(a, b, kind, group, plan, backend, send_splits, recv_splits,
-                       tensor_facts(scale_a, scale_b) + (out_dtype,))
-        entry = _prepared.get(key)
-        if entry is not None and entry.fits(out):
-            return entry.run_scaled(a, b, scale_a, scale_b, out, op)
-    _, scaling = fp8.check_call(a, b, scale_a, scale_b, out_dtype)
-    if kind == "all_to_all":
-        return _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out,
-                                       send_splits, recv_splits, backend)
-    return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
-                       (scale_a, scale_b, out_dtype, scaling))
+    try:
+        if tensors and kind != "all_to_all":
+            # overlap's key, then the scales' layout and the result's dtype
+            key = call_key(a, b, kind, group, plan, backend, send_splits, recv_splits,
+                           tensor_facts(scale_a, scale_b) + (out_dtype,))
+            entry = _prepared.get(key)
+            if entry is not None and entry.fits(out):
+                return entry.run_scaled(a, b, scale_a, scale_b, out, op)
+        _, scaling = fp8.check_call(a, b, scale_a, scale_b, out_dtype)
+        if kind == "all_to_all":
+            return _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out,
+                                           send_splits, recv_splits, backend)
+        return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
+                           (scale_a, scale_b, out_dtype, scaling))
+    except RuntimeError as e:
+        failure = faults.raised(e, group, op)
+        if failure is None:
+            raise
+        raise failure from e
 
 
 def _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out, send_splits,
@@ -323,6 +344,7 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                     "capture (a warm-up call), then capture")
             settled = _settled.get(gkey)
             if settled is None:
+                faults.check(c["group"], op)  # a backend's watchdog may have failed the group
                 call, chosen, facts = agree(c, a, b, op, plan, out, recv_splits, backend)
                 _settled[gkey] = (chosen, call.plan, facts)
                 while len(_settled) > MAX_PREPARED:

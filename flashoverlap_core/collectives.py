@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import OverlapCall
+from .faults import collective as _collective
 from .ops import of
 from .plan import destination_chunks, layout_unit
 from .reorder import add_rmsnorm, block_tiles, stream_offsets, unpack_tiles
@@ -61,10 +62,12 @@ def _default_group_reader():
 current_default_group = _default_group_reader()
 
 
-def exchange_objects(obj, group) -> list:
-    """Every rank's ``obj`` (small, picklable), in rank order: one collective, host synced."""
+def exchange_objects(obj, group, what: str = "the first call's exchange between the ranks") -> list:
+    """Every rank's ``obj`` (small, picklable), in rank order: one collective, host synced
+    (under the group's timeout: a peer that does not take part is a CommunicationError)."""
     views = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, obj, group=group)
+    with _collective(group, what):
+        dist.all_gather_object(views, obj, group=group)
     return views
 
 
@@ -95,10 +98,11 @@ class SequentialCall:
         one_byte_float = rows.element_size() == 1 and rows.is_floating_point()  # fp8
         raw = rows.view(torch.uint8) if one_byte_float else rows
         out = raw.new_empty((raw.shape[0] * self.world,) + tuple(raw.shape[1:]))
-        if self.native is not None:
-            self.native.all_gather(out, raw)
-        else:
-            all_gather_single(out, raw, group=self.group)
+        with _collective(self.group, "the plain path's all-gather"):
+            if self.native is not None:
+                self.native.all_gather(out, raw)
+            else:
+                all_gather_single(out, raw, group=self.group)
         return out.view(rows.dtype)
 
     def collect(self, product: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
@@ -112,15 +116,18 @@ class SequentialCall:
                 out = product
             if collective is None:  # a callable op: called on the whole result
                 op(out.view(-1), 0)
-            elif self.native is not None:
-                self.native.all_reduce(out)
             elif group is not None:
-                dist.all_reduce(out, group=group)
+                with _collective(group, "the plain path's allreduce"):
+                    if self.native is not None:
+                        self.native.all_reduce(out)
+                    else:
+                        dist.all_reduce(out, group=group)
             return out
-        if self.native is not None:  # (all_to_all: AllToAllCall)
-            self.native.reduce_scatter(out, product)
-        else:
-            reduce_scatter_single(out, product, group=group)
+        with _collective(group, "the plain path's reduce-scatter"):
+            if self.native is not None:  # (all_to_all: AllToAllCall)
+                self.native.reduce_scatter(out, product)
+            else:
+                reduce_scatter_single(out, product, group=group)
         return out
 
     def run_add_rmsnorm(self, a, b, op, residual, weight, eps: float):
@@ -149,7 +156,8 @@ def exchange_rows(send, group, device) -> list[int]:
     the invalid mark included."""
     mine = torch.tensor(send, dtype=torch.int64, device=device)
     theirs = torch.empty_like(mine)
-    dist.all_to_all_single(theirs, mine, group=group)
+    with _collective(group, "all_to_all's exchange of row counts"):
+        dist.all_to_all_single(theirs, mine, group=group)
     return theirs.tolist()
 
 
@@ -254,7 +262,8 @@ class RegionExchange:
                   int(given is not None), *(given if given is not None else [0] * w)]
         mine = torch.tensor(header, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(w)]
-        dist.all_gather(gathered, mine, group=call.group)
+        with _collective(call.group, "the exchange of the ranks' plan headers"):
+            dist.all_gather(gathered, mine, group=call.group)
         headers = torch.stack(gathered).tolist()
         self._check_headers(headers)
         g_max = max(h[0] for h in headers)
@@ -262,7 +271,8 @@ class RegionExchange:
         for g, region in enumerate(plan.regions):
             counts[:, g] = torch.tensor(region.dest_numels)
         recv = torch.empty(w * g_max, dtype=torch.int64, device=device)
-        dist.all_to_all_single(recv, counts.flatten().to(device), group=call.group)
+        with _collective(call.group, "the exchange of per-group counts"):
+            dist.all_to_all_single(recv, counts.flatten().to(device), group=call.group)
         return recv.view(w, g_max).t().tolist(), g_max, [h[6 + call.rank] for h in headers]
 
     def _check_headers(self, headers):
@@ -296,6 +306,10 @@ class RegionExchange:
         if group is None:
             return  # world size 1 without torch.distributed: the collective is the identity
         region = self.region(g) if g < self.plan.num_groups else self.packed[:0]
+        with _collective(group, f"group {g}'s collective"):
+            self._launch(g, group, region)
+
+    def _launch(self, g: int, group, region) -> None:
         if self.collective == "all_reduce":
             work = dist.all_reduce(region, group=group, async_op=True)
         elif self.collective == "reduce_scatter":
@@ -319,8 +333,9 @@ class RegionExchange:
     def wait(self) -> None:
         """Launch any trailing collectives, then make the current stream wait for all."""
         self.launch_remaining()
-        for work in self.works:
-            work.wait()
+        with _collective(self.call.group, "waiting for the call's collectives"):
+            for work in self.works:
+                work.wait()
         self.works.clear()
 
     # ---- post-communication reorder ----------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from .backend import OverlapCall
 from .collectives import all_gather_single
+from .faults import collective as _collective
 from .tiles import TileRect
 
 
@@ -41,14 +42,16 @@ class GatherExchange:
             return
         start, end = self.plan.chunk_rows(g)
         region = self.chunk(g).flatten(0, 1)  # [W * rows, K]: what every collective library takes
-        self.works[g] = all_gather_single(region, self.local[start:end], group=self.call.group,
-                                          async_op=True)
+        with _collective(self.call.group, f"chunk {g}'s all-gather"):
+            self.works[g] = all_gather_single(region, self.local[start:end],
+                                              group=self.call.group, async_op=True)
 
     def wait(self, g: int) -> None:
         """Make the current stream (the host, on the CPU) wait until chunk g has arrived."""
         work = self.works.pop(g, None)
         if work is not None:
-            work.wait()
+            with _collective(self.call.group, f"waiting for chunk {g}'s all-gather"):
+                work.wait()
 
     def rows(self, source: int, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of rank ``source``'s shard ([end - start, K]), from the local a or

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # module is placed by its name, or by the first package of its name ("tuning", "tools").
 LAYERS = (
     ("model", {"ops", "tiles", "plan", "grouping", "reorder"}),
-    ("contract", {"backend", "tile_trace", "registry", "collectives", "gather", "devices"}),
+    ("contract", {"backend", "tile_trace", "registry", "collectives", "gather", "devices", "faults"}),
     ("api", {"api", "checks", "planning", "agreement", "all_to_all", "add_rmsnorm", "fp8",
              "transfers"}),
     ("backends", {"reference", "decomposition"}),

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from . import nccl
 from .device_state import _current_stream_getter, outside_graph_pools
-from .runtime import ABI_VERSION
+from .runtime import ABI_VERSION, KernelError
 
 
 class WarmUps:
@@ -112,5 +113,12 @@ class NativeCall:
         return self.warm_ups.first(self.warm_key)
 
     def raise_error(self, err: int, what: str = "the native call") -> None:
-        """The runtime's error for ``err`` from ``what``, with the GEMM library's own detail."""
-        self.runtime.check(err, what, self.gemm)
+        """The runtime's error for ``err`` from ``what``, with the GEMM library's own detail; the
+        group's ``fo.CommunicationError`` when the watchdog failed this call's communicator."""
+        try:
+            self.runtime.check(err, what, self.gemm)
+        except KernelError as e:
+            failure = nccl.failure(getattr(self, "comm", None))
+            if failure is None:
+                raise
+            raise failure from e

@@ -5,9 +5,19 @@ of the group draws a unique id, the group broadcasts it, and every rank joins wi
 ``ncclCommInitRank``. NCCL itself is the libnccl.so.2 that the installed torch loaded (the
 runtime object resolves it with dlopen), so the two never disagree on the NCCL version.
 ``FLASHOVERLAP_NCCL_LIBRARY`` names another library file to load when torch's is not loaded.
+
+Every communicator made here is watched (csrc/cuda/nccl.cu, "The watchdog"; docs/design.md,
+"Failure model"): its creation has a deadline, and everything queued on it is followed against
+the deadline (``flashoverlap_core.faults.timeout``: the group's timeout unless
+``FLASHOVERLAP_TIMEOUT`` or ``fo.set_timeout`` say otherwise). On a timeout or an asynchronous
+NCCL error the runtime aborts every communicator of the group, and what follows is torch's
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` where it is set (1: abort, then tear the process down; 3:
+tear it down; 0 and 2: abort), else the next call raises ``fo.CommunicationError``. A failed
+communicator is never made again for its group until ``fo.forget_prepared()``.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from pathlib import Path
@@ -16,14 +26,35 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_core.collectives import all_gather_single, reduce_scatter_single
+from flashoverlap_core import faults
 
 from . import kernels
 from .device_state import _current_stream_getter
 
 ENV_LIBRARY = "FLASHOVERLAP_NCCL_LIBRARY"
+ENV_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+ENV_WATCHDOG = "FLASHOVERLAP_WATCHDOG"
+# TORCH_NCCL_ASYNC_ERROR_HANDLING -> fo_nccl_watch's handling (0 report and raise at the next
+# call, 1 abort then tear down, 2 tear down without abort); unset: report and raise.
+HANDLING = {"0": 0, "1": 1, "2": 0, "3": 2}
+WATCH_STATES = {1: "timed out", 2: "NCCL error", 3: "another communicator of the group failed",
+                4: "aborted", 5: "device error"}  # FO_WATCH_* of flashoverlap_cuda.h
 
 _lock = threading.Lock()
 _comms: dict = {}  # (group, device index, max CTAs or None) -> ncclComm_t (int)
+_watches: dict = {}  # ncclComm_t -> (group, key in _comms, watch handle)
+_group_ids: dict = {}  # group -> the id its watches share (they fail together)
+_next_id = itertools.count(1)
+
+
+def error_handling() -> int:
+    """The watch's ``handling`` from ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (unset: 0)."""
+    value = os.environ.get(ENV_ERROR_HANDLING, "").strip()
+    if value == "":
+        return 0
+    if value not in HANDLING:
+        raise ValueError(f"{ENV_ERROR_HANDLING} must be 0, 1, 2 or 3, got {value!r}")
+    return HANDLING[value]
 
 
 def uses_nccl(group) -> bool:
@@ -52,6 +83,17 @@ def version() -> int:
     return runtime.nccl_version()
 
 
+def watchdog_enabled() -> bool:
+    """Whether FlashOverlap's communicators are made under a deadline and watched
+    (``FLASHOVERLAP_WATCHDOG=1``). Off by default until the watchdog has run on a GPU: its
+    CPU side is tested, its NCCL side only compiled. Without it a communicator is made and
+    used as before (the guarded NCCL entry points pass straight through for an unwatched one)."""
+    value = os.environ.get(ENV_WATCHDOG, "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_WATCHDOG} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def communicator(group, device: torch.device, max_ctas: int | None = None) -> int:
     """This rank's ncclComm_t for ``group`` on ``device``, created on first use (a collective:
     every rank of the group must ask, in the same order, as for any collective). With
@@ -62,17 +104,39 @@ def communicator(group, device: torch.device, max_ctas: int | None = None) -> in
         comm = _comms.get(key)
         if comm is not None:
             return comm
+        faults.check(group, None)  # a failed group gets no new communicator
         runtime = kernels.runtime_library()
         runtime.nccl_load(library_path())
+        handling = error_handling()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        uid = torch.zeros(128, dtype=torch.uint8)
-        if rank == 0:
-            uid = torch.frombuffer(bytearray(runtime.nccl_unique_id()), dtype=torch.uint8)
-        on_device = uid.to(device)
-        dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
-        comm = runtime.nccl_comm_init(world, bytes(on_device.cpu().numpy()), rank, device.index,
-                                      max_ctas)
+        seconds = faults.timeout(group, "cuda")
+
+        def create():
+            with torch.cuda.device(device):
+                uid = torch.zeros(128, dtype=torch.uint8)
+                if rank == 0:
+                    uid = torch.frombuffer(bytearray(runtime.nccl_unique_id()), dtype=torch.uint8)
+                on_device = uid.to(device)
+                with faults.collective(group, "the broadcast of a new communicator's id"):
+                    dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
+                    unique_id = bytes(on_device.cpu().numpy())
+                return runtime.nccl_comm_init(world, unique_id, rank, device.index, max_ctas)
+
+        if not watchdog_enabled():  # as before the watchdog: made here, not watched
+            comm = create()
+            _comms[key] = comm
+            return comm
+        # ncclCommInitRank waits for every rank: past the deadline the creating thread is left
+        # behind (it cannot be interrupted) and the group is failed.
+        try:
+            comm = faults.call_with_deadline(create, seconds, "making FlashOverlap's communicator")
+        except TimeoutError as e:
+            raise faults.record(group, faults.error(
+                group, f"{e}: not every rank of the group joined (a rank died, stalled or did not "
+                "make the same call)", timeout_s=seconds)) from None
+        watch = runtime.nccl_watch(comm, device.index, _group_id(group), seconds, handling)
         _comms[key] = comm
+        _watches[comm] = (group, key, watch)
         return comm
 
 
@@ -121,3 +185,62 @@ class PlainCollectives:
         else:
             all_gather_single(out, t, group=self.group)
 
+def _group_id(group) -> int:
+    if group not in _group_ids:
+        _group_ids[group] = next(_next_id)
+    return _group_ids[group]
+
+
+def failure(comm) -> faults.CommunicationError | None:
+    """The failure of the communicator ``comm`` (None when it is healthy or not ours), recorded
+    as its group's."""
+    entry = _watches.get(comm) if comm else None
+    if entry is None:
+        return None
+    group, _, watch = entry
+    state, nccl_error, waited_s, reason = kernels.runtime_library().nccl_watch_status(watch)
+    if state == 0:
+        return None
+    found = faults.error(group, reason or WATCH_STATES.get(state, f"watch state {state}"),
+                         elapsed_s=waited_s or None, timeout_s=faults.timeout(group, "cuda"))
+    return faults.record(group, found)
+
+
+def pending(comm) -> int:
+    """Work queued on ``comm`` that the watchdog has not seen complete (for tests)."""
+    entry = _watches.get(comm)
+    return kernels.runtime_library().nccl_watch_pending(entry[2]) if entry else 0
+
+
+def abort(comm, why: str = "aborted on request") -> None:
+    """Fail ``comm``'s watch now, aborting it (its group's other communicators too)."""
+    entry = _watches.get(comm)
+    if entry is not None:
+        kernels.runtime_library().nccl_watch_abort(entry[2], why)
+
+
+def _probe(group):
+    """faults' probe: the failure of any communicator of ``group``."""
+    for comm, (owner, _, _) in list(_watches.items()):
+        if owner is group:
+            found = failure(comm)
+            if found is not None:
+                return found
+    return None
+
+
+def _forget(timeout_changed: bool = False) -> None:
+    """faults' hook: new deadlines for every watch, or (fo.forget_prepared) drop the failed
+    communicators, so that a call made after the recovery makes a new one."""
+    runtime = kernels.runtime_library() if _watches else None
+    with _lock:
+        for comm, (group, key, watch) in list(_watches.items()):
+            if timeout_changed:
+                runtime.nccl_watch_set_timeout(watch, faults.timeout(group, "cuda"))
+            elif runtime.nccl_watch_status(watch)[0] != 0:
+                _comms.pop(key, None)
+                del _watches[comm]  # aborted by NCCL already; its watch stays, unused
+
+
+faults.add_probe(_probe)
+faults.on_forget(_forget)

@@ -247,6 +247,33 @@ FO_API cudaError_t fo_nccl_comm_destroy(void* comm);
 FO_API cudaError_t fo_nccl_collective(void* comm, int kind, const void* send, void* recv,
                                       int64_t count, int dtype, cudaStream_t stream);
 
+// The watchdog of a communicator (nccl.cu says how it works): every collective, send/receive or
+// call graph queued on `comm` through the runtime is followed until it completes; past
+// `timeout_s` (0: never), or on an asynchronous NCCL error, the communicator and every other one
+// watched with the same `group` id are aborted (ncclCommAbort), and the runtime refuses them
+// from then on (an error, never a hang). `handling`: 0 report (the caller raises at its next
+// call), 1 abort then tear the process down, 2 tear it down without aborting.
+typedef struct fo_nccl_watch fo_nccl_watch_t;
+enum {
+  FO_WATCH_OK = 0,
+  FO_WATCH_TIMED_OUT = 1,      // work did not complete within the timeout
+  FO_WATCH_NCCL_ERROR = 2,     // ncclCommGetAsyncError reported an error
+  FO_WATCH_GROUP_FAILED = 3,   // another communicator of the same group failed
+  FO_WATCH_ABORTED = 4,        // fo_nccl_watch_abort
+  FO_WATCH_DEVICE_ERROR = 5,   // an event of the work reported a CUDA error
+};
+FO_API cudaError_t fo_nccl_watch(void* comm, int device, int64_t group, double timeout_s,
+                                 int handling, fo_nccl_watch_t** out);
+FO_API cudaError_t fo_nccl_watch_set_timeout(fo_nccl_watch_t* watch, double timeout_s);
+// The state (FO_WATCH_*); once failed, the NCCL error (FO_WATCH_NCCL_ERROR), how long the oldest
+// work had waited and why, as text.
+FO_API cudaError_t fo_nccl_watch_status(fo_nccl_watch_t* watch, int* state, int* nccl_error,
+                                        double* waited_s, char* reason, size_t reason_len);
+// Work queued and not known to be complete (events, plus 1 while the host is inside NCCL).
+FO_API cudaError_t fo_nccl_watch_pending(fo_nccl_watch_t* watch, int* pending);
+// Fails the watch now (FO_WATCH_ABORTED, `why`), aborting its communicator.
+FO_API cudaError_t fo_nccl_watch_abort(fo_nccl_watch_t* watch, const char* why);
+
 // ---- a prepared overlapped call (runtime object, overlap_call.cu) -------------------------
 // Everything one call of a fixed shape needs, built once (fo_call_create copies the host
 // arrays); fo_call_run then issues the whole call with no host synchronisation:

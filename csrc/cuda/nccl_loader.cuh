@@ -4,6 +4,14 @@
 // headers and uses the very NCCL build of the installed torch. Enum values are NCCL's public ABI.
 // The loading and the fo_nccl_* C functions are nccl.cu's; the call kinds use the entry points
 // through api() and send_recv_step.
+//
+// The watchdog (nccl.cu, fo_nccl_watch_*): once NCCL is loaded, api()'s collective, send/recv and
+// group entry points are nccl.cu's guarded versions of NCCL's own (raw() keeps those). A guarded
+// entry point refuses a communicator the watchdog aborted (ncclInvalidUsage, without calling
+// NCCL) and, on a watched communicator and a stream that is not being captured, records an
+// event after the work it queued, which the watchdog thread follows against the deadline. So
+// every call kind is watched without knowing it; a graph of the call path's own is launched
+// through launch_graph, which does the same for the whole graph.
 #pragma once
 #include <cuda_runtime.h>
 #include <stddef.h>
@@ -45,6 +53,21 @@ inline Api& api() {
 }
 
 inline bool loaded() { return api().GroupEnd != nullptr; }
+
+// NCCL's own entry points (api() holds the guarded ones once loaded).
+inline Api& raw() {
+  static Api a = {};
+  return a;
+}
+
+// ncclResult_t codes the watchdog reads.
+constexpr Result kInvalidUsage = 5;
+constexpr Result kInProgress = 7;
+
+// cudaGraphLaunch(exec, stream) of a graph holding `comm`'s collectives (nullptr: none): an error
+// without launching when the watchdog aborted `comm`; on a watched communicator, the launch is
+// followed against the deadline like any queued collective.
+cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream, Comm comm);
 
 // Resolves every entry point from `path` (nullptr or "": the libnccl.so.2 already loaded in
 // the process). Idempotent; the first successful load wins.

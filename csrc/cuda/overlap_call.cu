@@ -401,8 +401,9 @@ inline cudaError_t run_call(fo_call& c, const GemmOperands& op, const Phase& pha
       if (g.state == 0 && build_graph(c, op, phase) != cudaSuccess)
         g.state = -1;  // the graph could not be made: launch by launch from now on
       if (g.state == 1) {
-        FO_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
-        return cudaSuccess;
+        // refused once the watchdog aborted the communicator; else followed by it
+        return nccl::launch_graph(g.exec, stream,
+                                  c.d.collective ? static_cast<nccl::Comm>(c.d.nccl_comm) : nullptr);
       }
     }
   }

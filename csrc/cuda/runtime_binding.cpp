@@ -691,6 +691,38 @@ PYBIND11_MODULE(fo_runtime, m) {
   m.def("nccl_comm_destroy", [](Ptr comm) {
     check(unlocked([&] { return fo_nccl_comm_destroy(comm.as<void*>()); }), "ncclCommDestroy");
   });
+  // the watchdog (fo_nccl_watch_*): a watch is an int handle, never freed
+  m.def("nccl_watch", [](Ptr comm, int device, int64_t group, double timeout_s, int handling) {
+    fo_nccl_watch_t* w = nullptr;
+    check(unlocked([&] {
+            return fo_nccl_watch(comm.as<void*>(), device, group, timeout_s, handling, &w);
+          }),
+          "fo_nccl_watch");
+    return reinterpret_cast<uintptr_t>(w);
+  }, py::arg("comm"), py::arg("device"), py::arg("group"), py::arg("timeout_s"),
+        py::arg("handling"));
+  m.def("nccl_watch_set_timeout", [](Ptr watch, double timeout_s) {
+    check(fo_nccl_watch_set_timeout(watch.as<fo_nccl_watch_t*>(), timeout_s),
+          "fo_nccl_watch_set_timeout");
+  });
+  m.def("nccl_watch_status", [](Ptr watch) {
+    int state = 0, nccl_error = 0;
+    double waited_s = 0;
+    std::array<char, 640> reason{};
+    check(fo_nccl_watch_status(watch.as<fo_nccl_watch_t*>(), &state, &nccl_error, &waited_s,
+                               reason.data(), reason.size()),
+          "fo_nccl_watch_status");
+    return py::make_tuple(state, nccl_error, waited_s, std::string(reason.data()));
+  }, "(state FO_WATCH_*, NCCL error, seconds the oldest work waited, why) of a watch.");
+  m.def("nccl_watch_pending", [](Ptr watch) {
+    int pending = 0;
+    check(fo_nccl_watch_pending(watch.as<fo_nccl_watch_t*>(), &pending), "fo_nccl_watch_pending");
+    return pending;
+  });
+  m.def("nccl_watch_abort", [](Ptr watch, const std::string& why) {
+    check(unlocked([&] { return fo_nccl_watch_abort(watch.as<fo_nccl_watch_t*>(), why.c_str()); }),
+          "fo_nccl_watch_abort");
+  });
 
   // ---- the overlapped call (fo_call_*) ----
   py::class_<Call>(m, "Call", py::module_local());

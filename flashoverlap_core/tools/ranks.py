@@ -84,27 +84,52 @@ class RankTimeout(TimeoutError):
     """Ranks did not answer in time (a hang, or a rank that died); the pool was killed."""
 
 
-def _worker(rank, world_size, device_type, device_index, init_file, env, pg_timeout, inbox,
-            outbox):
+def _join(rank, world_size, device_type, device_index, init_file, env, pg_timeout) -> str:
+    """Set this rank's environment and device and join the process group; its library's name."""
     for name, value in env.items():  # None: unset what the parent's environment has
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        device_id = None
+    else:
+        torch.get_device_module(device_type).set_device(device_index)
+        device_id = torch.device(device_type, device_index)
+    collective = dist.Backend.default_device_backend_map[device_type]
+    init_process_group(collective, f"file://{init_file}", rank, world_size, pg_timeout, device_id)
+    return collective
+
+
+CONNECT_TIMEOUT = 120.0  # seconds the ranks may take to connect, whatever the group's timeout
+
+
+def init_process_group(collective: str, init_method: str, rank: int, world_size: int,
+                       timeout: float, device_id=None) -> None:
+    """``torch.distributed.init_process_group`` whose collectives time out after ``timeout``
+    seconds while its ranks may take up to :data:`CONNECT_TIMEOUT` to connect (on a loaded host a
+    short timeout would otherwise fail the connection itself)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(collective, init_method=init_method, rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(seconds=max(timeout, CONNECT_TIMEOUT)),
+                            device_id=device_id)
+    if timeout < CONNECT_TIMEOUT:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
+
+
+def _worker(rank, world_size, device_type, device_index, init_file, env, pg_timeout, inbox,
+            outbox):
     try:
-        import torch
         import torch.distributed as dist
 
-        if device_type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-            device_id = None
-        else:
-            torch.get_device_module(device_type).set_device(device_index)
-            device_id = torch.device(device_type, device_index)
-        collective = dist.Backend.default_device_backend_map[device_type]
-        dist.init_process_group(collective, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=pg_timeout),
-                                device_id=device_id)
+        collective = _join(rank, world_size, device_type, device_index, init_file, env,
+                           pg_timeout)
         outbox.put(("ready", rank, collective))
     except BaseException:
         outbox.put(("err", rank, traceback.format_exc()))
@@ -212,6 +237,78 @@ class RankPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _once_worker(rank, world_size, device_type, device_index, init_file, env, pg_timeout, fn,
+                 args, kwargs, outbox):
+    start = time.time()
+    try:
+        _join(rank, world_size, device_type, device_index, init_file, env, pg_timeout)
+        outbox.put((rank, "ok", fn(*args, **kwargs), None, None, time.time()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        outbox.put((rank, "raised", None, type(e).__name__,
+                    f"{e}\n{traceback.format_exc()}", time.time()))
+    outbox.close()
+    outbox.join_thread()
+    # No clean-up that could wait for a dead or stalled peer (destroy_process_group): leave.
+    os._exit(0)
+
+
+def run_once(world_size: int, fn, *args, device_type: str = "cpu", timeout: float = 120.0,
+             pg_timeout: float = 60.0, env: dict | None = None,
+             shared_devices: bool | None = None, **kwargs) -> list[dict]:
+    """``fn(*args, **kwargs)`` once on ``world_size`` fresh ranks in one process group, where a
+    rank may die, raise or hang without taking the others with it (fault tests): per rank, in
+    rank order, ``{"rank", "status", "value", "error_type", "error", "exitcode", "ended"}`` with
+    status "ok" (returned ``value``), "raised" (``error_type``, ``error``: text and
+    traceback), "died" (ended without answering: ``exitcode``) or "hung" (no answer within
+    ``timeout`` seconds of the start: killed). ``ended``: the rank's wall-clock time at its
+    answer (``time.time()``)."""
+    shared = shared_devices_default() if shared_devices is None else shared_devices
+    where = topology(world_size, device_type, shared)
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="flashoverlap-once-") as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_once_worker, daemon=True,
+                             args=(r, world_size, device_type, where["devices"][r], init_file,
+                                   {**where["env"][r], **(env or {})}, pg_timeout, fn, args,
+                                   kwargs, outbox))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value, kind, text, ended = outbox.get(timeout=0.2)
+                results[rank] = {"rank": rank, "status": status, "value": value,
+                                 "error_type": kind, "error": text, "exitcode": None,
+                                 "ended": ended}
+                continue
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in results and not p.is_alive():
+                    try:  # its answer may still be in the pipe
+                        rank, status, value, kind, text, ended = outbox.get(timeout=0.5)
+                        results[rank] = {"rank": rank, "status": status, "value": value,
+                                         "error_type": kind, "error": text, "exitcode": None,
+                                         "ended": ended}
+                    except queue.Empty:
+                        results[r] = {"rank": r, "status": "died", "value": None,
+                                      "error_type": None, "error": None,
+                                      "exitcode": p.exitcode, "ended": time.time()}
+        for r, p in enumerate(procs):
+            if r not in results:
+                results[r] = {"rank": r, "status": "hung", "value": None, "error_type": None,
+                              "error": None, "exitcode": None, "ended": time.time()}
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+            if results[r]["status"] == "died":
+                results[r]["exitcode"] = p.exitcode
+    return [results[r] for r in range(world_size)]
 
 
 class Ranks:

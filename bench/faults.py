@@ -1,0 +1,102 @@
+"""How ranks end when a peer dies or stalls (issue 33): FlashOverlap's communicators against
+torch's own, with the same timeout.
+
+For each world size, fault (one rank raises before its call and lives on, exits, or sleeps past
+the timeout) and way of running the calls (launched one by one, the call path's own graph
+replays, a graph the caller captured), fresh ranks sharing the GPUs run a sequence of
+``fo.overlap`` allreduce calls, synchronising after each; the last rank faults at the 4th. Each
+survivor's time from the fault to its ``fo.CommunicationError`` is recorded, and every hang
+(a rank that answered nothing within the hard timeout: must be 0). The same faults on torch's
+own path (``a @ b`` + ``dist.all_reduce`` on the process group's NCCL communicator, torch's
+default TORCH_NCCL_ASYNC_ERROR_HANDLING) record when torch's watchdog ended each survivor.
+
+Both paths use the process group's timeout (``--timeout``, default 20 s, as in the issue):
+FlashOverlap's deadline is the group's unless told otherwise.
+
+    python bench/faults.py [--worlds 2,4] [--timeout 20] [--runs launches,replays,capture]
+
+writes bench/results/faults-<device>-<date>.json (device, date, commit, command, every row).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import device_tag, table, write_result  # noqa: E402
+from flashoverlap_core.tools import faults  # noqa: E402
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+RUNS = {"launches": ("eager", {"FLASHOVERLAP_CUDA_GRAPH": "0"}),
+        "replays": ("eager", {}),
+        "capture": ("capture", {})}
+
+
+def rows_of(result: dict, path: str, run: str) -> list[dict]:
+    spec = result["scenario"]
+    found = faults.problems(result) if path == "fo" else []
+    out = []
+    for r in result["ranks"]:
+        out.append({"path": path, "run": run, "world_size": spec["world_size"],
+                    "fault": spec["fault"], "rank": r["rank"], "role": r["role"],
+                    "status": r["status"], "error_type": r["error_type"],
+                    "after_fault_s": None if r["after_fault_s"] is None else round(r["after_fault_s"], 2),
+                    "hung": r["status"] == "hung", "exitcode": r["exitcode"],
+                    "error": (r["error"] or "")[:300], "problems": found})
+    return out
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("FLASHOVERLAP_WATCHDOG", "1")  # what it measures (off by default)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--timeout", type=float, default=20.0,
+                        help="the process group's timeout (both paths' deadline), seconds")
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--faults", default=",".join(faults.FAULTS))
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's own path")
+    args = parser.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    rows = []
+    for world in worlds:
+        for fault in args.faults.split(","):
+            for run in args.runs.split(","):
+                mode, env = RUNS[run]
+                spec = faults.scenario(fault, world, timeout_s=args.timeout, faulty=world - 1,
+                                       shape=(512, 384, 64), dtype="bfloat16", backend="cuda",
+                                       mode=mode, calls=8)
+                result = faults.run(spec, "cuda", env={**MULTICAST_OFF, **env},
+                                    shared_devices=True, hard_timeout=6 * args.timeout + 240)
+                rows += rows_of(result, "fo", run)
+                print(table(rows[-world:], ["path", "run", "world_size", "fault", "rank", "role",
+                                            "status", "error_type", "after_fault_s"]), flush=True)
+            if not args.no_torch:
+                spec = faults.scenario(fault, world, timeout_s=args.timeout, faulty=world - 1,
+                                       shape=(512, 384, 64), dtype="bfloat16", calls=8)
+                result = faults.run(spec, "cuda", env=MULTICAST_OFF, shared_devices=True,
+                                    hard_timeout=6 * args.timeout + 240, path="torch")
+                rows += rows_of(result, "torch", "eager")
+                print(table(rows[-world:], ["path", "run", "world_size", "fault", "rank", "role",
+                                            "status", "exitcode", "after_fault_s"]), flush=True)
+    survivors = [r for r in rows if r["role"] == "survivor"]
+    summary = {
+        "faults_tried": len({(r["path"], r["run"], r["world_size"], r["fault"]) for r in rows}),
+        "hangs": sum(r["hung"] for r in rows),
+        "fo_max_after_fault_s": max((r["after_fault_s"] or 0 for r in survivors
+                                     if r["path"] == "fo"), default=None),
+        "torch_max_after_fault_s": max((r["after_fault_s"] or 0 for r in survivors
+                                        if r["path"] == "torch"), default=None),
+        "fo_problems": sorted({p for r in rows for p in r["problems"]}),
+        "timeout_s": args.timeout,
+        "topology": "ranks sharing the GPUs (NCCL's socket transport on loopback)"}
+    print(summary)
+    write_result(f"faults-{device_tag()}", rows, {"summary": summary})
+    return 0 if summary["hangs"] == 0 and not summary["fo_problems"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
