@@ -411,8 +411,8 @@ def _make_prepared(chosen: Backend, call: OverlapCall):
 def _plain_collectives(chosen: Backend, call: OverlapCall):
     """The backend's own collectives for the plain path (None: torch.distributed's); never
     made while the caller captures a graph (making them may take a collective of its own)."""
-    if call.group is None or _capturing(call.a.device):
-        return None
+    if call.group is None or call.world_size == 1 or _capturing(call.a.device):
+        return None  # (at world size 1 the plain path issues no collective)
     return chosen.plain_collectives(call)
 
 

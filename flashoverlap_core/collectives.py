@@ -78,7 +78,10 @@ class SequentialCall:
 
     def __init__(self, call: OverlapCall, norm=None, native=None):
         self.collective = of(call.op).collective
-        self.group, self.world = call.group, call.world_size
+        # a collective over one rank is the identity: none is issued at world size 1 (the
+        # overlapped call issues none there either)
+        self.group = call.group if call.world_size > 1 else None
+        self.world = call.world_size
         self.norm = norm  # the backend's fused add + RMSNorm over rows (Backend.add_rmsnorm_rows)
         # the backend's own collectives on the group (Backend.plain_collectives), else torch's
         self.native = native if self.group is not None else None

@@ -379,6 +379,13 @@ def strategies_with_own_caches(seed: int, cache_dir: str, backend) -> dict:
                     problems += p
                     # the op's newest entry (all_to_all's key holds no rows: one entry)
                     ran = [c for c in fo.prepared_calls() if c["op"] == op][-1]
+                    if ran["strategy"] == "sequential" and op != "all_to_all":
+                        # the plain path's collective on FlashOverlap's own communicator
+                        native = getattr(list(api._prepared.values())[-1].prepared, "native",
+                                         None)
+                        if type(native).__name__ != "PlainCollectives":
+                            problems.append(f"{op} m={m}: the plain path ran its collective "
+                                            f"through {type(native).__name__}")
                     chosen.append((round_, op, m, ran["strategy"], ran.get("strategy_reason")))
     finally:
         for k, v in saved.items():

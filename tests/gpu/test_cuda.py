@@ -129,10 +129,11 @@ def test_native_call_with_nccl_matches_float64(op, shape, nccl_group):
 @needs_cuda
 @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
 @pytest.mark.parametrize("shape", [(1, 4096, 512), (16, 8192, 1024), (7, 127, 33), (300, 96, 64)])
-def test_plain_path_collectives_on_the_own_communicator(op, shape, nccl_group, monkeypatch):
-    """The plain path (FLASHOVERLAP_STRATEGY=plain) runs its collective on FlashOverlap's own
-    NCCL communicator (nccl.PlainCollectives), back to back, with poisoned outputs; fp8 too."""
-    from flashoverlap_backends.cuda.nccl import PlainCollectives
+def test_plain_path_at_world_size_one(op, shape, nccl_group, monkeypatch):
+    """The plain path (FLASHOVERLAP_STRATEGY=plain) on an NCCL group of one rank: the device's
+    GEMM and no collective (a collective over one rank is the identity), back to back, with
+    poisoned outputs; fp8 too. (At world size > 1 it runs on FlashOverlap's own communicator,
+    nccl.PlainCollectives: tests/gpu/test_multirank.py.)"""
     from flashoverlap_core import api
     monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "plain")
     api.forget_prepared()
@@ -146,7 +147,7 @@ def test_plain_path_collectives_on_the_own_communicator(op, shape, nccl_group, m
                 _check(out, a, b)
         prepared = _last_prepared()
         assert fo.prepared_calls()[-1]["runner"] == "SequentialCall"
-        assert isinstance(prepared.native, PlainCollectives), prepared
+        assert prepared.native is None and prepared.group is None, prepared
         if op != "reduce_scatter":  # fp8 row-wise: _scaled_mm, then the same collective
             m, n, k = shape[0], shape[1], max(16, shape[2] // 16 * 16)
             a8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
