@@ -208,7 +208,8 @@ def test_prepared_calls_lists_what_each_key_runs(fresh, monkeypatch):
                         lambda *a, **k: made.append(a) or real_empty_strided(*a, **k))
     calls = fo.prepared_calls()
     assert made == []
-    same = {"dtype": "float32", "out_dtype": None, "device": "cpu", "world_size": 1, "K": 9,
+    same = {"dtype": "float32", "out_dtype": None, "scaling": None, "device": "cpu",
+            "world_size": 1, "K": 9,
             "workspace_bytes": 0, "strategy_reason": "the plan's own (given or tuned)",
             "predicted_overlap_s": None, "predicted_plain_s": None}
     assert calls == [
@@ -272,7 +273,7 @@ def test_prepared_calls_say_all_to_all_rows_are_per_call(fresh):
     assert call["a"] == ["per call", 4] and call["M"] == "per call", call
     # the predictions are None: the suite's calls overlap (FLASHOVERLAP_STRATEGY), none predicted
     assert [key for key, value in call.items() if value is None] == [
-        "out_dtype", "predicted_overlap_s", "predicted_plain_s"], call
+        "out_dtype", "scaling", "predicted_overlap_s", "predicted_plain_s"], call
 
 
 def test_a_launched_rank_without_a_process_group_is_warned_once(fresh, monkeypatch):
