@@ -241,7 +241,6 @@ class RankPool:
 
 def _once_worker(rank, world_size, device_type, device_index, init_file, env, pg_timeout, fn,
                  args, kwargs, outbox):
-    start = time.time()
     try:
         _join(rank, world_size, device_type, device_index, init_file, env, pg_timeout)
         outbox.put((rank, "ok", fn(*args, **kwargs), None, None, time.time()))
