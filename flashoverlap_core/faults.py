@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import contextmanager
 from typing import Callable
 
 import torch.distributed as dist
@@ -250,23 +249,29 @@ def is_communication_error(e: BaseException) -> bool:
     return isinstance(e, getattr(dist, "DistError", ())) or type(e) is RuntimeError
 
 
-@contextmanager
-def collective(group, what: str, op=None):
+class collective:
     """Around a torch.distributed collective on ``group``: its communication error becomes a
     :class:`CommunicationError` naming the group and ``what`` was under way, and the group is
-    failed. A group that failed already raises before the collective is tried."""
-    if failures:
-        check(group, op)
-    try:
-        yield
-    except CommunicationError:
-        raise
-    except RuntimeError as e:
-        if not is_communication_error(e):
-            raise
-        failure = record(group, error(group, f"{what}: {str(e).strip()}", op,
-                                      timeout_s=timeout(group)))
-        raise failure.for_op(op) from e
+    failed. A group that failed already raises before the collective is tried. (A plain class,
+    not a generator: it wraps every collective of the plain and decomposed paths.)"""
+
+    __slots__ = ("group", "what", "op")
+
+    def __init__(self, group, what: str, op=None):
+        self.group, self.what, self.op = group, what, op
+
+    def __enter__(self):
+        if failures:
+            check(self.group, self.op)
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if (e is None or isinstance(e, CommunicationError) or not isinstance(e, RuntimeError)
+                or not is_communication_error(e)):
+            return False
+        failure = record(self.group, error(self.group, f"{self.what}: {str(e).strip()}",
+                                           self.op, timeout_s=timeout(self.group)))
+        raise failure.for_op(self.op) from e
 
 
 def raised(e: RuntimeError, group, op) -> CommunicationError | None:
