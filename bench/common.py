@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -41,6 +42,17 @@ def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda",
 
     device = current_device(device_type)
     return median_time(repeated, device, None, iters, warmup) * 1e3 / inner
+
+
+def nccl_group_of_one(prefix: str) -> None:
+    """An NCCL process group of one rank on the current GPU (its collectives move nothing):
+    the world-size-1 benchmarks' group, NVLink multicast off."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    store = dist.FileStore(tempfile.mktemp(prefix=f"fo-{prefix}-"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
 
 
 # ---- device time from CUDA-graph replays (bench/gemm.py's method) ------------------------------

@@ -34,7 +34,6 @@ import argparse
 import os
 import signal
 import statistics
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,8 @@ import torch.nn.functional as F
 
 import flashoverlap_core as fo
 from flashoverlap_core import api
-from common import device_tag, median_ms, table, time_alternating, write_result
+from common import (device_tag, median_ms, nccl_group_of_one, table, time_alternating,
+                    write_result)
 
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
 OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather", "add_rmsnorm")
@@ -51,14 +51,6 @@ TARGET_MIN, TARGET_MEDIAN, NORM_TARGET, WORKSPACE_FRACTION = 0.97, 0.99, 1.0, 0.
 DECODE_MAX, DECODE_TARGET = 256, 0.98  # decode rows: tokens <= DECODE_MAX, the default call
 STRATEGY_ENV = "FLASHOVERLAP_STRATEGY"
 EPS = 1e-6
-
-
-def init_group() -> None:
-    """An NCCL process group of one rank (its collectives move nothing)."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    store = dist.FileStore(tempfile.mktemp(prefix="fo-overhead-"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
 
 
 def timed(fn, inner: int) -> float:
@@ -229,7 +221,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    init_group()
+    nccl_group_of_one("overhead")
     compiled_norm = torch.compile(add_norm)
     saved = os.environ.get(STRATEGY_ENV)
     rows = []

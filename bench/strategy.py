@@ -28,9 +28,7 @@ Writes bench/results/strategy-<device>-<date>.json (summary: worst loss, rows me
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import replace
 
@@ -42,7 +40,7 @@ from flashoverlap_core import api
 from flashoverlap_core.transfers import HostOffload
 from flashoverlap_core.tuning import strategy
 from flashoverlap_core.tuning.measure import measure_curve
-from common import device_tag, median_ms, table, write_result
+from common import device_tag, median_ms, nccl_group_of_one, table, write_result
 
 # (M, N, K): the host link (~50 GB/s) against the GEMM: from transfer-bound (small K, where the
 # overlap can hide only the GEMM's short time) to GEMM-bound (large K), and decode rows.
@@ -52,14 +50,6 @@ OFFLOAD_SHAPES = ((16, 8192, 4096), (256, 8192, 4096), (1024, 8192, 1024), (1024
 COLLECTIVE_SHAPES = ((16, 8192, 1024), (4096, 8192, 1024), (16384, 8192, 3584))
 TARGET_LOSS = 0.03
 DTYPE = torch.bfloat16
-
-
-def init_group() -> None:
-    """An NCCL process group of one rank (its collectives move nothing)."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    store = dist.FileStore(tempfile.mktemp(prefix="fo-strategy-"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
 
 
 def offload_curve(device: torch.device):
@@ -143,7 +133,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("bench/strategy.py needs a CUDA device (the host link is its subject)")
     device = torch.device("cuda", torch.cuda.current_device())
-    init_group()
+    nccl_group_of_one("strategy")
     try:
         began = time.perf_counter()
         rates = strategy.measure_rates(DTYPE, device, None)
