@@ -14,6 +14,7 @@ Both paths use the process group's timeout (``--timeout``, default 20 s, as in t
 FlashOverlap's deadline is the group's unless told otherwise.
 
     python bench/faults.py [--worlds 2,4] [--timeout 20] [--runs launches,replays,capture]
+                           [--parallel 6]
 
 writes bench/results/faults-<device>-<date>.json (device, date, commit, command, every row).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,29 +61,40 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--faults", default=",".join(faults.FAULTS))
     parser.add_argument("--no-torch", action="store_true", help="skip torch's own path")
+    parser.add_argument("--parallel", type=int, default=6,
+                        help="scenarios run at once (each in its own processes)")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
-    rows = []
+    jobs = []  # (path, run, spec, env): every scenario, each in fresh processes
     for world in worlds:
         for fault in args.faults.split(","):
             for run in args.runs.split(","):
                 mode, env = RUNS[run]
-                spec = faults.scenario(fault, world, timeout_s=args.timeout, faulty=world - 1,
-                                       shape=(512, 384, 64), dtype="bfloat16", backend="cuda",
-                                       mode=mode, calls=8)
-                result = faults.run(spec, "cuda", env={**MULTICAST_OFF, **env},
-                                    shared_devices=True, hard_timeout=6 * args.timeout + 240)
-                rows += rows_of(result, "fo", run)
-                print(table(rows[-world:], ["path", "run", "world_size", "fault", "rank", "role",
-                                            "status", "error_type", "after_fault_s"]), flush=True)
+                jobs.append(("fo", run, faults.scenario(
+                    fault, world, timeout_s=args.timeout, faulty=world - 1, shape=(512, 384, 64),
+                    dtype="bfloat16", backend="cuda", mode=mode, calls=8),
+                    {**MULTICAST_OFF, **env}))
             if not args.no_torch:
-                spec = faults.scenario(fault, world, timeout_s=args.timeout, faulty=world - 1,
-                                       shape=(512, 384, 64), dtype="bfloat16", calls=8)
-                result = faults.run(spec, "cuda", env=MULTICAST_OFF, shared_devices=True,
-                                    hard_timeout=6 * args.timeout + 240, path="torch")
-                rows += rows_of(result, "torch", "eager")
-                print(table(rows[-world:], ["path", "run", "world_size", "fault", "rank", "role",
-                                            "status", "exitcode", "after_fault_s"]), flush=True)
+                jobs.append(("torch", "eager", faults.scenario(
+                    fault, world, timeout_s=args.timeout, faulty=world - 1, shape=(512, 384, 64),
+                    dtype="bfloat16", calls=8), MULTICAST_OFF))
+
+    def one(job):
+        path, run, spec, env = job
+        result = faults.run(spec, "cuda", env=env, shared_devices=True,
+                            hard_timeout=6 * args.timeout + 240,
+                            **({"path": "torch"} if path == "torch" else {}))
+        return rows_of(result, path, run)
+
+    # Scenarios are independent (their own processes, ports and communicators): --parallel of
+    # them at once, so torch's path (ended by its watchdog minutes after the fault) does not
+    # serialise the run. Times are from each scenario's own fault.
+    rows = []
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for got in pool.map(one, jobs):
+            rows += got
+            print(table(got, ["path", "run", "world_size", "fault", "rank", "role", "status",
+                              "error_type", "exitcode", "after_fault_s"]), flush=True)
     survivors = [r for r in rows if r["role"] == "survivor"]
     summary = {
         "faults_tried": len({(r["path"], r["run"], r["world_size"], r["fault"]) for r in rows}),
@@ -92,7 +105,8 @@ def main(argv=None) -> int:
                                         if r["path"] == "torch"), default=None),
         "fo_problems": sorted({p for r in rows for p in r["problems"]}),
         "timeout_s": args.timeout,
-        "topology": "ranks sharing the GPUs (NCCL's socket transport on loopback)"}
+        "topology": "ranks sharing the GPUs (NCCL's socket transport on loopback)",
+        "parallel": args.parallel}
     print(summary)
     write_result(f"faults-{device_tag()}", rows, {"summary": summary})
     return 0 if summary["hangs"] == 0 and not summary["fo_problems"] else 1

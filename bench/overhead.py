@@ -209,6 +209,57 @@ def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm, rat
     return row
 
 
+def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4):
+    """--profile: the device timeline of a few back-to-back calls of each given row (fo, then
+    the plain form), from a torch.profiler trace: per call, its GPU span and every kernel,
+    memcpy and memset with its stream, start (from the call's first) and duration. Prints a
+    table per row and writes overhead-profile-<device>-<date>.json; no targets."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    found = []
+    for op, dtype, m, n, k in rows:
+        a, b, scales = operands(m, n, k, dtype)
+        fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
+        for name, fn in (("fo", fo_call), ("plain", plain)):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(calls_each):
+                    fn()
+                    torch.cuda.synchronize()  # calls apart, so each call's span is its own
+            trace = tempfile.mktemp(suffix=".json")
+            prof.export_chrome_trace(trace)
+            with open(trace) as f:
+                events = [e for e in json.load(f)["traceEvents"]
+                          if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+            os.unlink(trace)
+            events.sort(key=lambda e: e["ts"])
+            # split into calls at gaps longer than 20 us (each call ends with a synchronize)
+            groups, last_end = [], None
+            for e in events:
+                if last_end is None or e["ts"] - last_end > 20:
+                    groups.append([])
+                groups[-1].append(e)
+                last_end = max(last_end or 0, e["ts"] + e.get("dur", 0))
+            spans = [max(e["ts"] + e["dur"] for e in g) - g[0]["ts"] for g in groups]
+            one = groups[-1] if groups else []
+            t0 = one[0]["ts"] if one else 0
+            kernels = [{"name": e["name"][:90], "stream": e.get("args", {}).get("stream"),
+                        "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
+                       for e in one]
+            found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
+                          "span_us": [round(x, 2) for x in spans], "last_call": kernels})
+            print(f"{op} {dtype} {m}x{n}x{k} {name}: spans {[round(x, 1) for x in spans]} us")
+            print(table(kernels, ["stream", "start_us", "dur_us", "name"]), flush=True)
+        api.forget_prepared()
+    write_result(f"overhead-profile-{device_tag()}", found, {"note": "torch.profiler device "
+                 "timelines of single calls (synchronised apart), NCCL group of one rank"})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024,4096,16384")
@@ -218,7 +269,19 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="bf16,fp8")
     parser.add_argument("--prefill-strategy", default="overlap", choices=("overlap", "auto"),
                         help="the prefill rows' FLASHOVERLAP_STRATEGY (decode rows: auto)")
+    parser.add_argument("--profile", default="",
+                        help="op:dtype:MxNxK,... : only the device timelines of these rows")
     args = parser.parse_args(argv)
+    if args.profile:
+        nccl_group_of_one("overhead")
+        os.environ[STRATEGY_ENV] = args.prefill_strategy
+        wanted = []
+        for item in args.profile.split(","):
+            op, dtype, mnk = item.split(":")
+            wanted.append((op, dtype, *(int(x) for x in mnk.split("x"))))
+        profile_rows(wanted)
+        dist.destroy_process_group()
+        return 0
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     nccl_group_of_one("overhead")

@@ -21,12 +21,27 @@ for s in "$@"; do
     mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ;;
     strategy) stage strategy 150 $PY bench/strategy.py ;;
     mr-strategy) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-strategy 120 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k same_strategy ;;
+    gemmfp8) stage gemmfp8 240 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
+    moe) stage moe 200 $PY bench/moe.py ;;
+    faults-tests) stage faults-tests ${FO_FAULTS_SECONDS:-420} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=10 tests/gpu/test_faults.py ${FO_FAULTS_K:+-k "$FO_FAULTS_K"} ;;
+    faults-bench) stage faults-bench ${FO_FAULTS_BENCH_SECONDS:-400} $PY bench/faults.py ${FO_FAULTS_ARGS:-} ;;
+    cache) ( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
+             | split -b 15m - "$OUT/new-cache.tgz.part-" ) && echo "cache: $(ls "$OUT" | grep -c new-cache) parts" | tee -a "$SUMMARY" ;;
+    profile) stage profile 150 $PY bench/overhead.py --profile "${FO_PROFILE_ROWS:?}" ;;
+    # the fault tests (xdist: scenarios at once, each in its own processes) beside the fault
+    # benchmark: neither times anything but seconds-long timeouts
+    faults) stage faults-bench ${FO_FAULTS_BENCH_SECONDS:-400} $PY bench/faults.py ${FO_FAULTS_ARGS:-} >/dev/null &
+            stage faults-tests ${FO_FAULTS_SECONDS:-420} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short \
+              --durations=10 -n ${FO_FAULTS_WORKERS:-4} tests/gpu/test_faults.py
+            wait ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
   esac
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
   echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
 done
 # (files come back at most 16 MiB each: the archive in parts of 15 MiB, joined with cat)
-( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
+ls "$OUT"/new-cache.tgz.part-* >/dev/null 2>&1 || ( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
     | split -b 15m - "$OUT/new-cache.tgz.part-" ) && ls -la "$OUT"
 cat "$SUMMARY"
+# At most 8 files come back: results and logs travel as one archive (see ci/bundle.sh)
+bash ci/bundle.sh

@@ -41,6 +41,7 @@ splits path carries no scales.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -247,41 +248,29 @@ class ScaledSequentialCall:
             except (RuntimeError, NotImplementedError, TypeError, ValueError):
                 return False
             return True
-        if not hasattr(torch, "_scaled_mm"):
-            return False
-        a = torch.zeros(16, 32, device=dev, dtype=call.a.dtype)
-        b = torch.zeros(16, 32, device=dev, dtype=call.b.dtype).t()
-        sa = torch.ones(() if call.scale_a.dim() == 0 else (16, 1), device=dev)
-        sb = torch.ones(() if call.scale_b.dim() == 0 else (1, 16), device=dev)
-        try:
-            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=call.plan.result_dtype,
-                             use_fast_accum=dev.type != "cpu")
-        except (RuntimeError, NotImplementedError, TypeError):
-            return False
-        return True
+        return scaled_mm_takes(dev, call.a.dtype, call.a.shape[1], call.b.shape[1],
+                               call.scale_a.dim() != 0, call.plan.result_dtype)
 
     def _product(self, a, b, scale_a, scale_b, out_dtype, out=None):
         """The scaled product; into ``out`` (contiguous) where given, as the plain path's
         in-place collectives take it (no copy of the result into the call's output)."""
-        if out is not None and not self.blockwise:
-            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                                    use_fast_accum=self.fast, out=out)
-        if self.blockwise:
-            if not self.dequantize:
-                try:
-                    return blockwise_mm(a, b, scale_a, scale_b, out_dtype)
-                except (RuntimeError, NotImplementedError, ValueError) as e:
-                    import warnings
+        if self.blockwise and not self.dequantize:
+            try:
+                return blockwise_mm(a, b, scale_a, scale_b, out_dtype)
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                import warnings
 
-                    warnings.warn(f"torch.nn.functional.scaled_mm refused a block-wise fp8 GEMM "
-                                  f"of [{a.shape[0]}, {a.shape[1]}] x [{b.shape[0]}, "
-                                  f"{b.shape[1]}] ({e}); this key's plain path runs the "
-                                  "dequantized product from now on", RuntimeWarning)
-                    self.dequantize = True
+                warnings.warn(f"torch.nn.functional.scaled_mm refused a block-wise fp8 GEMM "
+                              f"of [{a.shape[0]}, {a.shape[1]}] x [{b.shape[0]}, "
+                              f"{b.shape[1]}] ({e}); this key's plain path runs the "
+                              "dequantized product from now on", RuntimeWarning)
+                self.dequantize = True
+        if self.dequantize:
             a32, b32 = dequantized(a, b, scale_a, scale_b)
             return torch.matmul(a32, b32).to(out_dtype)
+        extra = {} if out is None else {"out": out}
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                                use_fast_accum=self.fast)
+                                use_fast_accum=self.fast, **extra)
 
     def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
         plain = self.plain
@@ -293,6 +282,31 @@ class ScaledSequentialCall:
         into = out if in_place and out.is_contiguous() else None
         product = self._product(a, b, scale_a, scale_b, out.dtype, into)
         return plain.collect(product, out, op)
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_probe(device: torch.device, dtype, k_rem: int, n_rem: int, rowwise: bool,
+                     out_dtype) -> bool:
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    k, n = 32 + k_rem, 16 + n_rem  # the shape's residues mod 16: what torch's checks look at
+    a = torch.zeros(16, k, device=device, dtype=dtype)
+    b = torch.zeros(n, k, device=device, dtype=dtype).t()
+    sa = torch.ones((16, 1) if rowwise else (), device=device)
+    sb = torch.ones((1, n) if rowwise else (), device=device)
+    try:
+        torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                         use_fast_accum=device.type != "cpu")
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def scaled_mm_takes(device: torch.device, dtype, k: int, n: int, rowwise: bool,
+                    out_dtype) -> bool:
+    """Whether ``torch._scaled_mm`` runs a [*, k] x [k, n] fp8 GEMM on ``device`` (probed once
+    per residue of K and N modulo 16: CUDA's fp8 GEMMs want multiples of 16, the CPU's not)."""
+    return _scaled_mm_probe(torch.device(device), dtype, k % 16, n % 16, bool(rowwise), out_dtype)
 
 
 def blockwise_available(device: torch.device) -> bool:

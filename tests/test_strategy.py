@@ -265,6 +265,37 @@ def test_fp8_plain_path_runs_scaled_mm_not_dequantized():
     api.forget_prepared()
 
 
+def test_fp8_shape_torch_refuses_overlaps_unless_plain_is_forced(monkeypatch):
+    """Where torch's fp8 GEMM refuses K or N (CUDA's want multiples of 16), the default call
+    overlaps rather than run a dequantized plain path; FLASHOVERLAP_STRATEGY=plain still runs
+    (dequantized, correct)."""
+    from flashoverlap_core import api, fp8
+    refused = []
+
+    def cuda_rule(device, dtype, k, n, rowwise, out_dtype):
+        refused.append((k, n))
+        return not (k % 16 or n % 16)
+
+    monkeypatch.setattr(fp8, "scaled_mm_takes", cuda_rule)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(40, 64, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(24, 64, generator=g).to(torch.float8_e4m3fn)  # N = 24
+    sa, sb = torch.rand(40, 1, generator=g) + 0.5, torch.rand(1, 24, generator=g) + 0.5
+    ref = (a.double() * sa.double()) @ (w.double() * sb.double().t()).t()
+    for forced, strategy, runner in ((None, st.OVERLAP, None),
+                                     ("plain", st.PLAIN, "DequantizedCall")):
+        api.forget_prepared()
+        if forced:
+            monkeypatch.setenv(st.ENV_STRATEGY, forced)
+        out = fo.overlap(a, w.t(), scale_a=sa, scale_b=sb)
+        assert torch.allclose(out.double(), ref, rtol=2e-2, atol=2e-2)
+        (call,) = fo.prepared_calls()
+        assert call["strategy"] == strategy, call
+        assert runner is None or call["runner"] == runner, call
+    assert (64, 24) in refused
+    api.forget_prepared()
+
+
 def test_plain_fused_norm_uses_the_backends_row_kernel(monkeypatch):
     from flashoverlap_core import api
     from flashoverlap_core.reference import ReferenceBackend

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..collectives import all_gather_single, exchange_objects
-from ..plan import Plan
+from ..plan import FP8_DTYPES, Plan
 from .cache import TuningCache, context_for
 from .measure import measure_curve, median_time, transfer_fn
 from .model import Contention, CostCurve, GatherModel, GemmTiming, OverlapModel
@@ -328,9 +328,24 @@ def choose(plan: Plan, backend, group, device: torch.device,
             fixed = fallback(plan, e)
         log.debug("flashoverlap: strategy %s in %.2f ms", fixed.strategy,
                   1e3 * (time.perf_counter() - began))
+    if fixed.strategy == PLAIN and requested() != "plain" and not plain_gemm_native(plan, device):
+        fixed = Prediction(OVERLAP, None, None, "torch's fp8 GEMM does not take this K and N "
+                           "(CUDA's want multiples of 16): the plain path would run dequantized")
     if fixed.strategy != plan.strategy:
         plan = replace(plan, strategy=fixed.strategy)
     return plan, fixed
+
+
+def plain_gemm_native(plan: Plan, device: torch.device) -> bool:
+    """Whether the plain path's GEMM is torch's own fp8 kernel for an fp8 (tensor-wise or
+    row-wise) plan: False where torch's ``_scaled_mm`` refuses the shape, and the plain path
+    would run the dequantized product in float32. Always True for other plans."""
+    if plan.dtype not in FP8_DTYPES or plan.scaling is not None:
+        return True
+    from ..fp8 import scaled_mm_takes
+
+    return scaled_mm_takes(device, getattr(torch, plan.dtype), plan.k, plan.n, True,
+                           plan.result_dtype)
 
 
 class StrategyChoice:
