@@ -305,7 +305,7 @@ def _scaled_mm_probe(device: torch.device, dtype, k_rem: int, n_rem: int, rowwis
 def scaled_mm_takes(device: torch.device, dtype, k: int, n: int, rowwise: bool,
                     out_dtype) -> bool:
     """Whether ``torch._scaled_mm`` runs a [*, k] x [k, n] fp8 GEMM on ``device`` (probed once
-    per residue of K and N modulo 16: CUDA's fp8 GEMMs want multiples of 16, the CPU's not)."""
+    per residue of K and N modulo 16: some devices' fp8 GEMMs want multiples of 16, others not)."""
     return _scaled_mm_probe(torch.device(device), dtype, k % 16, n % 16, bool(rowwise), out_dtype)
 
 

@@ -330,7 +330,7 @@ def choose(plan: Plan, backend, group, device: torch.device,
                   1e3 * (time.perf_counter() - began))
     if fixed.strategy == PLAIN and requested() != "plain" and not plain_gemm_native(plan, device):
         fixed = Prediction(OVERLAP, None, None, "torch's fp8 GEMM does not take this K and N "
-                           "(CUDA's want multiples of 16): the plain path would run dequantized")
+                           "(this device's wants multiples of 16): the plain path would run dequantized")
     if fixed.strategy != plan.strategy:
         plan = replace(plan, strategy=fixed.strategy)
     return plan, fixed
