@@ -161,6 +161,7 @@ struct GemmOperands {
 // The post-reorder of every block into `out`.
 struct UnpackPhase {
   void* out;
+  static constexpr bool kWaitersReset = false;  // its kernel zeroes the counters
 
   static fo_call_graph& graph(fo_call& c) { return c.g; }
 
@@ -208,10 +209,13 @@ struct UnpackPhase {
   }
 };
 
-// A "rows" call: the rows are in place in `out` once the collectives are done; the last phase
-// only zeroes the counters. An allreduce reduces `out` itself; a reduce_scatter receives into it.
+// A "rows" call: the rows are in place in `out` once the collectives are done, and there is no
+// last phase: each group's waiter zeroes its counter on the communication stream (a kernel after
+// the join cost about 3 us per call), and without a collective the GEMM signals nothing. An
+// allreduce reduces `out` itself; a reduce_scatter receives into it.
 struct RowsPhase {
   void* out;
+  static constexpr bool kWaitersReset = true;
 
   static fo_call_graph& graph(fo_call& c) { return c.g; }
 
@@ -219,9 +223,7 @@ struct RowsPhase {
     return {c.d.collective == 2 ? c.d.packed : out, out};
   }
 
-  cudaError_t issue(const fo_call& c, cudaStream_t stream, fo_call_graph*) const {
-    return launch_reset(c.d.counters, c.d.num_groups, stream);
-  }
+  cudaError_t issue(const fo_call&, cudaStream_t, fo_call_graph*) const { return cudaSuccess; }
 
   void remember(fo_call_graph& g) const { g.out = out; }
 
@@ -243,6 +245,7 @@ struct RowsPhase {
 // The post-reorder fused into residual add + RMSNorm: one kernel (add_rmsnorm.cuh).
 struct NormPhase {
   NormLaunch launch;
+  static constexpr bool kWaitersReset = false;  // its kernel zeroes the counters
 
   static fo_call_graph& graph(fo_call& c) { return c.norm_graph; }
 
@@ -273,12 +276,14 @@ struct NormPhase {
   }
 };
 
-// The GEMM's launch parameters for one call, writing `out`.
+// The GEMM's launch parameters for one call, writing `out`. Without a collective nothing waits
+// on the group counters: the GEMM signals none.
 inline fo_gemm_params gemm_params(const fo_call& c, const GemmOperands& op, void* out) {
   const fo_call_desc& d = c.d;
   return fo_gemm_params{op.a, op.lda, op.b, op.ldb, d.scaled ? &c.scales : nullptr, out,
                         d.rows ? int64_t(d.N) : 0, d.L, d.block_rows, d.N, d.K, d.items,
-                        d.item_group, d.num_items, d.counters, d.num_ctas, nullptr};
+                        d.item_group, d.num_items, d.collective != 0 ? d.counters : nullptr,
+                        d.num_ctas, nullptr};
 }
 
 // Issues the whole call on `stream` (see fo_call_desc), ending in `phase`. `warm`: a host sync
@@ -306,7 +311,9 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (int s = 0; communicate && s < d.num_steps; ++s) {
     if (s < d.num_groups) {
-      err = wait_counter(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream);
+      err = Phase::kWaitersReset
+                ? wait_counter_and_reset(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream)
+                : wait_counter(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream);
       if (err != cudaSuccess) return err;
     }
     err = launch_step(c, s, buffers);

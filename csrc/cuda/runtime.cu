@@ -26,24 +26,42 @@ __global__ void spin_wait(const int32_t* counter, int32_t value) {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
-using StreamWaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+// spin_wait, then the counter back to 0 (wait_counter_and_reset).
+__global__ void spin_wait_reset(int32_t* counter, int32_t value) {
+  while (int32_t(uint32_t(load_relaxed(counter)) - uint32_t(value)) < 0) __nanosleep(256);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  *counter = 0;
+}
 
-cudaError_t stream_wait_value32(StreamWaitValue32* fn) {
-  static StreamWaitValue32 cached = nullptr;
+// cuStreamWaitValue32 and cuStreamWriteValue32 have the same signature.
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using StreamWaitValue32 = StreamValue32;
+
+// A driver entry point of that signature, looked up once per `slot`.
+template <int slot>
+cudaError_t stream_value32(const char* name, StreamValue32* fn) {
+  static StreamValue32 cached = nullptr;
   static cudaError_t status = cudaSuccess;
   static std::once_flag once;
-  std::call_once(once, [] {
+  std::call_once(once, [name] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found;
-    status = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &found);
+    status = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
     if (status == cudaSuccess && found != cudaDriverEntryPointSuccess) status = cudaErrorSymbolNotFound;
-    cached = reinterpret_cast<StreamWaitValue32>(p);
+    cached = reinterpret_cast<StreamValue32>(p);
   });
   if (status != cudaSuccess)
-    return fail(status, "cuStreamWaitValue32 is not available from the driver: %s",
-                cudaGetErrorString(status));
+    return fail(status, "%s is not available from the driver: %s", name, cudaGetErrorString(status));
   *fn = cached;
   return cudaSuccess;
+}
+
+cudaError_t stream_wait_value32(StreamWaitValue32* fn) {
+  return stream_value32<0>("cuStreamWaitValue32", fn);
+}
+
+cudaError_t stream_write_value32(StreamValue32* fn) {
+  return stream_value32<1>("cuStreamWriteValue32", fn);
 }
 
 // ---- counters ----------------------------------------------------------------------------
@@ -174,6 +192,24 @@ cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaSt
   return fo::fail(cudaErrorInvalidValue, "wait mode %d is not 0 (stream wait) or 1 (spin kernel)", mode);
 }
 
+cudaError_t wait_counter_and_reset(int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
+  if (mode == 1) {
+    spin_wait_reset<<<1, 1, 0, stream>>>(counter, value);
+    FO_CUDA_CHECK(cudaGetLastError());
+    return cudaSuccess;
+  }
+  cudaError_t err = wait_counter(counter, value, mode, stream);
+  if (err != cudaSuccess) return err;
+  StreamValue32 write;
+  err = stream_write_value32(&write);
+  if (err != cudaSuccess) return err;
+  // default flags: the write follows the stream's earlier work (the wait) with a memory barrier
+  CUresult r = write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter), 0, 0);
+  if (r != CUDA_SUCCESS)
+    return fo::fail(cudaErrorUnknown, "cuStreamWriteValue32 failed with CUresult %d", int(r));
+  return cudaSuccess;
+}
+
 }  // namespace fo::runtime
 
 using namespace fo::runtime;
@@ -183,13 +219,16 @@ extern "C" {
 FO_API cudaError_t fo_load_kernels(void) {
   cudaFuncAttributes attr;
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, spin_wait));
+  FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, spin_wait_reset));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, reset_counters));
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, unpack_tiles));
   cudaError_t err = load_a2a_kernels();
   if (err == cudaSuccess) err = load_norm_kernels();
   if (err != cudaSuccess) return err;
   StreamWaitValue32 fn;
-  return stream_wait_value32(&fn);
+  err = stream_wait_value32(&fn);
+  if (err == cudaSuccess) err = stream_write_value32(&fn);
+  return err;
 }
 
 FO_API cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {

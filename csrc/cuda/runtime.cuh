@@ -10,6 +10,11 @@ namespace fo::runtime {
 // `stream` waits until *counter >= value (mode 0 stream wait value, 1 spin kernel: fo_wait_counter).
 cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream);
 
+// The same wait, then *counter = 0 on `stream` (a stream memory write in mode 0, by the spin
+// kernel in mode 1): once a group's counter reached its tile count no tile of the call adds to
+// it again, so its waiter can zero it for the next call, and no kernel after the call has to.
+cudaError_t wait_counter_and_reset(int32_t* counter, int32_t value, int mode, cudaStream_t stream);
+
 // Zeroes a call's `n` group counters on `stream` with one CTA (when no post-reorder does it).
 cudaError_t launch_reset(int32_t* counters, int n, cudaStream_t stream);
 
