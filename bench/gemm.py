@@ -170,21 +170,23 @@ class Gemm:
                                   device="cuda")
         self.a, self.w = a, w
         self.variant = v
-        self.scales = None
+        p = self.plan
+        # As the call path launches it (backends/cuda/gemm.py, launch_gemm): a "rows" plan
+        # writes whole rows of the [M, N] result (ldo = N), a "tiles" plan packed tiles.
+        self.params = kernels.runtime_library().GemmParams(
+            a=a.data_ptr(), lda=a.stride(0), b=w.data_ptr(), ldb=w.stride(0),
+            out=self.packed.data_ptr(), ldo=p.n if p.layout == "rows" else 0,
+            L=len(p.block_rows), block_rows=p.block_rows[0], N=p.n, K=p.k,
+            items=self.items.data_ptr(), item_group=self.groups.data_ptr(),
+            num_items=p.num_tiles,
+            counters=self.counters.data_ptr() if self.counters is not None else None,
+            num_ctas=p.wave_size, monitor=None)
         if scales is not None:  # fp8: (scale_a, scale_b) as the kernel reads them
             from flashoverlap_backends.cuda.device_state import gemm_scales
-            self.scales = gemm_scales(*scales, blockwise=blockwise)
+            self.params.scales = gemm_scales(*scales, blockwise=blockwise)
 
     def __call__(self):
-        p = self.plan
-        args = (self.packed.data_ptr(), len(p.block_rows), p.block_rows[0], p.n, p.k,
-                self.a.stride(0), self.w.stride(0), self.items.data_ptr(), self.groups.data_ptr(),
-                p.num_tiles, self.counters.data_ptr() if self.counters is not None else None,
-                p.wave_size, None, None, torch.cuda.current_stream().cuda_stream)
-        if self.scales is not None:
-            self.lib.run_scaled(self.a.data_ptr(), self.w.data_ptr(), self.scales, *args)
-        else:
-            self.lib.run(self.a.data_ptr(), self.w.data_ptr(), *args)
+        self.lib.launch(self.params, torch.cuda.current_stream().cuda_stream)
 
     def rel_err(self, ref, samples: int = 24) -> float:
         """Worst relative error (norm) over `samples` tiles spread over the packed buffer."""

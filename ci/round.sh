@@ -15,6 +15,7 @@ for s in "$@"; do
     callpath) stage callpath 90 $PY bench/callpath.py ;;
     mr-conf) stage multirank-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_MR_WORLDS:-2,3,4} --junitxml "$OUT/multirank-conformance.xml" ;;
     gemm) stage gemm 240 $PY bench/gemm.py ;;
+    cuda-tests) stage cuda-tests ${FO_CUDA_TESTS_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/gpu/test_cuda.py ;;
     plain) stage plain-path 90 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda.py -k "plain_path or native_call" ;;
     fp8all) stage fp8-all 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py ;;
     norm-plain) stage norm-plain 90 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py -k "plain or rows" ;;
