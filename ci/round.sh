@@ -24,7 +24,7 @@ for s in "$@"; do
     mr-strategy) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-strategy 120 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k same_strategy ;;
     gemmfp8) stage gemmfp8 240 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
     moe) stage moe 200 $PY bench/moe.py ;;
-    faults-tests) stage faults-tests ${FO_FAULTS_SECONDS:-420} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=10 tests/gpu/test_faults.py ${FO_FAULTS_K:+-k "$FO_FAULTS_K"} ;;
+    faults-tests) stage faults-tests ${FO_FAULTS_SECONDS:-420} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=10 ${FO_FAULTS_WORKERS:+-n $FO_FAULTS_WORKERS} tests/gpu/test_faults.py ${FO_FAULTS_K:+-k "$FO_FAULTS_K"} ;;
     faults-bench) stage faults-bench ${FO_FAULTS_BENCH_SECONDS:-400} $PY bench/faults.py ${FO_FAULTS_ARGS:-} ;;
     cache) ( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
              | split -b 15m - "$OUT/new-cache.tgz.part-" ) && echo "cache: $(ls "$OUT" | grep -c new-cache) parts" | tee -a "$SUMMARY" ;;
