@@ -104,6 +104,15 @@ def stats(samples: list[float]) -> dict:
     return {"median": statistics.median(s), "p10": pick(0.1), "p90": pick(0.9)}
 
 
+def trace_events(prof, categories=("kernel",)) -> list[dict]:
+    """The events of a finished ``torch.profiler`` run whose category is in ``categories``
+    (its chrome trace, read back from a temporary file)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    return [e for e in trace.get("traceEvents", []) if e.get("cat") in categories]
+
+
 def write_result(name: str, rows: list[dict], extra: dict | None = None,
                  device_type: str = "cuda") -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)

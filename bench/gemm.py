@@ -53,14 +53,14 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FLUSH_BYTES, device_tag, stats, table, time_alternating, write_result  # noqa: E402
+from common import (FLUSH_BYTES, device_tag, stats, table, time_alternating, trace_events,  # noqa: E402
+                    write_result)
 
 FACTS_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 1024), (8192, 8192, 2048),
                 (4096, 8192, 8192), (2048, 8192, 4096)]
@@ -235,11 +235,8 @@ def kernel_names(fn) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.loads(Path(f.name).read_text())
     return [{"name": e["name"][:120], "grid": e.get("args", {}).get("grid")}
-            for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+            for e in trace_events(prof)]
 
 
 # ---- one shape -----------------------------------------------------------------------------------

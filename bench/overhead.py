@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import flashoverlap_core as fo
 from flashoverlap_core import api
-from common import (device_tag, median_ms, nccl_group_of_one, table, time_alternating,
+from common import (device_tag, median_ms, nccl_group_of_one, table, time_alternating, trace_events,
                     write_result)
 
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
@@ -214,9 +214,6 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
     the plain form), from a torch.profiler trace: per call, its GPU span and every kernel,
     memcpy and memset with its stream, start (from the call's first) and duration. Prints a
     table per row and writes overhead-profile-<device>-<date>.json; no targets."""
-    import json
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     found = []
@@ -231,12 +228,7 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
                 for _ in range(calls_each):
                     fn()
                     torch.cuda.synchronize()  # calls apart, so each call's span is its own
-            trace = tempfile.mktemp(suffix=".json")
-            prof.export_chrome_trace(trace)
-            with open(trace) as f:
-                events = [e for e in json.load(f)["traceEvents"]
-                          if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-            os.unlink(trace)
+            events = trace_events(prof, ("kernel", "gpu_memcpy", "gpu_memset"))
             events.sort(key=lambda e: e["ts"])
             # split into calls at gaps longer than 20 us (each call ends with a synchronize)
             groups, last_end = [], None

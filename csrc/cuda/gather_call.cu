@@ -37,20 +37,17 @@
 //    communication side to its end, then the GEMM, with host syncs (under lazy loading a first
 //    launch waits for an idle device, which a spinning GEMM would never leave).
 // So every flag is set in finite time whatever the GEMM does, and then the GEMM finishes.
-#include <cuda.h>
 
 #include <mutex>
 #include <vector>
 
 #include "call_skeleton.cuh"
 #include "nccl_loader.cuh"
-
-using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+#include "runtime.cuh"
 
 struct fo_gather {
   fo_gather_desc d;
   std::vector<int32_t> chunk_rows;
-  StreamWriteValue32 write_value = nullptr;
   fo::runtime::CallEvents events;
 };
 
@@ -66,19 +63,6 @@ __global__ void delay_kernel(uint32_t us) {
     __nanosleep(1000);
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   } while (now - start < uint64_t(us) * 1000);
-}
-
-inline cudaError_t driver_write_value(StreamWriteValue32* fn) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000,
-                                                     cudaEnableDefault, &found);
-  if (err == cudaSuccess && found != cudaDriverEntryPointSuccess) err = cudaErrorSymbolNotFound;
-  if (err != cudaSuccess)
-    return fail(err, "cuStreamWriteValue32 is not available from the driver: %s",
-                cudaGetErrorString(err));
-  *fn = reinterpret_cast<StreamWriteValue32>(p);
-  return cudaSuccess;
 }
 
 inline cudaError_t check_desc(const fo_gather_desc& d) {
@@ -125,12 +109,7 @@ inline char* shard_rows(const fo_gather& c, int shard, int row) {
 
 inline cudaError_t set_flag(const fo_gather& c, int shard, int g) {
   const fo_gather_desc& d = c.d;
-  CUresult r = c.write_value(reinterpret_cast<CUstream>(d.comm_stream),
-                             reinterpret_cast<CUdeviceptr>(d.arrive_flags + shard * d.num_chunks + g),
-                             1, CU_STREAM_WRITE_VALUE_DEFAULT);
-  if (r != CUDA_SUCCESS)
-    return fail(cudaErrorUnknown, "cuStreamWriteValue32 failed with CUresult %d", int(r));
-  return cudaSuccess;
+  return runtime::write_value32(d.arrive_flags + shard * d.num_chunks + g, 1, d.comm_stream);
 }
 
 // This rank's rows, a -> gathered: in one copy on `stream` (own_chunks = 0), or (the loopback
@@ -249,8 +228,7 @@ extern "C" {
 FO_API cudaError_t fo_gather_load_kernels(void) {
   cudaFuncAttributes attr;
   FO_CUDA_CHECK(cudaFuncGetAttributes(&attr, fo::gather::delay_kernel));
-  StreamWriteValue32 fn;
-  return fo::gather::driver_write_value(&fn);
+  return fo::runtime::load_stream_memops();
 }
 
 FO_API void fo_gather_destroy(fo_gather* gather) {
@@ -267,7 +245,7 @@ FO_API cudaError_t fo_gather_create(const fo_gather_desc* desc, fo_gather** out)
   c->d = *desc;
   c->chunk_rows.assign(desc->chunk_rows, desc->chunk_rows + 2 * desc->num_chunks);
   c->d.chunk_rows = c->chunk_rows.data();  // the caller's host array is the caller's
-  err = fo::gather::driver_write_value(&c->write_value);
+  err = fo::runtime::load_stream_memops();
   if (err == cudaSuccess) err = c->events.create();
   if (err != cudaSuccess) {
     fo_gather_destroy(c);

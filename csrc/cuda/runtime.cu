@@ -35,7 +35,6 @@ __global__ void spin_wait_reset(int32_t* counter, int32_t value) {
 
 // cuStreamWaitValue32 and cuStreamWriteValue32 have the same signature.
 using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-using StreamWaitValue32 = StreamValue32;
 
 // A driver entry point of that signature, looked up once per `slot`.
 template <int slot>
@@ -56,12 +55,29 @@ cudaError_t stream_value32(const char* name, StreamValue32* fn) {
   return cudaSuccess;
 }
 
-cudaError_t stream_wait_value32(StreamWaitValue32* fn) {
+cudaError_t stream_wait_value32(StreamValue32* fn) {
   return stream_value32<0>("cuStreamWaitValue32", fn);
 }
 
 cudaError_t stream_write_value32(StreamValue32* fn) {
   return stream_value32<1>("cuStreamWriteValue32", fn);
+}
+
+cudaError_t write_value32(void* address, uint32_t value, cudaStream_t stream) {
+  StreamValue32 write;
+  cudaError_t err = stream_write_value32(&write);
+  if (err != cudaSuccess) return err;
+  CUresult r = write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
+                     value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS)
+    return fail(cudaErrorUnknown, "cuStreamWriteValue32 failed with CUresult %d", int(r));
+  return cudaSuccess;
+}
+
+cudaError_t load_stream_memops() {
+  StreamValue32 fn;
+  cudaError_t err = stream_wait_value32(&fn);
+  return err == cudaSuccess ? stream_write_value32(&fn) : err;
 }
 
 // ---- counters ----------------------------------------------------------------------------
@@ -175,7 +191,7 @@ cudaError_t launch_reset(int32_t* counters, int n, cudaStream_t stream) {
 
 cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
   if (mode == 0) {
-    StreamWaitValue32 fn;
+    StreamValue32 fn;
     cudaError_t err = stream_wait_value32(&fn);
     if (err != cudaSuccess) return err;
     CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter),
@@ -199,15 +215,7 @@ cudaError_t wait_counter_and_reset(int32_t* counter, int32_t value, int mode, cu
     return cudaSuccess;
   }
   cudaError_t err = wait_counter(counter, value, mode, stream);
-  if (err != cudaSuccess) return err;
-  StreamValue32 write;
-  err = stream_write_value32(&write);
-  if (err != cudaSuccess) return err;
-  // default flags: the write follows the stream's earlier work (the wait) with a memory barrier
-  CUresult r = write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter), 0, 0);
-  if (r != CUDA_SUCCESS)
-    return fo::fail(cudaErrorUnknown, "cuStreamWriteValue32 failed with CUresult %d", int(r));
-  return cudaSuccess;
+  return err == cudaSuccess ? write_value32(counter, 0, stream) : err;
 }
 
 }  // namespace fo::runtime
@@ -225,10 +233,7 @@ FO_API cudaError_t fo_load_kernels(void) {
   cudaError_t err = load_a2a_kernels();
   if (err == cudaSuccess) err = load_norm_kernels();
   if (err != cudaSuccess) return err;
-  StreamWaitValue32 fn;
-  err = stream_wait_value32(&fn);
-  if (err == cudaSuccess) err = stream_write_value32(&fn);
-  return err;
+  return load_stream_memops();
 }
 
 FO_API cudaError_t fo_wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {

@@ -15,6 +15,14 @@ cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaSt
 // it again, so its waiter can zero it for the next call, and no kernel after the call has to.
 cudaError_t wait_counter_and_reset(int32_t* counter, int32_t value, int mode, cudaStream_t stream);
 
+// *address = value on `stream` once its earlier work is done (cuStreamWriteValue32 with its
+// default memory barrier, through the driver entry point).
+cudaError_t write_value32(void* address, uint32_t value, cudaStream_t stream);
+
+// Resolves the driver's stream wait and write (cuStreamWaitValue32, cuStreamWriteValue32) now,
+// not first inside a capture: an error when the driver lacks them.
+cudaError_t load_stream_memops();
+
 // Zeroes a call's `n` group counters on `stream` with one CTA (when no post-reorder does it).
 cudaError_t launch_reset(int32_t* counters, int n, cudaStream_t stream);
 
