@@ -114,7 +114,7 @@ def trace_events(prof, categories=("kernel",)) -> list[dict]:
 
 
 def write_result(name: str, rows: list[dict], extra: dict | None = None,
-                 device_type: str = "cuda") -> Path:
+                 device_type: str = "cuda", path: Path | None = None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
     doc = {
@@ -128,7 +128,8 @@ def write_result(name: str, rows: list[dict], extra: dict | None = None,
         **(extra or {}),
         "rows": rows,
     }
-    path = RESULTS / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    # ``path``: rewrite that file (a run that writes as it goes), else a new one
+    path = path or RESULTS / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
     return path

@@ -8,13 +8,16 @@ replays, a graph the caller captured), fresh ranks sharing the GPUs run a sequen
 survivor's time from the fault to its ``fo.CommunicationError`` is recorded, and every hang
 (a rank that answered nothing within the hard timeout: must be 0). The same faults on torch's
 own path (``a @ b`` + ``dist.all_reduce`` on the process group's NCCL communicator, torch's
-default TORCH_NCCL_ASYNC_ERROR_HANDLING) record when torch's watchdog ended each survivor.
+default TORCH_NCCL_ASYNC_ERROR_HANDLING) record when torch's watchdog ended each survivor; a
+scenario there still running after ``--torch-limit`` seconds counts its survivors as hung on
+torch's path (``torch_hangs``; ``hangs``, FlashOverlap's, must be 0). The JSON is rewritten as
+each scenario ends, ``summary.complete`` false until the last.
 
 Both paths use the process group's timeout (``--timeout``, default 20 s, as in the issue):
 FlashOverlap's deadline is the group's unless told otherwise.
 
     python bench/faults.py [--worlds 2,4] [--timeout 20] [--runs launches,replays,capture]
-                           [--parallel 6]
+                           [--parallel 12] [--torch-limit SECONDS]
 
 writes bench/results/faults-<device>-<date>.json (device, date, commit, command, every row).
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,10 +64,14 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--faults", default=",".join(faults.FAULTS))
     parser.add_argument("--no-torch", action="store_true", help="skip torch's own path")
-    parser.add_argument("--parallel", type=int, default=6,
+    parser.add_argument("--parallel", type=int, default=12,
                         help="scenarios run at once (each in its own processes)")
+    parser.add_argument("--torch-limit", type=float, default=None,
+                        help="seconds a scenario on torch's own path may run before its "
+                             "survivors count as hung there (default 5 x timeout + 40)")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
+    torch_limit = args.torch_limit or 5 * args.timeout + 40
     jobs = []  # (path, run, spec, env): every scenario, each in fresh processes
     for world in worlds:
         for fault in args.faults.split(","):
@@ -81,34 +88,49 @@ def main(argv=None) -> int:
 
     def one(job):
         path, run, spec, env = job
-        result = faults.run(spec, "cuda", env=env, shared_devices=True,
-                            hard_timeout=6 * args.timeout + 240,
+        limit = torch_limit if path == "torch" else 6 * args.timeout + 240
+        result = faults.run(spec, "cuda", env=env, shared_devices=True, hard_timeout=limit,
                             **({"path": "torch"} if path == "torch" else {}))
         return rows_of(result, path, run)
 
     # Scenarios are independent (their own processes, ports and communicators): --parallel of
-    # them at once, so torch's path (ended by its watchdog minutes after the fault) does not
-    # serialise the run. Times are from each scenario's own fault.
-    rows = []
+    # them at once, torch's (ended by its watchdog a minute or more after the fault, or never:
+    # bounded by --torch-limit) first, so that they do not serialise the run. Times are from
+    # each scenario's own fault. The JSON is rewritten as each scenario ends ("complete":
+    # false until the last), so a run cut short still leaves what it measured.
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0] != "torch")
+    done: dict[int, list] = {}
+    path = None
+
+    def summary_of(rows: list[dict], complete: bool) -> dict:
+        survivors = [r for r in rows if r["role"] == "survivor"]
+        return {
+            "complete": complete, "scenarios": len(jobs), "scenarios_done": len(done),
+            "faults_tried": len({(r["path"], r["run"], r["world_size"], r["fault"]) for r in rows}),
+            "hangs": sum(r["hung"] for r in rows if r["path"] == "fo"),
+            "torch_hangs": sum(r["hung"] for r in rows if r["path"] == "torch"),
+            "fo_max_after_fault_s": max((r["after_fault_s"] or 0 for r in survivors
+                                         if r["path"] == "fo"), default=None),
+            "torch_max_after_fault_s": max((r["after_fault_s"] or 0 for r in survivors
+                                            if r["path"] == "torch" and not r["hung"]), default=None),
+            "fo_problems": sorted({p for r in rows for p in r["problems"]}),
+            "timeout_s": args.timeout, "torch_limit_s": torch_limit,
+            "topology": "ranks sharing the GPUs (NCCL's socket transport on loopback)",
+            "parallel": args.parallel}
+
     with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        for got in pool.map(one, jobs):
-            rows += got
+        futures = {pool.submit(one, jobs[i]): i for i in order}
+        for future in as_completed(futures):
+            got = future.result()
+            done[futures[future]] = got
             print(table(got, ["path", "run", "world_size", "fault", "rank", "role", "status",
                               "error_type", "exitcode", "after_fault_s"]), flush=True)
-    survivors = [r for r in rows if r["role"] == "survivor"]
-    summary = {
-        "faults_tried": len({(r["path"], r["run"], r["world_size"], r["fault"]) for r in rows}),
-        "hangs": sum(r["hung"] for r in rows),
-        "fo_max_after_fault_s": max((r["after_fault_s"] or 0 for r in survivors
-                                     if r["path"] == "fo"), default=None),
-        "torch_max_after_fault_s": max((r["after_fault_s"] or 0 for r in survivors
-                                        if r["path"] == "torch"), default=None),
-        "fo_problems": sorted({p for r in rows for p in r["problems"]}),
-        "timeout_s": args.timeout,
-        "topology": "ranks sharing the GPUs (NCCL's socket transport on loopback)",
-        "parallel": args.parallel}
+            rows = [r for i in sorted(done) for r in done[i]]
+            complete = len(done) == len(jobs)
+            path = write_result(f"faults-{device_tag()}", rows,
+                                {"summary": summary_of(rows, complete)}, path=path)
+    summary = summary_of(rows, True)
     print(summary)
-    write_result(f"faults-{device_tag()}", rows, {"summary": summary})
     return 0 if summary["hangs"] == 0 and not summary["fo_problems"] else 1
 
 

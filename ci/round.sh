@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 touch /tmp/fo-marker
 LOG_NAME=round
 source ci/lib.sh
-for s in "$@"; do
+run_one() {
+  local s=$1
   case $s in
     build) stage build 200 flashoverlap build --backend cuda --jobs 16 ;;
     epilogue) FO_GEMM_TEST_CONFIGS=-e4m3 stage epilogue 170 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_epilogue.py ;;
@@ -36,10 +37,25 @@ for s in "$@"; do
               --durations=10 -n ${FO_FAULTS_WORKERS:-4} tests/gpu/test_faults.py
             wait ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
+    gather) stage gather-tests ${FO_GATHER_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
+    # one allgather case in its own process, its Python stacks dumped if it stalls (a hang's where)
+    gather-case) FLASHOVERLAP_CUDA_GATHER_LOOPBACK=${FO_GATHER_LOOPBACK:-1} stage gather-case ${FO_GATHER_CASE_SECONDS:-60} $PY -c \
+        "import faulthandler, sys; faulthandler.dump_traceback_later(${FO_GATHER_DUMP_S:-40}, exit=True); sys.path.insert(0, 'tests/gpu'); import test_cuda_allgather as t; print(t.${FO_GATHER_CASE:-case_first_call_in_capture}())" ;;
+    *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
   esac
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
   echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
+}
+# "bg:NAME" runs stage NAME (or "A+B+C": those in turn) beside the stages after it (for stages
+# that time nothing, e.g. tests beside the fault tests' timeouts); "wait" waits for them.
+for s in "$@"; do
+  case $s in
+    bg:*) ( IFS=+; for t in ${s#bg:}; do run_one "$t"; done ) >/dev/null & ;;
+    wait) wait ;;
+    *) run_one "$s" ;;
+  esac
 done
+wait
 # (files come back at most 16 MiB each: the archive in parts of 15 MiB, joined with cat)
 ls "$OUT"/new-cache.tgz.part-* >/dev/null 2>&1 || ( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
     | split -b 15m - "$OUT/new-cache.tgz.part-" ) && ls -la "$OUT"

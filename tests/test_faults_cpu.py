@@ -161,3 +161,58 @@ def test_call_with_deadline_returns_raises_or_gives_up():
     with pytest.raises(TimeoutError, match="making a communicator did not finish within 0.2 s"):
         core_faults.call_with_deadline(stuck.wait, 0.2, "making a communicator")
     stuck.set()
+
+
+def test_fault_benchmark_writes_as_it_goes_and_counts_torch_hangs_apart(tmp_path, monkeypatch):
+    """bench/faults.py's driver, its scenarios stubbed: the JSON is rewritten after every
+    scenario (complete only after the last), a scenario on torch's own path that outlives
+    --torch-limit counts as torch's hang, not FlashOverlap's, and torch's scenarios get that
+    limit as their hard timeout."""
+    import importlib
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.setenv("FO_RESULTS_DIR", str(tmp_path))
+    monkeypatch.syspath_prepend(str(bench))
+    for name in ("common", "faults"):
+        sys.modules.pop(name, None)
+    module = importlib.import_module("faults")
+    limits, seen, calls = {}, [], []
+
+    def run(spec, device_type, *, env=None, shared_devices=None, hard_timeout=None, path="fo"):
+        limits[path] = hard_timeout
+        hung = path == "torch" and spec["world_size"] == 4
+        ranks = [{"rank": r, "role": "faulty" if r == spec["faulty"] else "survivor",
+                  "status": "hung" if hung and r != spec["faulty"] else "ok",
+                  "error_type": "CommunicationError", "after_fault_s": 1.5, "exitcode": None,
+                  "error": ""} for r in range(spec["world_size"])]
+        calls.append(spec)
+        if len(calls) == 4:  # the last scenario: the first three's JSON is written meanwhile
+            for _ in range(100):
+                seen[:] = [p.name for p in tmp_path.glob("faults-*.json")]
+                if seen:
+                    break
+                time.sleep(0.05)
+        return {"scenario": spec, "ranks": ranks}
+
+    monkeypatch.setattr(module, "device_tag", lambda: "cpu")
+    monkeypatch.setattr(sys.modules["common"], "device_name", lambda device_type: "cpu")
+    monkeypatch.setattr(module.faults, "run", run)
+    monkeypatch.setattr(module.faults, "problems", lambda result: [])
+    try:
+        assert module.main(["--worlds", "2,4", "--faults", "raise", "--runs", "launches",
+                            "--timeout", "3", "--parallel", "1"]) == 0
+    finally:
+        for name in ("common", "faults"):
+            sys.modules.pop(name, None)
+    files = list(tmp_path.glob("faults-*.json"))
+    assert len(files) == 1 and seen, (files, seen)  # one file, there before the last scenario
+    doc = json.loads(files[0].read_text())
+    summary = doc["summary"]
+    assert summary["complete"] and summary["scenarios_done"] == summary["scenarios"] == 4
+    assert summary["hangs"] == 0 and summary["torch_hangs"] == 3
+    assert limits == {"torch": 5 * 3 + 40, "fo": 6 * 3 + 240}
+    assert len(doc["rows"]) == 2 + 2 + 4 + 4

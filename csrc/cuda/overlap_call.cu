@@ -55,9 +55,10 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
     return fail(cudaErrorInvalidValue, "fo_call_create: descriptor ABI %d, library ABI %d",
                 d.abi_version, FO_CUDA_ABI_VERSION);
   // "rows": an allreduce's GEMM writes `out` (no packed buffer), and nothing is received into
-  // staging but the fused norm's rows (set once it runs)
-  const bool needs_packed = !d.rows || d.collective == 2;
-  if (!d.gemm_launch || (needs_packed && !d.packed) || (!d.rows && !d.staging) || !d.counters ||
+  // staging but the fused norm's rows (set once it runs). A reduce_scatter without a packed
+  // buffer is one of a group of one rank: its GEMM writes `out` too, and every step sends and
+  // receives the same rows of it (NCCL's in-place form, which moves nothing at one rank).
+  if (!d.gemm_launch || (!d.rows && !d.packed) || (!d.rows && !d.staging) || !d.counters ||
       (d.collective && !d.comm_stream))
     return fail(cudaErrorInvalidValue,
                 "fo_call_create: gemm_launch, packed, staging, counters (and with a collective, "
@@ -85,6 +86,17 @@ inline cudaError_t check_desc(const fo_call_desc& d) {
   if (d.num_blocks < 0 || (d.num_blocks > 0 && (!d.block_out_offset || !d.block_tiles ||
                                                 !d.block_offsets || !d.block_num_tiles)))
     return fail(cudaErrorInvalidValue, "fo_call_create: incomplete unpack block tables");
+  if (d.rows && d.collective == 2 && !d.packed && d.steps) {
+    for (int s = 0; s < d.num_steps; ++s) {
+      const int64_t* e = d.steps + int64_t(s) * 4;
+      if (e[0] != e[2] || e[1] != e[3])
+        return fail(cudaErrorInvalidValue,
+                    "fo_call_create: a \"rows\" reduce_scatter without a packed buffer must "
+                    "send and receive the same rows (a group of one rank); step %d sends %lld "
+                    "at %lld and receives %lld at %lld", s, (long long)e[1], (long long)e[0],
+                    (long long)e[3], (long long)e[2]);
+    }
+  }
   return cudaSuccess;
 }
 
@@ -212,15 +224,18 @@ struct UnpackPhase {
 // A "rows" call: the rows are in place in `out` once the collectives are done, and there is no
 // last phase: each group's waiter zeroes its counter on the communication stream (a kernel after
 // the join cost about 3 us per call), and without a collective the GEMM signals nothing. An
-// allreduce reduces `out` itself; a reduce_scatter receives into it.
+// allreduce reduces `out` itself; a reduce_scatter receives into it (at one rank, in place).
 struct RowsPhase {
   void* out;
   static constexpr bool kWaitersReset = true;
 
   static fo_call_graph& graph(fo_call& c) { return c.g; }
 
+  // A reduce_scatter sends from its packed buffer, except at one rank (no packed buffer, or
+  // only the fused norm's: packed == staging), where it works on `out` in place.
   CallBuffers buffers(const fo_call& c) const {
-    return {c.d.collective == 2 ? c.d.packed : out, out};
+    const bool packed = c.d.collective == 2 && c.d.packed && c.d.packed != c.d.staging;
+    return {packed ? c.d.packed : out, out};
   }
 
   cudaError_t issue(const fo_call&, cudaStream_t, fo_call_graph*) const { return cudaSuccess; }
