@@ -41,6 +41,10 @@ run_one() {
     # one allgather case in its own process, its Python stacks dumped if it stalls (a hang's where)
     gather-case) FLASHOVERLAP_CUDA_GATHER_LOOPBACK=${FO_GATHER_LOOPBACK:-1} stage gather-case ${FO_GATHER_CASE_SECONDS:-60} $PY -c \
         "import faulthandler, sys; faulthandler.dump_traceback_later(${FO_GATHER_DUMP_S:-40}, exit=True); sys.path.insert(0, 'tests/gpu'); import test_cuda_allgather as t; print(t.${FO_GATHER_CASE:-case_first_call_in_capture}())" ;;
+    # Nsight Compute on the fp8 kernels (bench/fp8_ncu.py): the report and its details as CSV
+    ncu-fp8) stage ncu-fp8 ${FO_NCU_SECONDS:-240} ncu --profile-from-start off --nvtx --set ${FO_NCU_SET:-full} \
+               -f -o "$OUT/fp8-ncu" $PY bench/fp8_ncu.py ${FO_NCU_ARGS:-}
+             ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page details >"$OUT/fp8-ncu-details.csv" 2>&1 || true ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
   esac
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
