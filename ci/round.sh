@@ -37,7 +37,7 @@ run_one() {
               --durations=10 -n ${FO_FAULTS_WORKERS:-4} tests/gpu/test_faults.py
             wait ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
-    gather) stage gather-tests ${FO_GATHER_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
+    gather) stage gather-tests ${FO_GATHER_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
     # one allgather case in its own process, its Python stacks dumped if it stalls (a hang's where)
     gather-case) FLASHOVERLAP_CUDA_GATHER_LOOPBACK=${FO_GATHER_LOOPBACK:-1} stage gather-case ${FO_GATHER_CASE_SECONDS:-60} $PY -c \
         "import faulthandler, sys; faulthandler.dump_traceback_later(${FO_GATHER_DUMP_S:-40}, exit=True); sys.path.insert(0, 'tests/gpu'); import test_cuda_allgather as t; print(t.${FO_GATHER_CASE:-case_first_call_in_capture}())" ;;
@@ -51,10 +51,11 @@ run_one() {
   echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
 }
 # "bg:NAME" runs stage NAME (or "A+B+C": those in turn) beside the stages after it (for stages
-# that time nothing, e.g. tests beside the fault tests' timeouts); "wait" waits for them.
+# that time nothing); "wait" waits for them. Not beside the fault tests or benchmark: their
+# stuck ranks' NCCL kernels time-slice the GPU, and tests beside them ran 3x slower (s1 log).
 for s in "$@"; do
   case $s in
-    bg:*) ( IFS=+; for t in ${s#bg:}; do run_one "$t"; done ) >/dev/null & ;;
+    bg:*) ( IFS=+ read -ra parts <<<"${s#bg:}"; for t in "${parts[@]}"; do run_one "$t"; done ) >/dev/null & ;;
     wait) wait ;;
     *) run_one "$s" ;;
   esac
