@@ -98,10 +98,11 @@ class CudaCall(NativeCall, PreparedCall):
         self.call_run_scaled = self.runtime.call_run_scaled
         # A "rows" plan writes and receives the output's own rows: an allreduce needs no buffer
         # of its own (until its fused norm, which reduces a buffer of the call's rows), nor does
-        # a reduce_scatter of one rank, whose one block is the output: each group's collective
-        # then sends and receives the same rows (NCCL's in-place form moves nothing).
+        # a native reduce_scatter of one rank, whose one block is the output: each group's
+        # collective then sends and receives the same rows (NCCL's in-place form moves nothing;
+        # the python path keeps its own buffer, whatever its group's library does with aliases).
         self.rows = plan.layout == "rows"
-        self.rs_in_place = (self.rows and self.op.output == "block"
+        self.rs_in_place = (self.rows and self.op.output == "block" and not self.python_path
                             and self.template.world_size == 1)
         self.packed_needed = not self.rows or not (self.op.in_place or self.rs_in_place)
         first = StreamState(plan, device, plan.result_dtype, None, self.packed_needed)
@@ -340,10 +341,8 @@ class CudaCall(NativeCall, PreparedCall):
         with torch.cuda.device(device):
             runtime = self.runtime
             compute, comm = torch.cuda.current_stream(device), state.comm
-            # a "rows" allreduce or custom op (or a reduce_scatter of one rank) writes and
-            # transfers the output's rows in place
-            packed = (state.packed if self.packed_needed
-                      else call.out.view(-1) if self.rs_in_place else packed_buffer(call))
+            # a "rows" allreduce or custom op writes and transfers the output's rows in place
+            packed = state.packed if self.packed_needed else packed_buffer(call)
             exchange = RegionExchange(call, packed)  # all_to_all: count exchange (host sync)
             comm.wait_stream(compute)
             stamp("launch", compute)
