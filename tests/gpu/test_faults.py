@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.timeout(900), needs_cuda]
 
 @pytest.fixture(autouse=True)
 def _watchdog_on(monkeypatch):
-    """These tests are the watchdog's verification: turn it on (off by default until it has
-    run on a GPU); the ranks spawned inherit it."""
+    """These tests are the watchdog's verification: turn it on (off by default until its cost
+    per call is measured); the ranks spawned inherit it."""
     monkeypatch.setenv("FLASHOVERLAP_WATCHDOG", "1")
 WORLD_SIZES = [int(w) for w in os.environ.get("FO_MULTIRANK_WORLD_SIZES", "2,4").split(",")]
 PG_TIMEOUT_S = 300.0  # the process group's (torch's watchdog): never reached
