@@ -321,6 +321,9 @@ def main(argv=None) -> int:
                     "allreduce workspace / output": WORKSPACE_FRACTION,
                     "decode": f"plain / fo >= {DECODE_TARGET} per row, the default call"},
         "prefill_strategy": args.prefill_strategy, "cut_short": cut_short,
+        # FlashOverlap's NCCL watchdog (FLASHOVERLAP_WATCHDOG=1 in the environment: its cost
+        # per call, against a run without it)
+        "watchdog": os.environ.get("FLASHOVERLAP_WATCHDOG", "0") == "1",
         "default_run": not cut_short and args.tokens == parser.get_default("tokens")
         and args.shapes == parser.get_default("shapes") and args.ops == parser.get_default("ops")
         and args.dtypes == parser.get_default("dtypes")
