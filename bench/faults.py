@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     # false until the last), so a run cut short still leaves what it measured.
     order = sorted(range(len(jobs)), key=lambda i: jobs[i][0] != "torch")
     done: dict[int, list] = {}
-    path = None
+    rows, path = [], None
 
     def summary_of(rows: list[dict], complete: bool) -> dict:
         survivors = [r for r in rows if r["role"] == "survivor"]
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
             "topology": "ranks sharing the GPUs (NCCL's socket transport on loopback)",
             "parallel": args.parallel}
 
+    summary = summary_of(rows, not jobs)
     with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         futures = {pool.submit(one, jobs[i]): i for i in order}
         for future in as_completed(futures):
@@ -126,10 +127,8 @@ def main(argv=None) -> int:
             print(table(got, ["path", "run", "world_size", "fault", "rank", "role", "status",
                               "error_type", "exitcode", "after_fault_s"]), flush=True)
             rows = [r for i in sorted(done) for r in done[i]]
-            complete = len(done) == len(jobs)
-            path = write_result(f"faults-{device_tag()}", rows,
-                                {"summary": summary_of(rows, complete)}, path=path)
-    summary = summary_of(rows, True)
+            summary = summary_of(rows, len(done) == len(jobs))
+            path = write_result(f"faults-{device_tag()}", rows, {"summary": summary}, path=path)
     print(summary)
     return 0 if summary["hangs"] == 0 and not summary["fo_problems"] else 1
 

@@ -9,9 +9,9 @@ For each shape and scaling: the product (what a default plan launches), the give
 (bench/gemm.py's names) and torch._scaled_mm with the same e4m3 inputs, scales, bf16 output and
 fast accumulation, each warmed up with the profiler stopped, then launched once while it runs,
 in an NVTX range named ``fp8 <MxNxK> <scaling> <kernel>`` (printed in launch order too), so a
-profile holds exactly one launch of each. Times nothing
-itself (ncu's metrics are the result); ``ci/round.sh ncu-fp8`` runs it under ncu and brings the
-report and a CSV of its details back.
+profile holds exactly one launch of each. Times nothing itself (ncu's metrics are the
+result); ``ci/round.sh ncu-fp8`` runs it under ncu and brings the report and a CSV of its
+details back.
 """
 from __future__ import annotations
 

@@ -38,9 +38,6 @@ run_one() {
             wait ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
     gather) stage gather-tests ${FO_GATHER_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
-    # one allgather case in its own process, its Python stacks dumped if it stalls (a hang's where)
-    gather-case) FLASHOVERLAP_CUDA_GATHER_LOOPBACK=${FO_GATHER_LOOPBACK:-1} stage gather-case ${FO_GATHER_CASE_SECONDS:-60} $PY -c \
-        "import faulthandler, sys; faulthandler.dump_traceback_later(${FO_GATHER_DUMP_S:-40}, exit=True); sys.path.insert(0, 'tests/gpu'); import test_cuda_allgather as t; print(t.${FO_GATHER_CASE:-case_first_call_in_capture}())" ;;
     # Nsight Compute on the fp8 kernels (bench/fp8_ncu.py): the report and its details as CSV
     ncu-fp8) stage ncu-fp8 ${FO_NCU_SECONDS:-240} ncu --profile-from-start off --nvtx --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/fp8-ncu" $PY bench/fp8_ncu.py ${FO_NCU_ARGS:-}
@@ -50,17 +47,7 @@ run_one() {
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
   echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
 }
-# "bg:NAME" runs stage NAME (or "A+B+C": those in turn) beside the stages after it (for stages
-# that time nothing); "wait" waits for them. Not beside the fault tests or benchmark: their
-# stuck ranks' NCCL kernels time-slice the GPU, and tests beside them ran 3x slower (s1 log).
-for s in "$@"; do
-  case $s in
-    bg:*) ( IFS=+ read -ra parts <<<"${s#bg:}"; for t in "${parts[@]}"; do run_one "$t"; done ) >/dev/null & ;;
-    wait) wait ;;
-    *) run_one "$s" ;;
-  esac
-done
-wait
+for s in "$@"; do run_one "$s"; done
 # (files come back at most 16 MiB each: the archive in parts of 15 MiB, joined with cat)
 ls "$OUT"/new-cache.tgz.part-* >/dev/null 2>&1 || ( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
     | split -b 15m - "$OUT/new-cache.tgz.part-" ) && ls -la "$OUT"
