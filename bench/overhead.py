@@ -252,6 +252,15 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
                  "timelines of single calls (synchronised apart), NCCL group of one rank"})
 
 
+def _watchdog_on() -> bool:
+    """Whether the cuda backend's NCCL watchdog watched this run's communicators."""
+    try:
+        from flashoverlap_backends.cuda import nccl
+    except ImportError:
+        return False
+    return nccl.watchdog_enabled()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024,4096,16384")
@@ -321,9 +330,9 @@ def main(argv=None) -> int:
                     "allreduce workspace / output": WORKSPACE_FRACTION,
                     "decode": f"plain / fo >= {DECODE_TARGET} per row, the default call"},
         "prefill_strategy": args.prefill_strategy, "cut_short": cut_short,
-        # FlashOverlap's NCCL watchdog (FLASHOVERLAP_WATCHDOG=1 in the environment: its cost
-        # per call, against a run without it)
-        "watchdog": os.environ.get("FLASHOVERLAP_WATCHDOG", "0") == "1",
+        # FlashOverlap's NCCL watchdog (FLASHOVERLAP_WATCHDOG=1 turns it on: its cost per call
+        # is the difference between two runs)
+        "watchdog": _watchdog_on(),
         "default_run": not cut_short and args.tokens == parser.get_default("tokens")
         and args.shapes == parser.get_default("shapes") and args.ops == parser.get_default("ops")
         and args.dtypes == parser.get_default("dtypes")

@@ -6,7 +6,8 @@
 * ``b`` is laid out as ``torch._scaled_mm`` takes it, column-major ``[K, N]`` (``weight.t()``
   of an fp8 ``[N, K]`` weight);
 * the scales, float32, on a's device, finite, in one of three kinds (:func:`scaling_kind`,
-  from their shapes; a's ``m`` rows are this rank's, for allgather its ``[m, K]`` shard):
+  from their shapes; a's ``m`` rows are this rank's, for allgather its ``[m, K]`` shard, and
+  each rank's ``scale_a`` scales its own rows: ``allgather(a_r * scale_a_r) @ (b * scale_b)``):
 
   - tensor-wise: both 0-dim;
   - row-wise: ``scale_a`` 0-dim or ``[M, 1]`` and ``scale_b`` 0-dim or ``[1, N]``, at least
@@ -218,9 +219,21 @@ class ScaledSequentialCall:
     accelerators as the native fp8 kernels; block-wise, ``torch.nn.functional.scaled_mm`` with
     ``BlockWise1x128`` / ``BlockWise128x128``, its scales put in the layouts it wants), then one
     collective on its result, as :class:`~flashoverlap_core.collectives.SequentialCall`; for
-    allgather, the e4m3 bytes (and row-wise or block-wise scales) are gathered, never
-    dequantized rows. A block-wise GEMM that torch refuses at run time (a shape its kernel does
-    not take) runs dequantized from then on, with a warning."""
+    allgather, the e4m3 bytes are gathered, never dequantized rows.
+
+    allgather means ``allgather(a_r * scale_a_r) @ (b * scale_b)``: rank r's rows take rank
+    r's own ``scale_a`` (ranks compute their activation scales independently), so scale_a is
+    gathered with the rows, whatever its kind. Row-wise ``[m, 1]`` and block-wise
+    ``[m, ceil(K/128)]`` scales are gathered as rows (any strides: torch's outer-dim-major
+    block-wise layout too). A 0-dim scale_a (tensor-wise, or row-wise with a ``[1, N]``
+    scale_b) is gathered as one scale per rank and applied to that rank's ``m`` rows: as a
+    row-wise ``[W*m, 1]`` scale_a (0-dim scale_b as ``[1, N]``) where torch's ``_scaled_mm``
+    takes row-wise scales for the device and out_dtype, else one GEMM per rank's ``m``-row
+    slice with that rank's scale. ``b`` and ``scale_b`` are the same on every rank.
+
+    A row-wise call with one 0-dim scale runs with it expanded to its row-wise shape (torch
+    takes no mix of a 0-dim and a row-wise scale). A block-wise GEMM that torch refuses at run
+    time (a shape its kernel does not take) runs dequantized from then on, with a warning."""
 
     def __init__(self, call: OverlapCall, native=None):
         from .collectives import SequentialCall  # the collective half of the plain path
@@ -229,6 +242,13 @@ class ScaledSequentialCall:
         self.fast = call.a.device.type != "cpu"
         self.blockwise = call.plan.scaling == "blockwise"
         self.dequantize = False  # set when torch refused the block-wise GEMM of a call
+        # allgather with a 0-dim scale_a: whether the gathered rows can take every rank's scale
+        # as one row-wise [W*m, 1] scale_a (else one GEMM per rank's rows)
+        self.rowwise_gather = (
+            self.plain.collective == "all_gather" and self.plain.group is not None
+            and not self.blockwise and call.scale_a.dim() == 0
+            and scaled_mm_takes(call.a.device, call.a.dtype, call.a.shape[1], call.b.shape[1],
+                                True, call.plan.result_dtype))
 
     @staticmethod
     def available(call: OverlapCall) -> bool:
@@ -248,8 +268,9 @@ class ScaledSequentialCall:
             except (RuntimeError, NotImplementedError, TypeError, ValueError):
                 return False
             return True
-        return scaled_mm_takes(dev, call.a.dtype, call.a.shape[1], call.b.shape[1],
-                               call.scale_a.dim() != 0, call.plan.result_dtype)
+        rowwise = call.scale_a.dim() != 0 or call.scale_b.dim() != 0  # one 0-dim: row-wise
+        return scaled_mm_takes(dev, call.a.dtype, call.a.shape[1], call.b.shape[1], rowwise,
+                               call.plan.result_dtype)
 
     def _product(self, a, b, scale_a, scale_b, out_dtype, out=None):
         """The scaled product; into ``out`` (contiguous) where given, as the plain path's
@@ -268,6 +289,9 @@ class ScaledSequentialCall:
         if self.dequantize:
             a32, b32 = dequantized(a, b, scale_a, scale_b)
             return torch.matmul(a32, b32).to(out_dtype)
+        if scale_a.dim() or scale_b.dim():  # row-wise: both as torch takes them, contiguous
+            scale_a = _rowwise(scale_a, a.shape[0], 1)
+            scale_b = _rowwise(scale_b, 1, b.shape[1])
         extra = {} if out is None else {"out": out}
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                                 use_fast_accum=self.fast, **extra)
@@ -275,13 +299,34 @@ class ScaledSequentialCall:
     def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
         plain = self.plain
         if plain.collective == "all_gather":
+            m = a.shape[0]
             a = plain.gathered(a)
-            scale_a = plain.gathered(scale_a) if scale_a.dim() else scale_a
-            return out.copy_(self._product(a, b, scale_a, scale_b, out.dtype))
+            if scale_a.dim() or plain.group is None:  # row-wise or block-wise: rows of their own
+                scale_a = plain.gathered(scale_a) if scale_a.dim() else scale_a
+                return out.copy_(self._product(a, b, scale_a, scale_b, out.dtype))
+            scales = plain.gathered(scale_a.reshape(1, 1))  # [W, 1]: every rank's own scale
+            if self.rowwise_gather:
+                return out.copy_(self._product(a, b, scales.repeat_interleave(m, 0), scale_b,
+                                               out.dtype))
+            for r in range(plain.world):  # one GEMM per rank's rows, with its 0-dim scale
+                rows = slice(r * m, (r + 1) * m)
+                into = out[rows] if out.is_contiguous() else None
+                product = self._product(a[rows], b, scales[r, 0], scale_b, out.dtype, into)
+                if product is not into:
+                    out[rows].copy_(product)
+            return out
         in_place = plain.collective in ("all_reduce", None) or plain.group is None
         into = out if in_place and out.is_contiguous() else None
         product = self._product(a, b, scale_a, scale_b, out.dtype, into)
         return plain.collect(product, out, op)
+
+
+def _rowwise(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A tensor-wise or row-wise scale as ``torch._scaled_mm``'s row-wise one: ``[rows, cols]``
+    (``[M, 1]`` for a, ``[1, N]`` for b), contiguous; a 0-dim scale repeated."""
+    if scale.dim() == 0:
+        return scale.reshape(1, 1).expand(rows, cols).contiguous()
+    return scale.contiguous()
 
 
 @functools.lru_cache(maxsize=None)

@@ -458,3 +458,20 @@ def test_ci_compile_check_configurations():
     assert names[0].startswith("sm90_fp16_brow_128x128") and "pingpong" in names[0], names
     assert names[1].startswith("sm90_e4m3_") and "cooperative" in names[1], names
     assert names[2].startswith("sm80_fp16_brow") and names[2].endswith("_blocks"), names
+
+
+def test_nccl_watchdog_switch_is_checked(monkeypatch):
+    """FlashOverlap's NCCL watchdog: off by default (with it on, two all_to_all conformance
+    cases at W = 2 failed on the H200: docs/design.md, "Failure model"); FLASHOVERLAP_WATCHDOG=1
+    turns it on; anything but 0 or 1 is refused with the variable's name."""
+    from flashoverlap_backends.cuda import nccl
+
+    monkeypatch.delenv(nccl.ENV_WATCHDOG, raising=False)
+    assert not nccl.watchdog_enabled()
+    monkeypatch.setenv(nccl.ENV_WATCHDOG, "0")
+    assert not nccl.watchdog_enabled()
+    monkeypatch.setenv(nccl.ENV_WATCHDOG, "1")
+    assert nccl.watchdog_enabled()
+    monkeypatch.setenv(nccl.ENV_WATCHDOG, "yes")
+    with pytest.raises(ValueError, match="FLASHOVERLAP_WATCHDOG"):
+        nccl.watchdog_enabled()

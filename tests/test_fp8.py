@@ -308,3 +308,93 @@ def test_bad_blockwise_scales_are_refused_before_any_device_work(change, error, 
     kw = {"scale_a": sa, "scale_b": sb, **change}
     with pytest.raises(error, match=match):
         fo.overlap(a, b, "allreduce", backend="fake-tripwire-fp8", **kw)
+
+
+def _allgather_with_each_ranks_scales(device_type: str = "cpu") -> list[str]:
+    """On a spawned rank: allgather on a "sequential" plan (torch's scaled GEMM after one
+    gather), each rank with scales of its own, against float64 of every rank's a times that
+    rank's scale_a (recomputed here from every rank's seed)."""
+    import dataclasses
+    import warnings
+
+    import torch.distributed as dist
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    dev = torch.device(device_type,
+                       torch.cuda.current_device() if device_type == "cuda" else None)
+    m, n, k = 16, 144, 320  # K and N multiples of 16, ragged against the 128 blocks
+    kb, nb = fo.fp8.blocks(k), fo.fp8.blocks(n)
+    g0 = torch.Generator().manual_seed(7)
+    b = (torch.randn(n, k, generator=g0) * 2).to(F8).t()  # the same weight on every rank
+    sb_blocks = torch.rand(kb, nb, generator=g0) + 0.25
+
+    def inputs(r, scaling, again):  # rank r's a and scales
+        g = torch.Generator().manual_seed(100 * r + again)
+        a = (torch.randn(m, k, generator=g) * 2).to(F8)
+        if scaling == "tensorwise":  # very different per-tensor scales on each rank
+            return a, torch.tensor(0.25 + 2.0 * r + again), torch.tensor(0.75)
+        if scaling == "rowwise-0dim-a":  # row-wise: a 0-dim scale_a with a [1, N] scale_b
+            sb = torch.rand(1, n, generator=torch.Generator().manual_seed(50 + again)) + 0.5
+            return a, torch.tensor(0.5 + 3.0 * r + again), sb
+        if scaling == "rowwise":
+            return (a, torch.rand(m, 1, generator=g) + 0.25 + 2.0 * r,
+                    torch.linspace(0.5, 1, n)[None])
+        # block-wise, scale_a outer-dim-major as torch keeps it (strides (1, M))
+        return a, (torch.rand(kb, m, generator=g) + 0.25 + 2.0 * r).t(), sb_blocks
+
+    def dequantized_a(a, sa):
+        if sa.dim() == 2 and sa.shape[1] == kb and kb > 1:
+            sa = sa.repeat_interleave(fo.fp8.BLOCK, 1)[:, :k]
+        return a.double() * sa.double()
+
+    def dequantized_b(sb):
+        if sb.shape == (kb, nb):
+            sb = sb.repeat_interleave(fo.fp8.BLOCK, 0)[:k].repeat_interleave(fo.fp8.BLOCK, 1)
+            return b.double() * sb[:, :n].double()
+        return b.double() * sb.double()
+
+    problems = []
+    real_available = fo.fp8.ScaledSequentialCall.available
+    try:
+        # where the device has no block-wise GEMM (the host), run ScaledSequentialCall anyway:
+        # its GEMM falls back to the dequantized product of the gathered block-wise scales
+        fo.fp8.ScaledSequentialCall.available = staticmethod(
+            lambda call: call.plan.scaling == "blockwise" or real_available(call))
+        for scaling in ("tensorwise", "rowwise-0dim-a", "rowwise", "blockwise"):
+            for out_dtype in (torch.bfloat16, torch.float16):
+                plan = dataclasses.replace(
+                    fo.plan(m * w, n, k, op="allgather", world_size=w, dtype=F8,
+                            backend="decomposition", out_dtype=out_dtype,
+                            scaling="blockwise" if scaling == "blockwise" else None),
+                    strategy="sequential")
+                for again in (0, 1):  # the second call runs the prepared key's hot path
+                    a, sa, sb = inputs(rank, scaling, again)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        got = fo.overlap(a.to(dev), b.to(dev), op="allgather",
+                                         scale_a=sa.to(dev), scale_b=sb.to(dev),
+                                         out_dtype=out_dtype, plan=plan)
+                    want = torch.cat([dequantized_a(*inputs(r, scaling, again)[:2])
+                                      for r in range(w)]) @ dequantized_b(sb)
+                    err = float((got.cpu().double() - want).abs().max() / want.abs().max())
+                    runner = fo.prepared_calls()[-1]["runner"]
+                    rtol = 2e-2 if out_dtype == torch.bfloat16 else 4e-3  # the suite's
+                    if got.shape != want.shape or err > rtol or runner != "ScaledSequentialCall":
+                        problems.append(f"{scaling} {out_dtype} call {again}: rank {rank} "
+                                        f"relative error {err:.3g} ({runner})")
+    finally:
+        fo.fp8.ScaledSequentialCall.available = real_available
+    return problems
+
+
+@pytest.mark.timeout(120)
+def test_fp8_allgather_sequential_scales_each_ranks_rows_by_its_own_scale():
+    """allgather is allgather(a_r * scale_a_r) @ (b * scale_b): on the plain path (torch's
+    scaled GEMM on the gathered e4m3 rows) every rank's rows take that rank's scale_a,
+    tensor-wise (0-dim, gathered too), row-wise (a 0-dim or an [m, 1] scale_a) and block-wise
+    (torch's outer-dim-major scale_a)."""
+    from flashoverlap_core.tools.ranks import RankPool
+
+    with RankPool(2, "cpu", timeout=90) as pool:
+        problems = pool.run(_allgather_with_each_ranks_scales)
+    assert problems == [[], []]
