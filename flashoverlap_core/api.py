@@ -57,7 +57,7 @@ def set_plan_lookup(lookup: PlanLookup | None) -> None:
 class _Prepared:
     """One key's prepared call: the backend's PreparedCall and what a later call checks."""
 
-    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device", "strategy")
+    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device", "strategy", "run_new")
 
     def __init__(self, prepared, plan, out_shape, dtype, device, strategy=None):
         # A plain tuple: torch.empty parses it faster than a torch.Size (about a microsecond).
@@ -65,6 +65,10 @@ class _Prepared:
         self.prepared, self.plan, self.out_shape = prepared, plan, out_shape
         self.dtype, self.device = dtype, device
         self.strategy = strategy  # how a default plan's strategy was chosen (None: given/tuned)
+        # A call without out whose runner makes the result itself (the plain path: the GEMM
+        # allocates it, one dispatch fewer than torch.empty + an out= GEMM), else None.
+        self.run_new = (prepared.run_new if isinstance(prepared, SequentialCall)
+                        and prepared.makes_result(dtype) else None)
 
     def fits(self, out) -> bool:
         """Whether a later call's ``out`` (None or a tensor) can go straight to launch."""
@@ -187,6 +191,8 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
         try:
             if entry is not None:
                 if out is None and entry.out_shape is not None:  # the common call: a new result
+                    if entry.run_new is not None:
+                        return entry.run_new(a, b, op)
                     out = torch.empty(entry.out_shape, dtype=entry.dtype, device=entry.device)
                     return entry.prepared.run(a, b, out, op)
                 if kind == "all_to_all":  # each call's rows and splits (out_shape is None)

@@ -85,6 +85,7 @@ class SequentialCall:
         self.norm = norm  # the backend's fused add + RMSNorm over rows (Backend.add_rmsnorm_rows)
         # the backend's own collectives on the group (Backend.plain_collectives), else torch's
         self.native = native if self.group is not None else None
+        self.gemm_dtype = call.a.dtype  # what torch.matmul(a, b) returns
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, op) -> torch.Tensor:
         if self.collective == "all_gather":
@@ -92,6 +93,19 @@ class SequentialCall:
         in_place = self.collective in ("all_reduce", None) or self.group is None
         return self.collect(torch.matmul(a, b, out=out) if in_place else torch.matmul(a, b),
                             out, op)
+
+    def makes_result(self, dtype) -> bool:
+        """Whether :meth:`run_new` serves this call: the GEMM's own result is the call's (the
+        result dtype is the GEMM's, and the collective works in place or gathers a's rows)."""
+        return dtype == self.gemm_dtype and (self.collective != "reduce_scatter"
+                                             or self.group is None)
+
+    def run_new(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
+        """:meth:`run` into a new result that the GEMM allocates (a call without ``out``: one
+        allocation and dispatch fewer on the host, what decode-sized calls are bound by)."""
+        if self.collective == "all_gather":
+            return torch.matmul(self.gathered(a), b)
+        return self.collect(torch.matmul(a, b), None, op)
 
     def gathered(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` stacked by rows (allgather's input; fp8 moves as its bytes)."""

@@ -188,6 +188,31 @@ def test_world_size_one_runs_the_plain_path_by_default():
     api.forget_prepared()
 
 
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
+def test_plain_path_without_out_returns_the_gemms_own_fresh_result(op, monkeypatch):
+    """A plain-path call without ``out`` returns the GEMM's own result (no torch.empty + out=
+    GEMM on the host): right, contiguous, a new tensor every call; with ``out`` it writes
+    there."""
+    from flashoverlap_core import api
+    api.forget_prepared()
+    monkeypatch.setenv(st.ENV_STRATEGY, "plain")
+    kind = op
+    a = torch.randn(24, 40, dtype=torch.float32)
+    b = torch.randn(56, 40, dtype=torch.float32).t()  # weight.t(), as nn.Linear keeps it
+    want = a.double() @ b.double()
+    first, second = fo.overlap(a, b, kind), fo.overlap(a, b, kind)
+    for got in (first, second):
+        assert got.shape == (24, 56) and got.dtype == a.dtype and got.is_contiguous()
+        assert torch.allclose(got.double(), want, atol=1e-4)
+    assert first.data_ptr() != second.data_ptr()  # a result is never reused by the next call
+    assert fo.prepared_calls()[-1]["runner"] == "SequentialCall"
+    entry = next(iter(api._prepared.values()))
+    assert entry.run_new is not None
+    out = torch.full((24, 56), float("nan"))
+    assert fo.overlap(a, b, kind, out=out) is out and torch.allclose(out.double(), want, atol=1e-4)
+    api.forget_prepared()
+
+
 def _default_strategy_on_ranks(seed, cache_dir, modes):
     import os
 
