@@ -232,7 +232,7 @@ class ScaledSequentialCall:
     slice with that rank's scale. ``b`` and ``scale_b`` are the same on every rank.
 
     A row-wise call with one 0-dim scale runs with it expanded to its row-wise shape (torch
-    takes no mix of a 0-dim and a row-wise scale). A block-wise GEMM that torch refuses at run
+    takes no mix of a 0-dim and a row-wise scale); two row-wise scales go to torch as they are. A block-wise GEMM that torch refuses at run
     time (a shape its kernel does not take) runs dequantized from then on, with a warning."""
 
     def __init__(self, call: OverlapCall, native=None):
@@ -289,7 +289,7 @@ class ScaledSequentialCall:
         if self.dequantize:
             a32, b32 = dequantized(a, b, scale_a, scale_b)
             return torch.matmul(a32, b32).to(out_dtype)
-        if scale_a.dim() or scale_b.dim():  # row-wise: both as torch takes them, contiguous
+        if scale_a.dim() != scale_b.dim():  # one 0-dim, one row-wise: torch takes no mix
             scale_a = _rowwise(scale_a, a.shape[0], 1)
             scale_b = _rowwise(scale_b, 1, b.shape[1])
         extra = {} if out is None else {"out": out}
@@ -302,8 +302,7 @@ class ScaledSequentialCall:
             m = a.shape[0]
             a = plain.gathered(a)
             if scale_a.dim() or plain.group is None:  # row-wise or block-wise: rows of their own
-                scale_a = plain.gathered(scale_a) if scale_a.dim() else scale_a
-                return out.copy_(self._product(a, b, scale_a, scale_b, out.dtype))
+                return out.copy_(self._product(a, b, plain.gathered(scale_a), scale_b, out.dtype))
             scales = plain.gathered(scale_a.reshape(1, 1))  # [W, 1]: every rank's own scale
             if self.rowwise_gather:
                 return out.copy_(self._product(a, b, scales.repeat_interleave(m, 0), scale_b,
