@@ -106,8 +106,8 @@ struct CallBuffers {
   void* recv;
 };
 
-// Step s's collective on the communication stream: sends from b.gemm_out, receives into b.recv.
-inline cudaError_t launch_step(const fo_call& c, int s, const CallBuffers& b) {
+// Step s's collective on `stream`: sends from b.gemm_out, receives into b.recv.
+inline cudaError_t launch_step(const fo_call& c, int s, const CallBuffers& b, cudaStream_t stream) {
   const fo_call_desc& d = c.d;
   const int64_t* e = c.steps.data() + int64_t(s) * d.per_step * 4;
   char* packed = static_cast<char*>(b.gemm_out);
@@ -119,15 +119,15 @@ inline cudaError_t launch_step(const fo_call& c, int s, const CallBuffers& b) {
     case 1:
       if (e[1] > 0)
         FO_NCCL_CHECK(n.AllReduce(packed + e[0] * es, packed + e[0] * es, size_t(e[1]),
-                                  d.nccl_dtype, nccl::kSum, comm, d.comm_stream));
+                                  d.nccl_dtype, nccl::kSum, comm, stream));
       return cudaSuccess;
     case 2:
       if (e[3] > 0)
         FO_NCCL_CHECK(n.ReduceScatter(packed + e[0] * es, staging + e[2] * es, size_t(e[3]),
-                                      d.nccl_dtype, nccl::kSum, comm, d.comm_stream));
+                                      d.nccl_dtype, nccl::kSum, comm, stream));
       return cudaSuccess;
     case 3:  // every peer takes part (its entry may move nothing)
-      return nccl::send_recv_step(d.per_step, d.nccl_dtype, comm, d.comm_stream,
+      return nccl::send_recv_step(d.per_step, d.nccl_dtype, comm, stream,
                                   [&](int peer, nccl::PeerTransfer* t) {
                                     const int64_t* p = e + 4 * peer;
                                     *t = {packed + p[0] * es, p[1], staging + p[2] * es, p[3]};
@@ -310,9 +310,16 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
   // Without a collective (world size 1, no communicator) there is nothing to overlap: the
   // GEMM and the post-reorder run on the caller's stream, which orders them.
   const bool communicate = d.collective != 0;
+  // The last group's steps (and any step past the groups) run on `stream` itself, after the
+  // GEMM: stream order already has every tile done, so no counter is waited for and no join of
+  // the communication stream lies between the GEMM's end and the last collective, the critical
+  // path (NCCL orders a communicator's collectives across streams). The earlier groups'
+  // collectives run on the communication stream, which `stream` joins before the last.
+  const int tail = communicate ? d.num_groups - 1 : 0;  // the first step on `stream`
+  const bool forked = communicate && tail > 0;
   // The communication stream's work must follow whatever the caller queued before this call
   // (the inputs, and the previous call's reads of the packed buffer).
-  cudaError_t err = communicate ? c.events.fork(stream, d.comm_stream) : cudaSuccess;
+  cudaError_t err = forked ? c.events.fork(stream, d.comm_stream) : cudaSuccess;
   if (err != cudaSuccess) return err;
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
   const CallBuffers buffers = phase.buffers(c);
@@ -324,21 +331,30 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
     if (err != cudaSuccess) return err;
   }
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  for (int s = 0; communicate && s < d.num_steps; ++s) {
-    if (s < d.num_groups) {
-      err = Phase::kWaitersReset
-                ? wait_counter_and_reset(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream)
-                : wait_counter(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream);
-      if (err != cudaSuccess) return err;
-    }
-    err = launch_step(c, s, buffers);
+  for (int s = 0; s < tail; ++s) {  // (s < num_groups: tail <= num_groups - 1)
+    err = Phase::kWaitersReset
+              ? wait_counter_and_reset(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream)
+              : wait_counter(d.counters + s, c.group_sizes[s], d.wait_mode, d.comm_stream);
+    if (err != cudaSuccess) return err;
+    err = launch_step(c, s, buffers, d.comm_stream);
     if (err != cudaSuccess) return err;
   }
-  if (communicate) {
+  if (forked) {
     if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
     err = c.events.comm_finished(d.comm_stream);
     if (err == cudaSuccess) err = c.events.join(stream);
     if (err != cudaSuccess) return err;
+  }
+  if (communicate) {
+    // the last group's counter, which no waiter zeroes (the other phases' kernels zero them all)
+    if (Phase::kWaitersReset) {
+      err = reset_counter(d.counters + tail, d.wait_mode, stream);
+      if (err != cudaSuccess) return err;
+    }
+    for (int s = tail; s < d.num_steps; ++s) {
+      err = launch_step(c, s, buffers, stream);
+      if (err != cudaSuccess) return err;
+    }
   }
   err = phase.issue(c, stream, g);
   if (err != cudaSuccess) return err;
