@@ -209,6 +209,55 @@ def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm, rat
     return row
 
 
+def profile_back_to_back(rows: list[tuple[str, str, int, int, int]], calls_each: int = 8):
+    """--back-to-back: each given row's calls as the benchmark times them (no synchronize
+    between them): the host time to issue one call, the device time per call (first kernel's
+    start to last kernel's end, over ``calls_each`` calls) and each call's kernels, memcpys and
+    memsets with their streams, so that the gaps between calls show. Writes
+    overhead-b2b-<device>-<date>.json; no targets."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    found = []
+    for op, dtype, m, n, k in rows:
+        a, b, scales = operands(m, n, k, dtype)
+        fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
+        for name, fn in (("fo", fo_call), ("plain", plain)):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            for _ in range(50):
+                fn()
+            host_us = (time.perf_counter() - began) / 50 * 1e6
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(calls_each):
+                    fn()
+                torch.cuda.synchronize()
+            events = sorted(trace_events(prof, ("kernel", "gpu_memcpy", "gpu_memset")),
+                            key=lambda e: e["ts"])
+            t0 = events[0]["ts"] if events else 0
+            per_call = ((max(e["ts"] + e["dur"] for e in events) - t0) / calls_each
+                        if events else None)
+            timeline = [{"name": e["name"][:60], "stream": e.get("args", {}).get("stream"),
+                         "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
+                        for e in events]
+            found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
+                          "host_us_per_call": round(host_us, 2),
+                          "device_us_per_call": per_call and round(per_call, 2),
+                          "timeline": timeline})
+            print(f"{op} {dtype} {m}x{n}x{k} {name}: host {host_us:.1f} us/call, device "
+                  f"{per_call:.1f} us/call over {calls_each} back-to-back calls", flush=True)
+            print(table(timeline[:16], ["stream", "start_us", "dur_us", "name"]), flush=True)
+        api.forget_prepared()
+    write_result(f"overhead-b2b-{device_tag()}", found, {
+        "note": "torch.profiler device timelines of back-to-back calls (no synchronize between "
+                "them), NCCL group of one rank; host_us_per_call: wall time to issue one of 50 "
+                "calls"})
+
+
 def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4):
     """--profile: the device timeline of a few back-to-back calls of each given row (fo, then
     the plain form), from a torch.profiler trace: per call, its GPU span and every kernel,
@@ -272,6 +321,8 @@ def main(argv=None) -> int:
                         help="the prefill rows' FLASHOVERLAP_STRATEGY (decode rows: auto)")
     parser.add_argument("--profile", default="",
                         help="op:dtype:MxNxK,... : only the device timelines of these rows")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="with --profile: the calls back to back, as timed, with host time")
     args = parser.parse_args(argv)
     if args.profile:
         nccl_group_of_one("overhead")
@@ -280,7 +331,7 @@ def main(argv=None) -> int:
         for item in args.profile.split(","):
             op, dtype, mnk = item.split(":")
             wanted.append((op, dtype, *(int(x) for x in mnk.split("x"))))
-        profile_rows(wanted)
+        (profile_back_to_back if args.back_to_back else profile_rows)(wanted)
         dist.destroy_process_group()
         return 0
     tokens = [int(t) for t in args.tokens.split(",")]
