@@ -209,6 +209,22 @@ def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm, rat
     return row
 
 
+def warm_calls(rows: list[tuple[str, str, int, int, int]]):
+    """Per given row, fo's call then the plain form, each after five warm-up calls and a
+    synchronize: yields ((op, dtype, m, n, k), "fo" or "plain", the call); the prepared calls
+    are dropped after each row."""
+    for row in rows:
+        op, dtype, m, n, k = row
+        a, b, scales = operands(m, n, k, dtype)
+        fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
+        for name, fn in (("fo", fo_call), ("plain", plain)):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            yield row, name, fn
+        api.forget_prepared()
+
+
 def profile_back_to_back(rows: list[tuple[str, str, int, int, int]], calls_each: int = 8):
     """--back-to-back: each given row's calls as the benchmark times them (no synchronize
     between them): the host time to issue one call, the device time per call (first kernel's
@@ -220,38 +236,31 @@ def profile_back_to_back(rows: list[tuple[str, str, int, int, int]], calls_each:
     from torch.profiler import ProfilerActivity, profile
 
     found = []
-    for op, dtype, m, n, k in rows:
-        a, b, scales = operands(m, n, k, dtype)
-        fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
-        for name, fn in (("fo", fo_call), ("plain", plain)):
-            for _ in range(5):
+    for (op, dtype, m, n, k), name, fn in warm_calls(rows):
+        began = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host_us = (time.perf_counter() - began) / 50 * 1e6
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(calls_each):
                 fn()
             torch.cuda.synchronize()
-            began = time.perf_counter()
-            for _ in range(50):
-                fn()
-            host_us = (time.perf_counter() - began) / 50 * 1e6
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                for _ in range(calls_each):
-                    fn()
-                torch.cuda.synchronize()
-            events = sorted(trace_events(prof, ("kernel", "gpu_memcpy", "gpu_memset")),
-                            key=lambda e: e["ts"])
-            t0 = events[0]["ts"] if events else 0
-            per_call = ((max(e["ts"] + e["dur"] for e in events) - t0) / calls_each
-                        if events else None)
-            timeline = [{"name": e["name"][:60], "stream": e.get("args", {}).get("stream"),
-                         "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
-                        for e in events]
-            found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
-                          "host_us_per_call": round(host_us, 2),
-                          "device_us_per_call": per_call and round(per_call, 2),
-                          "timeline": timeline})
-            print(f"{op} {dtype} {m}x{n}x{k} {name}: host {host_us:.1f} us/call, device "
-                  f"{per_call:.1f} us/call over {calls_each} back-to-back calls", flush=True)
-            print(table(timeline[:16], ["stream", "start_us", "dur_us", "name"]), flush=True)
-        api.forget_prepared()
+        events = sorted(trace_events(prof, ("kernel", "gpu_memcpy", "gpu_memset")),
+                        key=lambda e: e["ts"])
+        t0 = events[0]["ts"] if events else 0
+        per_call = ((max(e["ts"] + e["dur"] for e in events) - t0) / calls_each
+                    if events else None)
+        timeline = [{"name": e["name"][:60], "stream": e.get("args", {}).get("stream"),
+                     "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
+                    for e in events]
+        found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
+                      "host_us_per_call": round(host_us, 2),
+                      "device_us_per_call": per_call and round(per_call, 2),
+                      "timeline": timeline})
+        print(f"{op} {dtype} {m}x{n}x{k} {name}: host {host_us:.1f} us/call, device "
+              f"{per_call:.1f} us/call over {calls_each} back-to-back calls", flush=True)
+        print(table(timeline[:16], ["stream", "start_us", "dur_us", "name"]), flush=True)
     write_result(f"overhead-b2b-{device_tag()}", found, {
         "note": "torch.profiler device timelines of back-to-back calls (no synchronize between "
                 "them), NCCL group of one rank; host_us_per_call: wall time to issue one of 50 "
@@ -266,37 +275,30 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
     from torch.profiler import ProfilerActivity, profile
 
     found = []
-    for op, dtype, m, n, k in rows:
-        a, b, scales = operands(m, n, k, dtype)
-        fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
-        for name, fn in (("fo", fo_call), ("plain", plain)):
-            for _ in range(5):
+    for (op, dtype, m, n, k), name, fn in warm_calls(rows):
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(calls_each):
                 fn()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                for _ in range(calls_each):
-                    fn()
-                    torch.cuda.synchronize()  # calls apart, so each call's span is its own
-            events = trace_events(prof, ("kernel", "gpu_memcpy", "gpu_memset"))
-            events.sort(key=lambda e: e["ts"])
-            # split into calls at gaps longer than 20 us (each call ends with a synchronize)
-            groups, last_end = [], None
-            for e in events:
-                if last_end is None or e["ts"] - last_end > 20:
-                    groups.append([])
-                groups[-1].append(e)
-                last_end = max(last_end or 0, e["ts"] + e.get("dur", 0))
-            spans = [max(e["ts"] + e["dur"] for e in g) - g[0]["ts"] for g in groups]
-            one = groups[-1] if groups else []
-            t0 = one[0]["ts"] if one else 0
-            kernels = [{"name": e["name"][:90], "stream": e.get("args", {}).get("stream"),
-                        "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
-                       for e in one]
-            found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
-                          "span_us": [round(x, 2) for x in spans], "last_call": kernels})
-            print(f"{op} {dtype} {m}x{n}x{k} {name}: spans {[round(x, 1) for x in spans]} us")
-            print(table(kernels, ["stream", "start_us", "dur_us", "name"]), flush=True)
-        api.forget_prepared()
+                torch.cuda.synchronize()  # calls apart, so each call's span is its own
+        events = trace_events(prof, ("kernel", "gpu_memcpy", "gpu_memset"))
+        events.sort(key=lambda e: e["ts"])
+        # split into calls at gaps longer than 20 us (each call ends with a synchronize)
+        groups, last_end = [], None
+        for e in events:
+            if last_end is None or e["ts"] - last_end > 20:
+                groups.append([])
+            groups[-1].append(e)
+            last_end = max(last_end or 0, e["ts"] + e.get("dur", 0))
+        spans = [max(e["ts"] + e["dur"] for e in g) - g[0]["ts"] for g in groups]
+        one = groups[-1] if groups else []
+        t0 = one[0]["ts"] if one else 0
+        kernels = [{"name": e["name"][:90], "stream": e.get("args", {}).get("stream"),
+                    "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
+                   for e in one]
+        found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
+                      "span_us": [round(x, 2) for x in spans], "last_call": kernels})
+        print(f"{op} {dtype} {m}x{n}x{k} {name}: spans {[round(x, 1) for x in spans]} us")
+        print(table(kernels, ["stream", "start_us", "dur_us", "name"]), flush=True)
     write_result(f"overhead-profile-{device_tag()}", found, {"note": "torch.profiler device "
                  "timelines of single calls (synchronised apart), NCCL group of one rank"})
 
