@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import Backend, OverlapCall
-from .checks import check_splits_use
+from .checks import check_out_apart, check_splits_use
 from .collectives import INVALID, exchange_objects, exchange_rows, rows_from_ranks
 from .faults import collective as _collective
 from .ops import KINDS
@@ -67,6 +67,7 @@ class AllToAllCall:
             send, recv, rows = self._checked(a, send_splits, recv_splits)
             if out is not None:
                 self._check_out(out, a, rows)
+                check_out_apart(out, a=a, b=b)
             # the backend may refuse these rows
             plan = self._plan_for(a.shape[0], send) if self.native is None else None
         except (TypeError, ValueError) as e:

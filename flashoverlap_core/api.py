@@ -26,6 +26,7 @@ process group are warned).
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import threading
 import warnings
@@ -57,24 +58,43 @@ def set_plan_lookup(lookup: PlanLookup | None) -> None:
 class _Prepared:
     """One key's prepared call: the backend's PreparedCall and what a later call checks."""
 
-    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device", "strategy", "run_new")
+    __slots__ = ("prepared", "plan", "out_shape", "dtype", "device", "strategy", "run_new",
+                 "out_bytes", "spans")
 
-    def __init__(self, prepared, plan, out_shape, dtype, device, strategy=None):
+    def __init__(self, prepared, plan, out_shape, dtype, device, strategy, a, b):
         # A plain tuple: torch.empty parses it faster than a torch.Size (about a microsecond).
         out_shape = tuple(out_shape) if out_shape is not None else None
         self.prepared, self.plan, self.out_shape = prepared, plan, out_shape
         self.dtype, self.device = dtype, device
+        # what a later call's out is checked against: its bytes, and the bytes a's and b's
+        # elements span from their first (the key fixes their shapes, strides and dtypes)
+        self.out_bytes = (math.prod(out_shape) * torch.empty((), dtype=dtype).element_size()
+                          if out_shape is not None else 0)
+        self.spans = (_span_bytes(a), _span_bytes(b))
         self.strategy = strategy  # how a default plan's strategy was chosen (None: given/tuned)
         # A call without out whose runner makes the result itself (the plain path: the GEMM
         # allocates it, one dispatch fewer than torch.empty + an out= GEMM), else None.
         self.run_new = (prepared.run_new if isinstance(prepared, SequentialCall)
                         and prepared.makes_result(dtype) else None)
 
-    def fits(self, out) -> bool:
-        """Whether a later call's ``out`` (None or a tensor) can go straight to launch."""
-        return out is None or (isinstance(out, torch.Tensor) and out.shape == self.out_shape
-                               and out.dtype == self.dtype and out.device == self.device
-                               and out.is_contiguous())
+    def fits(self, out, a, b) -> bool:
+        """Whether a later call's ``out`` (None or a tensor) can go straight to launch: its
+        shape, dtype, device and layout, and its bytes apart from a's and b's spans (else the
+        full checks decide: :func:`checks.check_out_apart`)."""
+        if out is None:
+            return True
+        if not (isinstance(out, torch.Tensor) and out.shape == self.out_shape
+                and out.dtype == self.dtype and out.device == self.device
+                and out.is_contiguous()):
+            return False
+        lo = out.data_ptr()
+        hi = lo + self.out_bytes
+        span_a, span_b = self.spans
+        first = a.data_ptr()
+        if first < hi and lo < first + span_a:
+            return False
+        first = b.data_ptr()
+        return not (first < hi and lo < first + span_b)
 
     def run(self, a, b, out, op):
         if out is None and self.out_shape is not None:
@@ -85,6 +105,13 @@ class _Prepared:
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         return self.prepared.run_scaled(a, b, scale_a, scale_b, out, op)
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 when it has none)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 ROWS_PER_CALL = "per call"  # all_to_all's rows in its key: each call's own
@@ -197,7 +224,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor, op: str | Callable = "allreduce", 
                     return entry.prepared.run(a, b, out, op)
                 if kind == "all_to_all":  # each call's rows and splits (out_shape is None)
                     return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
-                if entry.fits(out):
+                if entry.fits(out, a, b):
                     return entry.run(a, b, out, op)
             return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend)
         except RuntimeError as e:  # communication that failed: the group's CommunicationError
@@ -262,7 +289,7 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
             key = call_key(a, b, kind, group, plan, backend, send_splits, recv_splits,
                            tensor_facts(scale_a, scale_b) + (out_dtype,))
             entry = _prepared.get(key)
-            if entry is not None and entry.fits(out):
+            if entry is not None and entry.fits(out, a, b):
                 return entry.run_scaled(a, b, scale_a, scale_b, out, op)
         _, scaling = fp8.check_call(a, b, scale_a, scale_b, out_dtype)
         if kind == "all_to_all":
@@ -367,7 +394,7 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
             prepared = AllToAllCall(chosen, call) if a2a else _make_prepared(chosen, call)
             shape = call.out.shape if call.out is not None and not a2a else None
             entry = _Prepared(prepared, call.plan, shape, call.plan.result_dtype, a.device,
-                              facts)
+                              facts, a, b)
             _prepared[key] = entry
             while len(_prepared) > MAX_PREPARED:
                 _prepared.pop(next(iter(_prepared)))

@@ -79,6 +79,45 @@ def check_rows(op: str, m: int, world_size: int, send_splits, recv_splits):
     return send, recv, kind.output_rows(m, world_size, recv)
 
 
+def _rows_touch(base: int, step: int, width: int, count: int, lo: int, hi: int) -> bool:
+    """Whether one of ``count`` runs of ``width`` bytes at ``base + i * step`` (disjoint:
+    step >= width) meets the byte range [lo, hi)."""
+    first = max(0, (lo - width - base) // step + 1)
+    last = min(count - 1, (hi - 1 - base) // step)
+    return first <= last
+
+
+def touches(t: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether an element of ``t`` lies in the byte range [lo, hi) of its device's memory:
+    exact for a 2-D tensor of disjoint rows or columns (slices of a wider buffer among them),
+    else true whenever its span meets the range."""
+    if t.numel() == 0:
+        return False
+    size = t.element_size()
+    base = t.data_ptr()
+    end = base + (sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1) * size
+    if end <= lo or base >= hi:
+        return False
+    if t.dim() == 2:
+        (m, k), (s0, s1) = t.shape, t.stride()
+        if s1 == 1 and s0 >= k:
+            return _rows_touch(base, s0 * size, k * size, m, lo, hi)
+        if s0 == 1 and s1 >= m:
+            return _rows_touch(base, s1 * size, m * size, k, lo, hi)
+    return True
+
+
+def check_out_apart(out: torch.Tensor, **inputs) -> None:
+    """A ValueError when the contiguous ``out`` shares memory with one of ``inputs`` (the call
+    reads them while it writes out: the result would be wrong, silently)."""
+    lo = out.data_ptr()
+    hi = lo + out.numel() * out.element_size()
+    for name, t in inputs.items():
+        if t is not None and t.device == out.device and touches(t, lo, hi):
+            raise ValueError(f"out must not share memory with {name}: the call reads {name} "
+                             "while it writes out (pass another out, or none)")
+
+
 def check_out(out, shape, dtype: torch.dtype, device: torch.device, n: int) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
@@ -106,6 +145,7 @@ def check_arguments(a, b, op="allreduce", group=None, plan=None, out=None, send_
     if out is not None:
         check_out(out, (rows, n) if rows is not None else None,
                   DTYPES[result_name or dtype], a.device, n)
+        check_out_apart(out, a=a, b=b)
     return dict(m=m, n=n, k=k, op=name, dtype=dtype, out_dtype=result_name, group=group,
                 rank=rank, world_size=world, send=send, recv=recv, rows=rows)
 
