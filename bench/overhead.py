@@ -225,6 +225,12 @@ def warm_calls(rows: list[tuple[str, str, int, int, int]]):
         api.forget_prepared()
 
 
+def device_rows(events: list[dict], t0: float, name_chars: int) -> list[dict]:
+    """Trace events as table rows: name (cut), stream, start from ``t0`` and duration (µs)."""
+    return [{"name": e["name"][:name_chars], "stream": e.get("args", {}).get("stream"),
+             "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)} for e in events]
+
+
 def profile_back_to_back(rows: list[tuple[str, str, int, int, int]], calls_each: int = 8):
     """--back-to-back: each given row's calls as the benchmark times them (no synchronize
     between them): the host time to issue one call, the device time per call (first kernel's
@@ -251,9 +257,7 @@ def profile_back_to_back(rows: list[tuple[str, str, int, int, int]], calls_each:
         t0 = events[0]["ts"] if events else 0
         per_call = ((max(e["ts"] + e["dur"] for e in events) - t0) / calls_each
                     if events else None)
-        timeline = [{"name": e["name"][:60], "stream": e.get("args", {}).get("stream"),
-                     "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
-                    for e in events]
+        timeline = device_rows(events, t0, 60)
         found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
                       "host_us_per_call": round(host_us, 2),
                       "device_us_per_call": per_call and round(per_call, 2),
@@ -292,9 +296,7 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
         spans = [max(e["ts"] + e["dur"] for e in g) - g[0]["ts"] for g in groups]
         one = groups[-1] if groups else []
         t0 = one[0]["ts"] if one else 0
-        kernels = [{"name": e["name"][:90], "stream": e.get("args", {}).get("stream"),
-                    "start_us": round(e["ts"] - t0, 2), "dur_us": round(e["dur"], 2)}
-                   for e in one]
+        kernels = device_rows(one, t0, 90)
         found.append({"op": op, "dtype": dtype, "M": m, "N": n, "K": k, "path": name,
                       "span_us": [round(x, 2) for x in spans], "last_call": kernels})
         print(f"{op} {dtype} {m}x{n}x{k} {name}: spans {[round(x, 1) for x in spans]} us")

@@ -38,7 +38,7 @@ from . import faults, fp8, planning, registry
 from .agreement import agree, tell_agreeing_peers
 from .all_to_all import AllToAllCall
 from .backend import Backend, OverlapCall, PreparedCall, b_layout, call_reasons
-from .checks import call_of, check_arguments, check_tensor, spec_of
+from .checks import call_of, check_arguments, check_tensor, span_bytes, spec_of
 from .collectives import SequentialCall, current_default_group
 from .ops import of
 from .plan import Plan
@@ -68,9 +68,8 @@ class _Prepared:
         self.dtype, self.device = dtype, device
         # what a later call's out is checked against: its bytes, and the bytes a's and b's
         # elements span from their first (the key fixes their shapes, strides and dtypes)
-        self.out_bytes = (math.prod(out_shape) * torch.empty((), dtype=dtype).element_size()
-                          if out_shape is not None else 0)
-        self.spans = (_span_bytes(a), _span_bytes(b))
+        self.out_bytes = math.prod(out_shape) * dtype.itemsize if out_shape is not None else 0
+        self.spans = (span_bytes(a), span_bytes(b))
         self.strategy = strategy  # how a default plan's strategy was chosen (None: given/tuned)
         # A call without out whose runner makes the result itself (the plain path: the GEMM
         # allocates it, one dispatch fewer than torch.empty + an out= GEMM), else None.
@@ -105,13 +104,6 @@ class _Prepared:
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         return self.prepared.run_scaled(a, b, scale_a, scale_b, out, op)
-
-
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to the end of its last (0 when it has none)."""
-    if t.numel() == 0:
-        return 0
-    return (sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 ROWS_PER_CALL = "per call"  # all_to_all's rows in its key: each call's own

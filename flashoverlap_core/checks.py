@@ -87,16 +87,23 @@ def _rows_touch(base: int, step: int, width: int, count: int, lo: int, hi: int) 
     return first <= last
 
 
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 when it has none)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def touches(t: torch.Tensor, lo: int, hi: int) -> bool:
     """Whether an element of ``t`` lies in the byte range [lo, hi) of its device's memory:
     exact for a 2-D tensor of disjoint rows or columns (slices of a wider buffer among them),
     else true whenever its span meets the range."""
-    if t.numel() == 0:
+    span = span_bytes(t)
+    if span == 0:
         return False
     size = t.element_size()
     base = t.data_ptr()
-    end = base + (sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1) * size
-    if end <= lo or base >= hi:
+    if base + span <= lo or base >= hi:
         return False
     if t.dim() == 2:
         (m, k), (s0, s1) = t.shape, t.stride()

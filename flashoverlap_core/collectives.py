@@ -103,9 +103,7 @@ class SequentialCall:
     def run_new(self, a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
         """:meth:`run` into a new result that the GEMM allocates (a call without ``out``: one
         allocation and dispatch fewer on the host, what decode-sized calls are bound by)."""
-        if self.collective == "all_gather":
-            return torch.matmul(self.gathered(a), b)
-        return self.collect(torch.matmul(a, b), None, op)
+        return self.run(a, b, None, op)
 
     def gathered(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` stacked by rows (allgather's input; fp8 moves as its bytes)."""
