@@ -78,6 +78,39 @@ def test_calibration_makes_the_one_group_prediction_the_measured_call():
     assert model.calibrated(3.5).post_s == pytest.approx(-0.5)  # signed: origin before the call
 
 
+@given(st.lists(st.floats(0.1, 4.0), min_size=2, max_size=6), st.floats(0.05, 4.0),
+       st.floats(1e-3, 20.0))
+@settings(max_examples=60, deadline=None)
+def test_calibrated_predictions_stay_positive_and_keep_the_measured_one_group_call(
+        steps, per_tile_s, measured):
+    # a busy host measures the one-group call far below its simulation: a shift by the
+    # difference would predict a well-overlapped grouping to take no time, or less than none
+    model = model_of(list(np.cumsum(steps)), per_tile_s=per_tile_s).calibrated(measured)
+    one = (model.num_tiles,)
+    assert model.predict(one) == pytest.approx(measured)
+    raw = replace(model, post_s=0.0)
+    for sizes in all_groupings(model):
+        predicted = model.predict(sizes)
+        assert predicted > 0
+        if model.post_s < 0:  # scaled: each grouping keeps its simulated ratio to one group
+            assert predicted / measured == pytest.approx(raw.predict(sizes) / raw.predict(one))
+        else:  # shifted
+            assert predicted == pytest.approx(raw.predict(sizes) + model.post_s)
+    choice = predictive_search(model, plain_s=measured * 2)
+    assert choice.predicted_s > 0
+
+
+def test_gather_model_calibrated_below_its_simulation_stays_positive():
+    model = gather_model(band_s=2.0)
+    one = (model.num_tiles,)
+    raw = model.predict(one)
+    scaled = replace(model, post_s=-0.9 * raw)
+    assert scaled.predict(one) == pytest.approx(0.1 * raw)
+    for sizes in ((4, 4), (2, 2, 2, 2), (4, 2, 2)):  # whole bands of 2 tiles, 8 in all
+        assert scaled.predict(sizes) == pytest.approx(0.1 * model.predict(sizes))
+        assert scaled.predict(sizes) > 0
+
+
 # ---- fitting the contention to traces --------------------------------------------------------
 def synthetic_trace(model: OverlapModel, group_sizes) -> TileTrace:
     """The trace the model predicts: each tile done when its wave is, transfers as scheduled."""

@@ -16,7 +16,10 @@ Four measured pieces (see :mod:`~flashoverlap_core.tuning.measure` and :mod:`.tu
 * ``post_s``: the rest of the call (post-communication reorder, fixed overhead), calibrated so
   that the one-group prediction is the measured one-group call; signed, since a trace's origin
   may lie before the device starts the GEMM in a measured call (host launch time that
-  back-to-back calls hide).
+  back-to-back calls hide), and measurements on a busy host disagree. A positive ``post_s`` is
+  added to every prediction; a negative one scales every prediction by the measured one-group
+  call over its simulation instead (:func:`calibrate`): taken off as a shift, it could exceed
+  what a well-overlapped grouping is simulated to take and predict no time at all.
 
 :class:`OverlapModel` joins them for one plan's tile grid and predicts the duration of a call
 for any grouping. The order of the groups matters through the GEMM: group g's transfer starts
@@ -215,6 +218,15 @@ class PredictedCall:
         return _when(self.times, self.progress, progress)
 
 
+def calibrate(simulated: float, one_group: float, post_s: float) -> float:
+    """A prediction from a simulated duration: ``post_s`` added when it is >= 0, else the
+    duration scaled by ``(one_group + post_s) / one_group`` (``one_group``: the simulated
+    one-group call), which gives the same one-group prediction and stays positive."""
+    if post_s >= 0 or one_group <= 0:
+        return max(simulated + post_s, 0.0)
+    return simulated * max(one_group + post_s, 0.0) / one_group
+
+
 def _when(times, progress, value):
     rising = np.concatenate([[True], np.diff(progress) > 0])
     return np.interp(value, progress[rising], times[rising])
@@ -296,8 +308,12 @@ class OverlapModel:
         return list(self.simulate(group_sizes).groups)
 
     def predict(self, group_sizes) -> float:
-        """Predicted seconds of the whole call with this grouping."""
-        return self.simulate(group_sizes).end + float(self.post_s)
+        """Predicted seconds of the whole call with this grouping (:func:`calibrate`)."""
+        return calibrate(self.simulate(group_sizes).end, self._one_group, float(self.post_s))
+
+    @cached_property
+    def _one_group(self) -> float:
+        return self.simulate((self.num_tiles,)).end
 
     def sequential(self) -> float:
         """Predicted seconds with one group: the GEMM, then one transfer (no overlap)."""
@@ -378,12 +394,19 @@ class GatherModel:
         if sizes.sum() != self.num_tiles or (sizes < 1).any() or (sizes % self.unit).any():
             raise ValueError(f"group sizes {list(group_sizes)} are not whole row bands "
                              f"({self.unit} tiles) partitioning {self.num_tiles} tiles")
+        return calibrate(self._simulate(sizes), self._one_group, float(self.post_s))
+
+    def _simulate(self, sizes) -> float:
         free, arrived = self.initial()
         previous = 0
         for end in np.cumsum(sizes):
             free, arrived = self.step(previous, free, arrived, int(end))
             previous = int(end)
-        return float(free) + float(self.post_s)
+        return float(free)
+
+    @cached_property
+    def _one_group(self) -> float:
+        return self._simulate((self.num_tiles,))
 
     def sequential(self) -> float:
         """Predicted seconds with one chunk: the whole gather, then the other shards' tiles."""
