@@ -219,6 +219,13 @@ class CudaCall(NativeCall, PreparedCall):
             return self.runtime.call_add_rmsnorm_graph_state(state.handle)
         return self.runtime.call_graph_state(state.handle)
 
+    def graphs_held(self, stream: int | None = None) -> int:
+        """How many captured graphs this key's calls on ``stream`` hold: a "rows" call with a
+        collective keeps one per ``out`` (of its last 8), so that no rank ever launches a
+        collective outside a graph while another replays it; else at most one."""
+        state = self.state(stream)
+        return 0 if state.handle is None else self.runtime.call_graphs_held(state.handle)
+
     # ---- the call ----------------------------------------------------------------------------
     def _steady(self, a, b):
         """(this stream's state, the stream) in the steady state: its native call made, kernels

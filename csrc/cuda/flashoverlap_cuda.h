@@ -333,8 +333,9 @@ typedef struct {
   // use_graph != 0 the second call captures the whole call (GEMM, waits, collectives, joins,
   // post-reorder) into a graph once, and every later call outside stream capture replays it: one
   // graph launch, plus a node update when a, b or out moved, instead of a launch per kernel, wait
-  // and collective. A "rows" call whose collective works on `out` runs a call with another out
-  // launch by launch, and captures afresh when the same out comes twice in a row.
+  // and collective. A "rows" call whose collective works on `out` keeps a graph per out (of
+  // its last 8 outs), and captures one for an out none holds: a collective is never launched
+  // from a graph on one rank and launch by launch on another (NCCL's rule).
   void* gemm_set_node;
   int use_graph;
   // fp8 (issue 23): scaled = 1 for an e4m3 GEMM library, whose calls then go through
@@ -360,8 +361,13 @@ FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda,
                                       void* out, cudaStream_t stream, int warm);
 FO_API void fo_call_destroy(fo_call* call);
 // How the call runs now: 0 launch by launch, 1 replaying its graph, -1 its graph could not be
-// made (then it runs launch by launch; fo_last_error said why when it failed).
+// made (a call without a collective then runs launch by launch; fo_last_error said why when it
+// failed). A call with a collective whose graph cannot be captured fails instead, and captures
+// again at its next call.
 FO_API int fo_call_graph_state(const fo_call* call);
+// How many graphs of the call's main phase it holds (a "rows" call with a collective: one per
+// out of its last 8; else at most 1).
+FO_API int fo_call_graphs_held(const fo_call* call);
 
 // ---- the post-reorder fused into residual add + RMSNorm (runtime object, add_rmsnorm.cu) ----
 // fo.overlap_add_rmsnorm: residual_out = residual + result, normed = residual_out *

@@ -17,6 +17,7 @@
 // capture gets two stream writes around each collective, to a slot of host memory of the watch
 // (1 before, 2 after), and the thread times a slot it sees at 1 from when it first saw it. So a
 // replay stuck in a collective is found too; one that completes between two looks is never seen.
+// A graph of the call path's own takes no slots (OwnCapture): launch_graph follows it whole.
 // Nothing here is ever freed: the thread may poll while the process exits.
 #include <cuda.h>  // driver types only: cuStreamWriteValue32 is reached through the runtime
 #include <dlfcn.h>
@@ -290,6 +291,7 @@ struct ThreadGroup {
   std::vector<std::tuple<Watch*, cudaStream_t, int>> captured;  // slots to leave at its end
 };
 thread_local ThreadGroup tls_group;
+thread_local int tls_own_capture = 0;  // OwnCapture objects alive on this thread
 
 // One guarded entry point: `call` is NCCL's, on `comm` and `stream`.
 template <class Call>
@@ -309,7 +311,7 @@ Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
       bool entered = false;  // in a group, the first collective on (w, stream) enters
       for (const auto& t : tls_group.captured)
         entered = entered || (std::get<0>(t) == w && std::get<1>(t) == stream);
-      if (!entered) slot = w->enter_capture(stream);
+      if (!entered && tls_own_capture == 0) slot = w->enter_capture(stream);
       if (!outer && slot >= 0) tls_group.captured.emplace_back(w, stream, slot);
     }
     if (watched) w->mark(kind);
@@ -494,6 +496,9 @@ void watchdog_loop() {
 }
 
 }  // namespace
+
+OwnCapture::OwnCapture() { ++tls_own_capture; }
+OwnCapture::~OwnCapture() { --tls_own_capture; }
 
 Api guarded(const Api& a) {
   Api g = a;

@@ -69,6 +69,17 @@ constexpr Result kInProgress = 7;
 // followed against the deadline like any queued collective.
 cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream, Comm comm);
 
+// Alive on a thread while it captures a graph of the call path's own (launched through
+// launch_graph, which follows the whole graph): the collectives captured meanwhile take none of
+// the watch's slots that follow a caller's captured collectives (nccl.cu), which a call capturing
+// a graph per out would otherwise use up.
+struct OwnCapture {
+  OwnCapture();
+  ~OwnCapture();
+  OwnCapture(const OwnCapture&) = delete;
+  OwnCapture& operator=(const OwnCapture&) = delete;
+};
+
 // Resolves every entry point from `path` (nullptr or "": the libnccl.so.2 already loaded in
 // the process). Idempotent; the first successful load wins.
 cudaError_t load(const char* path);

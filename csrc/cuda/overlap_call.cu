@@ -2,6 +2,8 @@
 // native function, so that a call costs microseconds of host time whatever its group count.
 // Its last phase is the post-reorder, or the fused residual add + RMSNorm (add_rmsnorm.cu).
 // One translation unit of the runtime object.
+#include <algorithm>
+#include <string>
 #include <vector>
 
 #include "add_rmsnorm.cuh"
@@ -26,9 +28,11 @@ struct fo_call_graph {
   fo::runtime::NormLaunch norm_launch;
   fo_gemm_scales scales = {};  // fp8: what the GEMM node's scales point at
   void* gemm_out = nullptr;    // where the GEMM node writes
-  void* moved_out = nullptr;   // a "rows" call: the last out that differed from `out`
   int state = 0;  // 0 none yet, 1 replaying, -1 could not be made
 };
+
+// A "rows" call with a collective keeps the graphs of this many outs (its own and the spares).
+constexpr size_t kRowsGraphs = 8;
 
 struct fo_call {
   fo_call_desc d;
@@ -41,10 +45,15 @@ struct fo_call {
   fo::runtime::CallEvents events;
   cudaStream_t capture = nullptr;      // where the graph is captured (never runs work)
   fo_call_graph g;
+  // A "rows" call with a collective: the graphs of other outs than g's, least recently used
+  // first (RowsPhase::choose)
+  std::vector<fo_call_graph> rows_spare;
+  int64_t calls = 0;  // fo_call_run calls so far (a graph is used from the second)
   // The fused residual add + RMSNorm (fo_call_set_add_rmsnorm): the output block's rows.
   fo::runtime::NormRows norm_rows{};
   int norm_dtype = -1;  // -1: not set
   fo_call_graph norm_graph;
+  int64_t norm_calls = 0;  // fo_call_run_add_rmsnorm calls so far
   fo_gemm_scales scales = {};          // fp8: this call's scales (fo_call_run_scaled)
 };
 
@@ -167,8 +176,14 @@ struct GemmOperands {
 // reads the received tiles from staging, zeroing the group counters for the next call on the
 // way. Each phase says where the call's GEMM writes and its collectives receive, issues its
 // kernels (recording their nodes while a graph is captured), says which of the call's graphs is
-// its own, and re-points that graph's nodes at a call's operands (`rebuild`: capture afresh;
-// `direct`: run this call launch by launch, the graph cannot serve it).
+// its own (`choose` may first put another in its place), and re-points that graph's nodes at a
+// call's operands (`rebuild`: capture afresh).
+
+inline void drop_graph(fo_call_graph& g) {
+  if (g.exec) cudaGraphExecDestroy(g.exec);
+  if (g.graph) cudaGraphDestroy(g.graph);
+  g = fo_call_graph();
+}
 
 // The post-reorder of every block into `out`.
 struct UnpackPhase {
@@ -176,6 +191,7 @@ struct UnpackPhase {
   static constexpr bool kWaitersReset = false;  // its kernel zeroes the counters
 
   static fo_call_graph& graph(fo_call& c) { return c.g; }
+  static int64_t& calls(fo_call& c) { return c.calls; }
 
   CallBuffers buffers(const fo_call& c) const { return {c.d.packed, c.d.staging}; }
 
@@ -204,7 +220,9 @@ struct UnpackPhase {
 
   void remember(fo_call_graph& g) const { g.out = out; }
 
-  cudaError_t update(const fo_call& c, fo_call_graph& g, bool*, bool*) const {
+  void choose(fo_call&) const {}  // the collectives work on the call's own buffers
+
+  cudaError_t update(const fo_call& c, fo_call_graph& g, bool*) const {
     const fo_call_desc& d = c.d;
     if (out == g.out) return cudaSuccess;
     for (size_t i = 0; i < g.unpack.size(); ++i) {
@@ -230,6 +248,7 @@ struct RowsPhase {
   static constexpr bool kWaitersReset = true;
 
   static fo_call_graph& graph(fo_call& c) { return c.g; }
+  static int64_t& calls(fo_call& c) { return c.calls; }
 
   // A reduce_scatter sends from its packed buffer, except at one rank (no packed buffer, or
   // only the fused norm's: packed == staging), where it works on `out` in place.
@@ -242,17 +261,36 @@ struct RowsPhase {
 
   void remember(fo_call_graph& g) const { g.out = out; }
 
-  // The collectives' nodes hold `out` and cannot be re-pointed: another out runs launch by
-  // launch, and the graph is captured afresh once the same out comes twice in a row. Without a
-  // collective only the GEMM node holds it (update_graph re-points it).
-  cudaError_t update(const fo_call& c, fo_call_graph& g, bool* rebuild, bool* direct) const {
-    if (out == g.out || c.d.collective == 0) {
-      g.out = out;
-      return cudaSuccess;
+  // The collectives' nodes hold `out` and cannot be re-pointed, and a collective must be
+  // launched alike on every rank: from a graph on all of them or on none (NCCL's rule; it
+  // chooses buffers and protocols differently for a captured collective). Where `out` lies is
+  // each rank's own, so no rank may fall back to launches for an out its graph does not hold:
+  // every out gets a graph of its own. The call keeps those of its last kRowsGraphs outs; an
+  // out none holds is captured afresh (host work only, on this rank alone; the ranks' graphs
+  // launch the same collectives). Without a collective only the GEMM node holds `out`
+  // (update_graph re-points it).
+  void choose(fo_call& c) const {
+    if (c.d.collective == 0 || c.g.state != 1 || c.g.out == out) return;
+    std::vector<fo_call_graph>& spare = c.rows_spare;
+    fo_call_graph current = c.g;
+    auto held = std::find_if(spare.begin(), spare.end(),
+                             [&](const fo_call_graph& s) { return s.out == out; });
+    if (held != spare.end()) {
+      c.g = *held;
+      spare.erase(held);
+    } else {
+      c.g = fo_call_graph();  // state 0: run_call captures it for this out
+      if (spare.size() + 1 >= kRowsGraphs) {
+        drop_graph(spare.front());
+        spare.erase(spare.begin());
+      }
     }
-    if (out == g.moved_out) *rebuild = true;
-    else *direct = true;
-    g.moved_out = out;
+    spare.push_back(current);
+  }
+
+  cudaError_t update(const fo_call& c, fo_call_graph& g, bool* rebuild) const {
+    if (c.d.collective != 0 && out != g.out) *rebuild = true;  // (choose gave it this out's)
+    else g.out = out;
     return cudaSuccess;
   }
 };
@@ -263,6 +301,7 @@ struct NormPhase {
   static constexpr bool kWaitersReset = false;  // its kernel zeroes the counters
 
   static fo_call_graph& graph(fo_call& c) { return c.norm_graph; }
+  static int64_t& calls(fo_call& c) { return c.norm_calls; }
 
   CallBuffers buffers(const fo_call& c) const { return {c.d.packed, c.d.staging}; }
 
@@ -275,8 +314,10 @@ struct NormPhase {
 
   void remember(fo_call_graph& g) const { g.norm_launch = launch; }
 
+  void choose(fo_call&) const {}  // the collectives work on the call's own buffers
+
   // Another kernel or CTA size (the operands' alignment changed): the graph is captured afresh.
-  cudaError_t update(const fo_call&, fo_call_graph& g, bool* rebuild, bool*) const {
+  cudaError_t update(const fo_call&, fo_call_graph& g, bool* rebuild) const {
     if (launch.same(g.norm_launch)) return cudaSuccess;
     if (launch.kernel != g.norm_launch.kernel || launch.block.x != g.norm_launch.block.x) {
       *rebuild = true;
@@ -362,12 +403,6 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
   return cudaSuccess;
 }
 
-inline void drop_graph(fo_call_graph& g) {
-  if (g.exec) cudaGraphExecDestroy(g.exec);
-  if (g.graph) cudaGraphDestroy(g.graph);
-  g = fo_call_graph();
-}
-
 // Captures the call once (on a private stream, thread-local mode: other threads' captures and
 // launches are not disturbed) and instantiates it into `Phase::graph(c)`. Nothing runs here.
 template <class Phase>
@@ -375,7 +410,11 @@ inline cudaError_t build_graph(fo_call& c, const GemmOperands& op, const Phase& 
   if (!c.capture) FO_CUDA_CHECK(cudaStreamCreateWithFlags(&c.capture, cudaStreamNonBlocking));
   fo_call_graph g;
   FO_CUDA_CHECK(cudaStreamBeginCapture(c.capture, cudaStreamCaptureModeThreadLocal));
-  cudaError_t err = issue_call(c, op, phase, c.capture, false, &g);
+  cudaError_t err;
+  {
+    const nccl::OwnCapture own;  // launch_graph follows the graph: no slots for its collectives
+    err = issue_call(c, op, phase, c.capture, false, &g);
+  }
   const cudaError_t ended = cudaStreamEndCapture(c.capture, &g.graph);
   if (err == cudaSuccess && ended != cudaSuccess)
     err = fail(ended, "capturing the call: cudaStreamEndCapture: %s", cudaGetErrorString(ended));
@@ -399,12 +438,12 @@ inline cudaError_t build_graph(fo_call& c, const GemmOperands& op, const Phase& 
 }
 
 // Re-points the graph's last-phase and GEMM nodes at this call's operands where they moved;
-// `rebuild`: the graph must be captured afresh; `direct`: this call runs launch by launch.
+// `rebuild`: the graph must be captured afresh.
 template <class Phase>
 inline cudaError_t update_graph(fo_call& c, fo_call_graph& g, const GemmOperands& op,
-                                const Phase& phase, bool* rebuild, bool* direct) {
-  cudaError_t err = phase.update(c, g, rebuild, direct);
-  if (err != cudaSuccess || *rebuild || *direct) return err;
+                                const Phase& phase, bool* rebuild) {
+  cudaError_t err = phase.update(c, g, rebuild);
+  if (err != cudaSuccess || *rebuild) return err;
   const bool scales_moved = c.scales.a != g.scales.a || c.scales.b != g.scales.b;
   void* gemm_out = phase.buffers(c).gemm_out;
   if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb || scales_moved ||
@@ -422,22 +461,38 @@ inline cudaError_t update_graph(fo_call& c, fo_call_graph& g, const GemmOperands
 template <class Phase>
 inline cudaError_t run_call(fo_call& c, const GemmOperands& op, const Phase& phase,
                             cudaStream_t stream, bool warm) {
-  // A warm (first) call loads every kernel launch by launch. Later calls replay the graph,
-  // except inside the caller's own capture, where the launches are what it records.
-  fo_call_graph& g = Phase::graph(c);
-  if (c.d.use_graph && !warm && g.state >= 0) {
+  // The first call runs launch by launch (a warm one loads every kernel, with host syncs).
+  // Later calls replay a graph, except inside the caller's own capture, where the launches are
+  // what it records. Whether a call replays depends on nothing else, and so is the same on
+  // every rank: NCCL requires a collective to be launched from a graph on all ranks or on none
+  // (whether a call is warm is not: it is the first of its kernels in the process).
+  const bool first = Phase::calls(c)++ == 0;
+  if (c.d.use_graph && !warm && !first && Phase::graph(c).state >= 0) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     FO_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
     if (status == cudaStreamCaptureStatusNone) {
+      phase.choose(c);
+      fo_call_graph& g = Phase::graph(c);
       if (g.state == 1) {
-        bool rebuild = false, direct = false;
-        cudaError_t err = update_graph(c, g, op, phase, &rebuild, &direct);
+        bool rebuild = false;
+        cudaError_t err = update_graph(c, g, op, phase, &rebuild);
         if (err != cudaSuccess) return err;  // an update failed: the arguments are bad
-        if (direct) return issue_call(c, op, phase, stream, false, nullptr);
         if (rebuild) drop_graph(g);
       }
-      if (g.state == 0 && build_graph(c, op, phase) != cudaSuccess)
-        g.state = -1;  // the graph could not be made: launch by launch from now on
+      if (g.state == 0) {
+        const cudaError_t built = build_graph(c, op, phase);
+        if (built != cudaSuccess && c.d.collective != 0) {
+          // The other ranks replay theirs: launching this one's collectives instead could
+          // mismatch them. Fail the call (it can be retried: the next call captures again).
+          const std::string why = last_error_text();
+          return fail(built,
+                      "the call's graph could not be captured, and the call is not run launch by "
+                      "launch instead (every rank must launch its collectives alike: "
+                      "FLASHOVERLAP_CUDA_GRAPH=0 on every rank turns the graphs off): %s",
+                      why.c_str());
+        }
+        if (built != cudaSuccess) g.state = -1;  // no collective: launch by launch from now on
+      }
       if (g.state == 1) {
         // refused once the watchdog aborted the communicator; else followed by it
         return nccl::launch_graph(g.exec, stream,
@@ -505,6 +560,13 @@ FO_API cudaError_t fo_call_run_scaled(fo_call* call, const void* a, int64_t lda,
 
 FO_API int fo_call_graph_state(const fo_call* call) { return call ? call->g.state : 0; }
 
+FO_API int fo_call_graphs_held(const fo_call* call) {
+  if (!call) return 0;
+  int held = call->g.state == 1;
+  for (const fo_call_graph& g : call->rows_spare) held += g.state == 1;
+  return held;
+}
+
 FO_API cudaError_t fo_call_set_add_rmsnorm(fo_call* call, const int64_t* band_offsets, int rows,
                                            int tile_m, int tile_n, int dtype) {
   using namespace fo::runtime;
@@ -553,6 +615,7 @@ FO_API int fo_call_add_rmsnorm_graph_state(const fo_call* call) {
 FO_API void fo_call_destroy(fo_call* call) {
   if (!call) return;
   fo::runtime::drop_graph(call->g);
+  for (fo_call_graph& g : call->rows_spare) fo::runtime::drop_graph(g);
   fo::runtime::drop_graph(call->norm_graph);
   if (call->capture) cudaStreamDestroy(call->capture);
   call->events.destroy();

@@ -731,6 +731,8 @@ PYBIND11_MODULE(fo_runtime, m) {
   m.def("call_graph_state", [](const Call& c) { return fo_call_graph_state(c.p); },
         "0: the call launches kernel by kernel; 1: it replays its graph; -1: its graph could "
         "not be made (fo_call_graph_state).");
+  m.def("call_graphs_held", [](const Call& c) { return fo_call_graphs_held(c.p); },
+        "How many graphs of its main phase the call holds (fo_call_graphs_held).");
   m.def("call_add_rmsnorm_graph_state",
         [](const Call& c) { return fo_call_add_rmsnorm_graph_state(c.p); });
   m.def("call_set_add_rmsnorm", [](Call& c, Ptr band_offsets, int rows, std::pair<int, int> tile,

@@ -229,6 +229,50 @@ def graph_capture(seed: int, replays: int, backend) -> dict:
             "backends": sorted({c["backend"] for c in fo.prepared_calls()})}
 
 
+def rank_own_outputs(seed: int, calls: int) -> dict:
+    """Each rank passes its own pattern of ``out`` buffers to one replayed "rows" allreduce key
+    (whose collectives work on ``out`` itself): rank 0 the same buffer every call, rank r > 0 a
+    rotation of 3 + r buffers and now and then a new one; between them all_to_all calls whose
+    rows and splits are each rank's own (recv_splits given on every other call) and
+    reduce_scatter calls. No rank may launch a collective outside a graph while another
+    replays it (NCCL's rule): every result exact, nothing hangs, and each rank holds a graph
+    per out it used (of its last 8)."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    m, n, k = 520, 776, 264
+    plan = fo.plan(m, n, k, op="allreduce", world_size=world, dtype=DTYPE, backend="cuda")
+    fixed = poisoned(m, n)
+    rotation = [poisoned(m, n) for _ in range(3 + rank)]
+    problems, outs_used = [], set()
+    for call in range(calls):
+        if rank == 0:
+            guard, out = fixed
+        elif call % 5 == 4:
+            guard, out = poisoned(m, n)  # new (or a block the allocator hands back)
+        else:
+            guard, out = rotation[call % len(rotation)]
+        out.fill_(float("nan"))
+        outs_used.add(out.data_ptr())
+        a, b = operands(seed, rank, m, n, k, "col", call)
+        got = fo.overlap(a, b, "allreduce", plan=plan, out=out)
+        problems += check(got, reference("allreduce", seed, m, n, k, "col", call).to(got.device),
+                          f"allreduce call {call}", guard)
+        splits = splits_for(seed, world, call, False, 1 + 37 * (call % 5))
+        a, b = operands(seed, rank, sum(splits[rank]), n, k, "col", 100 + call)
+        want = reference("all_to_all", seed, 0, n, k, "col", 100 + call, splits)
+        guard, out = poisoned(*want.shape) if call % 4 == 0 else (None, None)
+        got = fo.overlap(a, b, "all_to_all", out=out, send_splits=splits[rank],
+                         recv_splits=[s[rank] for s in splits] if call % 2 == 0 else None)
+        problems += check(got, want.to(got.device), f"all_to_all call {call} ({splits})", guard)
+        if call % 3 == 0:
+            p, _ = one_call("reduce_scatter", seed, 200 + call, m, n, k, "row", "cuda")
+            problems += p
+    entry = next(e for key, e in api._prepared.items() if e.plan.op == "allreduce")
+    layout = entry.plan.layout
+    return {"problems": problems[:20], "held": entry.prepared.graphs_held(),
+            "outs": len(outs_used), "layout": layout}
+
+
 def compiled_block(seed: int, calls: int, backend) -> dict:
     """torch.compile(mode="reduce-overhead") of a block of overlapped calls (reduce_scatter,
     the allgather of its rows into the next GEMM, then an allreduce), run on new inputs each

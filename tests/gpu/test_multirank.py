@@ -108,6 +108,16 @@ def test_first_call_in_capture_then_graph_replays(pools, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ranks_with_their_own_outputs_launch_collectives_alike(pools, world):
+    results = run(pools, world, work.rank_own_outputs, 23 + world, 24)
+    no_problems(results, "outputs of each rank's own")
+    assert all(r["layout"] == "rows" for r in results), results
+    assert results[0]["held"] == 1, results  # rank 0: one out, one graph
+    for r in results[1:]:  # a graph per out used, of the last 8
+        assert r["held"] == min(r["outs"], 8), results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_compile_reduce_overhead_sharing_one_cache(pools, world):
     no_problems(run(pools, world, work.compiled_block, 23, 4, "cuda", timeout=600.0),
                 "torch.compile reduce-overhead")
