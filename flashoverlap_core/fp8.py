@@ -186,6 +186,25 @@ def check_call(a, b, scale_a, scale_b, out_dtype) -> tuple[torch.dtype, str]:
     return out_dtype, kind
 
 
+def example_inputs(m: int, n: int, k: int, scaling: str, device, generator=None):
+    """Random e4m3 ``a`` [m, k] and ``b`` [k, n] (column-major: ``w.t()`` of an e4m3
+    [n, k] weight) with float32 scales of the ``scaling`` kind ("tensorwise": 0-dim;
+    "rowwise": [m, 1] and [1, n]; "blockwise": [m, ceil(k/128)] and [ceil(k/128),
+    ceil(n/128)]): inputs for timing and tuning an fp8 call. (a, b, scale_a, scale_b)."""
+    from .plan import SCALINGS
+
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    f8 = FP8_DTYPES[0]
+    a = torch.randn(m, k, generator=generator, device=device).to(f8)
+    w = (torch.randn(n, k, generator=generator, device=device) / k ** 0.25).to(f8)
+    shapes = {"tensorwise": ((), ()), "rowwise": ((m, 1), (1, n)),
+              "blockwise": ((m, blocks(k)), (blocks(k), blocks(n)))}[scaling]
+    scales = [torch.rand(size, generator=generator, device=device) / 16 + 1 / 32
+              for size in shapes]
+    return a, w.t(), scales[0], scales[1]
+
+
 def expanded(scale: torch.Tensor, rows: int, cols: int, row_block: int) -> torch.Tensor:
     """A block-wise scale as one float per element of its [rows, cols] operand: each entry
     repeated over its ``row_block`` x :data:`BLOCK` block (rows past ``rows`` and columns

@@ -88,6 +88,14 @@ def test_tune_then_trace_the_tuned_plan_on_two_cpu_ranks(tmp_path):
     (["trace", "--shape", "64x64x64", "--groups", "1,0"], "ints >= 1"),
     (["trace", "--shape", "512x512x256", "--groups", "5,5", "--backend", "reference",
       "--world-size", "2"], "must sum to the tile count"),
+    (["tune", "--shapes", "64x64x64", "--scaling", "blockwise", "--backend", "reference",
+      "--world-size", "1"], "--scaling is for fp8"),
+    (["tune", "--shapes", "64x64x64", "--op", "all_to_all", "--dtype", "float8_e4m3fn",
+      "--backend", "reference", "--world-size", "1"], "tune all_to_all with --dtype float32"),
+    (["trace", "--shape", "64x64x64", "--scaling", "rowwise", "--dtype", "float16",
+      "--backend", "reference", "--world-size", "1"], "--scaling is for fp8"),
+    (["tune", "--shapes", "64x64x64", "--dtype", "float8_e4m3fn", "--scaling", "columnwise"],
+     "invalid choice"),
     (["bench", "--world-size", "0"], "int >= 1"),
     (["bench", "--ops", "allreduce,gather"], "allreduce, reduce_scatter, all_to_all"),
     (["bench", "--backend", "no-such-backend"], "no-such-backend"),
@@ -105,6 +113,48 @@ def test_bad_arguments_are_one_line_and_exit_status_2(argv, message, capsys):
     assert message in first and first.startswith(f"flashoverlap {argv[0]}: error: "), err
     assert "Traceback" not in err
 
+
+
+def test_fp8_tuning_stores_plans_by_scaling_and_calls_find_them(tmp_path, capsys):
+    """fp8 as serving runs it: e4m3 inputs with row-wise or block-wise scales, bfloat16 out.
+    A block-wise tuned plan has a key of its own (its kernels differ); tensor-wise and
+    row-wise calls share the other; each call kind finds its own; the trace draws one."""
+    import torch
+
+    from flashoverlap_core import fp8, registry
+    from flashoverlap_core.backend import OverlapSpec
+    from flashoverlap_core.tuning.cache import TuningCache, lookup_plan
+
+    cache = tmp_path / "tuning.json"
+    common = ["--op", "reduce_scatter", "--backend", "reference", "--world-size", "1",
+              "--dtype", "float8_e4m3fn", "--iters", "1", "--warmup", "0", "--cache", str(cache)]
+    assert main(["tune", "--shapes", "384x256x300", "--scaling", "blockwise", *common]) == 0
+    assert main(["tune", "--shapes", "384x256x300", *common]) == 0  # default: row-wise
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn (blockwise scales)" in out and "float8_e4m3fn (rowwise scales)" in out
+    stored = {e["key"].get("scaling"): e["value"]["plan"]
+              for e in json.loads(cache.read_text())["plans"]}
+    assert set(stored) == {"blockwise", None}, stored
+    for scaling, plan in stored.items():
+        assert (plan["dtype"], plan["out_dtype"], plan.get("scaling")) == (
+            "float8_e4m3fn", "bfloat16", scaling), plan
+    curves = json.loads(cache.read_text())["curves"]
+    assert [c["key"]["dtype"] for c in curves] == ["bfloat16"]  # what moves: the result
+    backend = registry.get("reference")
+    for kind, want in (("blockwise", "blockwise"), ("rowwise", None), ("tensorwise", None)):
+        spec = OverlapSpec(384, 256, 300, "reduce_scatter", 1, "float8_e4m3fn", "cpu", "col",
+                           None, "bfloat16", kind)
+        plan = lookup_plan(spec, backend, cache=TuningCache(cache))
+        assert plan is not None and plan.scaling == want, (kind, plan)
+    a, b, sa, sb = fp8.example_inputs(5, 300, 260, "blockwise", "cpu",
+                                      torch.Generator().manual_seed(3))
+    assert (sa.shape, sb.shape, b.stride()) == ((5, 3), (3, 3), (1, 260))
+    assert fp8.scaling_kind(5, 300, 260, sa, sb) == "blockwise"
+    png = tmp_path / "fp8.png"
+    assert main(["trace", "--shape", "384x256x300", "--backend", "reference", "--world-size",
+                 "2", "--dtype", "float8_e4m3fn", "--scaling", "blockwise", "--out",
+                 str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(TIMEOUT + 30)

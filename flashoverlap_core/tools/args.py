@@ -65,3 +65,28 @@ def at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}")
         return value
     return parse
+
+
+def add_dtype_options(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and, for fp8, ``--scaling`` (the kind of the scales the calls take)."""
+    from ..plan import DTYPES, SCALINGS
+
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="default: float32 on the CPU, bfloat16 on accelerators; "
+                        "float8_e4m3fn: e4m3 inputs with float32 scales, bfloat16 results")
+    parser.add_argument("--scaling", choices=SCALINGS,
+                        help="fp8 only: the scales' kind (default: rowwise; tensorwise shares "
+                        "its plans; blockwise has plans of its own)")
+
+
+def dtype_and_scaling(args: argparse.Namespace, on_cpu: bool) -> tuple[str, str | None]:
+    """The job's dtype and (fp8) scaling from ``add_dtype_options``'s arguments; a
+    :class:`UsageError` for ``--scaling`` without an fp8 dtype."""
+    from ..plan import FP8_DTYPES
+
+    dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
+    if dtype in FP8_DTYPES:
+        return dtype, args.scaling or "rowwise"
+    if args.scaling is not None:
+        raise UsageError(f"--scaling is for fp8 ({', '.join(FP8_DTYPES)}), not --dtype {dtype}")
+    return dtype, None

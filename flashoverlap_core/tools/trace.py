@@ -18,11 +18,11 @@ import torch
 
 from ..planning import plan as make_plan
 from ..grouping import equal_splits
-from ..plan import DTYPES, Plan
+from ..plan import Plan
 from ..tile_trace import TileTrace
 from ..tuning.cache import TuningCache, tuned_plan
 from ..tuning.tuner import TRANSFERS, Job, Workload, trace_rank
-from .args import UsageError, at_least, ints_arg, shape_arg
+from .args import UsageError, add_dtype_options, at_least, dtype_and_scaling, ints_arg, shape_arg
 from .hardware import Hardware, pick_hardware, require_trace
 from .plot import plot_timeline
 from .ranks import Ranks
@@ -37,8 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "accelerators: 4 groups with the default plan)")
     parser.add_argument("--op", default="allreduce", choices=TRANSFERS,
                         help="the transfer (default: allreduce)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="default: float32 on the CPU, bfloat16 on accelerators")
+    add_dtype_options(parser)
     parser.add_argument("--world-size", type=at_least(1),
                         help="ranks (default: every device of the backend; 2 on the CPU)")
     parser.add_argument("--backend", help="default: as for flashoverlap bench")
@@ -61,7 +60,8 @@ def check_groups(hw: Hardware, job: Job, groups: tuple[int, ...]) -> None:
     send = equal_splits(job.m, world) if job.op == "all_to_all" and world > 1 else None
     try:
         base = make_plan(job.m, job.n, job.k, job.plan_op, world, getattr(torch, job.dtype),
-                         backend=hw.target, send_splits=send)
+                         backend=hw.target, send_splits=send,
+                         out_dtype=torch.bfloat16 if job.fp8 else None, scaling=job.scaling)
         dataclasses.replace(base, group_sizes=groups)
     except (ValueError, TypeError) as e:
         raise UsageError(f"--groups {','.join(map(str, groups))}: {e}") from None
@@ -80,10 +80,14 @@ def run(args: argparse.Namespace) -> int:
     hw = pick_hardware(args.backend, args.world_size)
     require_trace(hw.backend)
     on_cpu = hw.device_type == "cpu"
-    dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
+    dtype, scaling = dtype_and_scaling(args, on_cpu)
     m, n, k = args.shape or shape_arg(DEFAULT_SHAPE["cpu" if on_cpu else "accelerator"])
     groups = args.groups
-    job = Job(m, n, k, args.op, dtype, hw.backend, device_type=hw.device_type)
+    try:
+        job = Job(m, n, k, args.op, dtype, hw.backend, device_type=hw.device_type,
+                  scaling=scaling)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if groups is not None:
         check_groups(hw, job, groups)
     with Ranks(hw.world_size, hw.device_type, timeout=args.timeout, in_process=True) as ranks:

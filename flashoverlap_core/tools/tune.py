@@ -22,12 +22,11 @@ from pathlib import Path
 
 from .. import registry
 from ..collectives import resolve_group
-from ..plan import DTYPES
 from ..tuning.cache import ENV_CACHE, TuningCache, context_for, plan_key
 from ..tuning.search import SEQUENTIAL, measured_candidates, predictive_search
 from ..tuning.tuner import (TRANSFERS, Job, build_model, measure_groupings, store_plan,
                             tuned_plan)
-from .args import UsageError, at_least, shapes_arg
+from .args import UsageError, add_dtype_options, at_least, dtype_and_scaling, shapes_arg
 from .hardware import pick_hardware, require_trace
 from .progress import Progress
 from .ranks import Ranks
@@ -42,8 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", default="allreduce", choices=TRANSFERS,
                         help="the transfer (default: allreduce; offload: every group copied "
                         "to host memory, op=HostOffload, the transfer one device has)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="default: float32 on the CPU, bfloat16 on accelerators")
+    add_dtype_options(parser)
     parser.add_argument("--world-size", type=at_least(1),
                         help="ranks (default: every device of the backend; 2 on the CPU)")
     parser.add_argument("--backend", help="default: FLASHOVERLAP_BACKEND, else the best "
@@ -72,7 +70,7 @@ def stored_row(job: Job, cache_path: str | None) -> dict | None:
     group, _, world = resolve_group(None)
     ctx = context_for(backend, job.device_type or backend.device_type or "cpu", group)
     key = plan_key(ctx, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
-                   world_size=world, transfer=job.transfer)
+                   world_size=world, transfer=job.transfer, scaling=job.plan_scaling)
     value = TuningCache(cache_path).get("plans", key)
     return value.get("row") if value is not None else None
 
@@ -106,7 +104,8 @@ def tune_shape(ranks: Ranks, job: Job, args, progress: Progress) -> dict:
     stored = SEQUENTIAL if plan.strategy == SEQUENTIAL else plan.group_sizes
     ms = {g: t * 1e3 for g, t in measured.items()}
     row = {
-        "shape": job.shape, "op": job.op, "dtype": job.dtype, "backend": job.backend,
+        "shape": job.shape, "op": job.op, "dtype": job.dtype, "scaling": job.scaling,
+        "backend": job.backend,
         "waves": len(model.timing.wave_ends), "chosen_groups": _groups(chosen),
         "fell_back": choice.fell_back, "predicted_ms": choice.predicted_s * 1e3,
         "measured_ms": ms[chosen], "one_group_predicted_ms": choice.sequential_s * 1e3,
@@ -163,7 +162,10 @@ def table(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     hw = pick_hardware(args.backend, args.world_size)
     require_trace(hw.backend)
-    dtype = args.dtype or ("float32" if hw.device_type == "cpu" else "bfloat16")
+    dtype, scaling = dtype_and_scaling(args, hw.device_type == "cpu")
+    if scaling is not None and args.op == "all_to_all":
+        raise UsageError("fp8 all_to_all calls run dequantized, as float32 calls (their "
+                         "per-call rows carry no scales): tune all_to_all with --dtype float32")
     shapes = args.shapes
     if args.op == "reduce_scatter":
         bad = ["x".join(map(str, s)) for s in shapes if s[0] % hw.world_size]
@@ -172,9 +174,10 @@ def run(args: argparse.Namespace) -> int:
                              f"{hw.world_size}: {', '.join(bad)}")
     cache = TuningCache(args.cache)
     print(f"flashoverlap tune: backend {hw.backend} on {hw.world_size} {hw.device_type} "
-          f"rank(s) ({hw.reason}); {args.op}, {dtype}; cache {cache.path}", flush=True)
+          f"rank(s) ({hw.reason}); {args.op}, {dtype}{f' ({scaling} scales)' if scaling else ''}; "
+          f"cache {cache.path}", flush=True)
     jobs = [Job(m, n, k, args.op, dtype, hw.backend, args.iters, args.warmup,
-                device_type=hw.device_type) for m, n, k in shapes]
+                device_type=hw.device_type, scaling=scaling) for m, n, k in shapes]
     progress = Progress(2 * len(jobs))
     with Ranks(hw.world_size, hw.device_type, timeout=args.timeout, in_process=True) as ranks:
         rows = [tune_shape(ranks, job, args, progress) for job in jobs]

@@ -86,11 +86,16 @@ def context_for(backend: Backend, device_type: str, group=None) -> Context:
 
 
 def plan_key(ctx: Context, *, dtype: str, m: int, n: int, k: int, op: str, world_size: int,
-             transfer: str = "") -> dict:
+             transfer: str = "", scaling: str | None = None) -> dict:
     """``op`` is the plan's op ("custom" for a callable); ``transfer`` names the callable's
-    type for custom ops ("" for collectives)."""
-    return {**ctx.key(), "dtype": dtype, "M": m, "N": n, "K": k, "op": op,
-            "world_size": world_size, "transfer": transfer}
+    type for custom ops ("" for collectives); ``scaling``: an fp8 call's scales, of which only
+    "blockwise" has plans of its own (tensor-wise and row-wise share them), so only it is in
+    the key."""
+    key = {**ctx.key(), "dtype": dtype, "M": m, "N": n, "K": k, "op": op,
+           "world_size": world_size, "transfer": transfer}
+    if scaling == "blockwise":
+        key["scaling"] = scaling
+    return key
 
 
 def kernel_key(ctx: Context, plan: Plan) -> dict:
@@ -217,7 +222,7 @@ def tuned_plan(spec: OverlapSpec, backend: Backend, entries: list[dict], ctx: Co
     """The plan for ``spec`` from cache entries: the exact shape's, else the nearest M's
     (within a factor of :data:`M_RATIO`) carried over; ``None`` if none fits."""
     want = plan_key(ctx, dtype=spec.dtype, m=spec.m, n=spec.n, k=spec.k, op=spec.op,
-                    world_size=spec.world_size, transfer=transfer)
+                    world_size=spec.world_size, transfer=transfer, scaling=spec.scaling)
     same_but_m = [e for e in entries
                   if {**e["key"], "M": spec.m} == want
                   and abs(math.log(e["key"]["M"] / spec.m)) <= math.log(M_RATIO)]

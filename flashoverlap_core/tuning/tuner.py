@@ -22,13 +22,13 @@ from functools import lru_cache
 
 import torch
 
-from .. import registry
-from ..api import overlap
+from .. import fp8, registry
+from ..api import overlap, overlap_scaled
 from ..backend import OverlapCall, OverlapSpec
 from ..collectives import resolve_group
 from ..grouping import equal_splits
 from ..ops import CUSTOM_OP, of
-from ..plan import Plan
+from ..plan import FP8_DTYPES, SCALINGS, Plan
 from ..planning import make_plan
 from ..tile_trace import TileTrace
 from ..transfers import HostOffload
@@ -59,6 +59,9 @@ class Job:
     seed: int = 1234
     device_type: str | None = None  # default: the backend's (the host for backends of any device)
     rounds: int = 3  # samples of ``iters`` back-to-back calls per timed grouping
+    # an fp8 job's scales (fp8.example_inputs): "tensorwise", "rowwise" or "blockwise"; its
+    # calls return bfloat16 (an fp8 call's default out_dtype)
+    scaling: str | None = None
 
     def __post_init__(self):
         if self.op not in TRANSFERS:
@@ -66,6 +69,25 @@ class Job:
         if self.iters < 1 or self.rounds < 1 or self.warmup < 0 or self.trace_reps < 1:
             raise ValueError(f"iters, rounds and trace_reps must be >= 1 and warmup >= 0, got "
                              f"{self.iters}, {self.rounds}, {self.trace_reps}, {self.warmup}")
+        if self.fp8 and self.scaling not in SCALINGS:
+            raise ValueError(f"an fp8 job needs its scaling, one of {SCALINGS}; got "
+                             f"{self.scaling!r}")
+        if not self.fp8 and self.scaling is not None:
+            raise ValueError(f"scaling is for fp8 jobs ({', '.join(FP8_DTYPES)}), not "
+                             f"{self.dtype}")
+        if self.fp8 and self.op == "all_to_all":
+            raise ValueError("fp8 all_to_all calls run dequantized, as float32 calls (their "
+                             "per-call rows carry no scales): tune all_to_all with "
+                             "--dtype float32")
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def plan_scaling(self) -> str | None:
+        """The scaling of the job's plans and cache key ("blockwise", else None)."""
+        return "blockwise" if self.scaling == "blockwise" else None
 
     @property
     def plan_op(self) -> str:
@@ -89,11 +111,17 @@ class Workload:
         self.group, self.rank, self.world = resolve_group(None)
         self.backend = registry.get(job.backend)
         self.device = current_device(job.device_type or self.backend.device_type or "cpu")
-        dtype = getattr(torch, job.dtype)
         gen = torch.Generator(device=self.device).manual_seed(job.seed + self.rank)
-        self.a = torch.randn(job.m, job.k, generator=gen, device=self.device, dtype=dtype)
-        self.b = (torch.randn(job.n, job.k, generator=gen, device=self.device, dtype=dtype)
-                  / job.k ** 0.5).t()
+        self.scale_a = self.scale_b = None
+        if job.fp8:  # e4m3 inputs with their scales; the result (what moves) in bfloat16
+            self.a, self.b, self.scale_a, self.scale_b = fp8.example_inputs(
+                job.m, job.n, job.k, job.scaling, self.device, gen)
+            dtype = torch.bfloat16
+        else:
+            dtype = getattr(torch, job.dtype)
+            self.a = torch.randn(job.m, job.k, generator=gen, device=self.device, dtype=dtype)
+            self.b = (torch.randn(job.n, job.k, generator=gen, device=self.device, dtype=dtype)
+                      / job.k ** 0.5).t()
         self.send = self.recv = None
         if job.op == "all_to_all" and self.world > 1:
             self.send = equal_splits(job.m, self.world)
@@ -110,8 +138,9 @@ class Workload:
 
     def spec(self, op: str) -> OverlapSpec:
         send = tuple(self.send) if self.send and op == "all_to_all" else None
-        return OverlapSpec(self.job.m, self.job.n, self.job.k, op, self.world, self.job.dtype,
-                           self.device.type, "col", send)
+        job = self.job
+        return OverlapSpec(job.m, job.n, job.k, op, self.world, job.dtype, self.device.type,
+                           "col", send, "bfloat16" if job.fp8 else None, job.scaling)
 
     def _plan(self, op: str) -> Plan:
         return make_plan(self.backend, self.spec(op))
@@ -125,23 +154,35 @@ class Workload:
         return dataclasses.replace(self.base, group_sizes=tuple(group_sizes))
 
     def run(self, plan: Plan, op=None):
-        if plan.op == CUSTOM_OP:  # the offload: all rows, no splits
-            return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
-                           out=self.gemm_out, backend=self.backend.name)
-        return overlap(self.a, self.b, op if op is not None else self.op, plan=plan,
-                       out=self.out, send_splits=self.send, recv_splits=self.recv,
-                       backend=self.backend.name)
+        op = op if op is not None else self.op
+        out = self.gemm_out if plan.op == CUSTOM_OP else self.out  # the offload: all rows
+        if self.scale_a is not None:  # (no all_to_all: Job refuses fp8 ones)
+            return overlap_scaled(self.a, self.b, op, scale_a=self.scale_a, scale_b=self.scale_b,
+                                  out_dtype=self.out.dtype, plan=plan, out=out,
+                                  backend=self.backend.name)
+        if plan.op == CUSTOM_OP:  # no splits
+            return overlap(self.a, self.b, op, plan=plan, out=out, backend=self.backend.name)
+        return overlap(self.a, self.b, op, plan=plan, out=out, send_splits=self.send,
+                       recv_splits=self.recv, backend=self.backend.name)
 
     def trace(self, plan: Plan) -> TileTrace:
         call = OverlapCall(self.a, self.b, plan, self.op, self.group, self.rank, self.world,
-                           self.out, tuple(self.recv) if self.recv else None)
+                           self.out, tuple(self.recv) if self.recv else None, self.scale_a,
+                           self.scale_b)
+        if self.scale_a is not None and not self.backend.native_fp8:
+            call = fp8.dequantized_call(call)  # what such a backend runs (api._make_prepared)
         return self.backend.trace(call)
 
     def time(self, fn) -> float:
         return median_time(fn, self.device, self.group, self.job.iters, self.job.warmup)
 
+    @property
+    def moved_dtype(self) -> torch.dtype:
+        """What the transfers move: the result's dtype."""
+        return self.out.dtype
+
     def output_bytes(self) -> int:
-        return self.base.packed_numel * self.a.element_size()
+        return self.base.packed_numel * self.out.element_size()
 
 
 @lru_cache(maxsize=1)
@@ -203,13 +244,14 @@ def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) 
     work, cache = workload(job), TuningCache(cache_path)
     plan, dev, group = work.base, work.device, work.group
     send = transfer_fn(work.op, group, work.world)
-    itemsize, total = work.a.element_size(), work.output_bytes()
+    moved = work.moved_dtype  # the result's dtype (an fp8 job's: bfloat16)
+    itemsize, total = moved.itemsize, work.output_bytes()
     align = itemsize * (work.world if job.op in ("reduce_scatter", "all_to_all") else 1)
     key = transfer_key(work.context, transfer=job.transfer or job.op, world_size=work.world,
-                       dtype=job.dtype)
+                       dtype=str(moved).removeprefix("torch."))
     cost = _cached_curve(cache, key, work, refresh, total, lambda: measure_curve(
         send, log_sizes(min(plan.tile[0] * plan.tile[1] * itemsize, total), total, align),
-        work.a.dtype, dev, group, job.iters, job.warmup))
+        moved, dev, group, job.iters, job.warmup))
     one_group = work.one_group(plan)
     work.run(one_group)  # warm-up: loads every kernel before anything is traced
     timing = gemm_timing(traced_calls(lambda: work.trace(one_group), dev, group,
@@ -270,7 +312,7 @@ def store_plan(job: Job, parts: ModelParts, plan: Plan, cache_path: str | None =
     """Store ``plan`` as the job's tuned plan, where ``overlap`` looks it up (``info``: what
     else the entry records, e.g. measured times); returns the cache key."""
     key = plan_key(parts.context, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
-                   world_size=plan.world_size, transfer=job.transfer)
+                   world_size=plan.world_size, transfer=job.transfer, scaling=job.plan_scaling)
     TuningCache(cache_path).put("plans", key, {"plan": plan.to_dict(), **info})
     return key
 
