@@ -20,6 +20,7 @@ from flashoverlap_backends.cuda import build, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "csrc" / "cuda" / "flashoverlap_cuda.h"
+GEMM_API = ROOT / "csrc" / "cuda" / "gemm_api.h"  # (HEADER includes it)
 
 # What the call modules, benchmarks and GPU tests call.
 FUNCTIONS = {
@@ -71,8 +72,9 @@ def test_the_runtime_is_built_for_this_python(monkeypatch):
 
 
 def header_fields(struct: str) -> list[str]:
-    """The member names of ``typedef struct { ... } struct;`` in flashoverlap_cuda.h."""
-    text = re.sub(r"//[^\n]*", "", HEADER.read_text())
+    """The member names of ``typedef struct { ... } struct;`` in flashoverlap_cuda.h (or the
+    gemm_api.h it includes)."""
+    text = re.sub(r"//[^\n]*", "", HEADER.read_text() + GEMM_API.read_text())
     body = re.search(r"typedef struct \{([^}]*)\}\s*" + struct + ";", text).group(1)
     names = []
     for declaration in filter(str.strip, body.split(";")):

@@ -152,13 +152,19 @@ def _copy_sources(tmp_path, monkeypatch) -> Path:
 def test_a_job_hashes_its_source_and_the_headers_it_includes(tmp_path, monkeypatch):
     src = _copy_sources(tmp_path, monkeypatch)
     names = {p.name for p in build._sources("gemm_sm90.cu")}
-    assert {"gemm_sm90.cu", "epilogue.cuh", "gemm_abi.cuh", "common.cuh", "flashoverlap_cuda.h"} <= names
+    assert {"gemm_sm90.cu", "epilogue.cuh", "gemm_abi.cuh", "common.cuh", "gemm_api.h"} <= names
     assert "runtime.cu" not in names and "gemm_sm80.cu" not in names
+    assert "flashoverlap_cuda.h" not in names  # the runtime's API: not the GEMM libraries'
     gemm_job, runtime_job = build._gemm_job(GemmConfig()), build.RUNTIME_JOB
     before = build._digest(gemm_job), build._digest(runtime_job)
-    (src / "runtime.cu").write_text((src / "runtime.cu").read_text() + "\n// edit\n")
-    assert build._digest(gemm_job) == before[0]  # the runtime's edit leaves GEMM objects valid
-    assert build._digest(runtime_job) != before[1]
+    for runtime_file in ("runtime.cu", "flashoverlap_cuda.h"):
+        (src / runtime_file).write_text((src / runtime_file).read_text() + "\n// edit\n")
+        assert build._digest(gemm_job) == before[0]  # the runtime's edit leaves GEMM objects valid
+        assert build._digest(runtime_job) != before[1]
+        before = before[0], build._digest(runtime_job)
+    (src / "gemm_api.h").write_text((src / "gemm_api.h").read_text() + "\n// edit\n")
+    assert build._digest(gemm_job) != before[0] and build._digest(runtime_job) != before[1]
+    before = build._digest(gemm_job), build._digest(runtime_job)
     (src / "epilogue.cuh").write_text((src / "epilogue.cuh").read_text() + "\n// edit\n")
     assert build._digest(gemm_job) != before[0]  # an included header counts
     assert build._digest(build._gemm_job(GemmConfig(epilogue="tma"))) != build._digest(gemm_job)

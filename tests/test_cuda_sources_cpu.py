@@ -1,5 +1,6 @@
 """The C sources keep one home per export (csrc/cuda; issue 29). flashoverlap_cuda.h declares every
-exported function (``FO_API``). Each export is defined once in the object that exports it: the
+exported function (``FO_API``) of the runtime, and gemm_api.h, which it includes, those of the GEMM
+libraries (which include it alone). Each export is defined once in the object that exports it: the
 GEMM libraries' in gemm_abi.cuh, the runtime's in one of its translation units
 (``build.RUNTIME_SOURCES``). No other header defines one or opens an ``extern "C"`` block.
 The sources are read as text; no compiler is needed (but for the last test, which links the
@@ -18,6 +19,7 @@ from flashoverlap_backends.cuda import build
 
 SRC = build.source_dir()
 HEADER = "flashoverlap_cuda.h"
+GEMM_API = "gemm_api.h"  # the GEMM libraries' part of the C ABI (HEADER includes it)
 GEMM_ABI = "gemm_abi.cuh"  # the C functions every GEMM source (one object each) shares
 GEMM_SOURCES = {"gemm_sm90.cu", "gemm_sm80.cu"}
 PROGRAMS = {"gemm_sm90_selftest.cu"}  # a host program that includes gemm_sm90.cu, no object
@@ -59,7 +61,10 @@ def sources(suffix: str) -> list[str]:
 
 def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
     declared, defined_there = exports(HEADER)
-    assert not defined_there, f"{HEADER} defines {defined_there}"
+    gemm_declared, gemm_defined_there = exports(GEMM_API)
+    assert not defined_there + gemm_defined_there, f"the headers define {defined_there}"
+    assert f'#include "{GEMM_API}"' in (SRC / HEADER).read_text()
+    declared += gemm_declared
     assert len(declared) == len(set(declared)), "declared twice: " + str(
         [n for n, k in Counter(declared).items() if k > 1])
     gemm = exports(GEMM_ABI)[1]
@@ -75,7 +80,7 @@ def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
 
 def test_no_header_but_the_gemm_abi_defines_an_export():
     for header in sources(".cuh") + sources(".h"):
-        if header in (GEMM_ABI, HEADER):
+        if header in (GEMM_ABI, HEADER, GEMM_API):
             continue
         declared, defined = exports(header)
         assert not declared + defined, f"{header} declares or defines {declared + defined}: " \

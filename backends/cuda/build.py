@@ -2,7 +2,7 @@
 
 Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
 compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; it exports the
-C ABI of ``csrc/cuda/flashoverlap_cuda.h`` and depends on the ABI of no torch or Python build.
+C ABI of ``csrc/cuda/gemm_api.h`` and depends on the ABI of no torch or Python build.
 The device-side waits, counter resets, post-reorders, the prepared calls and NCCL's entry points
 live in the runtime, a Python extension module (pybind11) linked from its translation units
 (``RUNTIME_SOURCES``, one per call kind) and ``runtime_binding.cpp``, the one file that lists

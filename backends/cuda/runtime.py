@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-ABI_VERSION = 2  # FO_CUDA_ABI_VERSION of csrc/cuda/flashoverlap_cuda.h
+ABI_VERSION = 2  # FO_CUDA_ABI_VERSION of csrc/cuda/gemm_api.h
 FP8_DTYPE_CODE = 2  # fo_gemm_config.dtype of an e4m3 build (FO_DTYPE_E4M3)
 WAIT_MODES = {"stream_wait_value": 0, "spin_kernel": 1}  # fo_wait_counter's modes
 MODULE_NAME = "fo_runtime"  # PYBIND11_MODULE of csrc/cuda/runtime_binding.cpp

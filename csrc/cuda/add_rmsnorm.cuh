@@ -2,6 +2,7 @@
 // launch of its kernel takes, for fo_add_rmsnorm_tiles and for the prepared call's last phase
 // (overlap_call.cu, fo_call_*_add_rmsnorm). The C ABI is in flashoverlap_cuda.h.
 #pragma once
+#include "flashoverlap_cuda.h"  // the runtime's API
 #include "common.cuh"
 
 namespace fo::runtime {

@@ -2,6 +2,7 @@
 // gather_call.cu) shares: the GEMM library functions a descriptor hands it as pointers, and the
 // two events with which a call forks onto its communication stream and joins back.
 #pragma once
+#include "flashoverlap_cuda.h"  // the runtime's API
 #include <type_traits>
 
 #include "common.cuh"

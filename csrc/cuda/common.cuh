@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <string>
 
-#include "flashoverlap_cuda.h"
+#include "gemm_api.h"
 
 namespace fo {
 

@@ -13,6 +13,7 @@
 // every call kind is watched without knowing it; a graph of the call path's own is launched
 // through launch_graph, which does the same for the whole graph.
 #pragma once
+#include "flashoverlap_cuda.h"  // the runtime's API
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>

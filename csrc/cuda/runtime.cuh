@@ -2,6 +2,7 @@
 // device-side wait on a group counter, the counter reset and the post-communication reorder.
 // The kernels stay in runtime.cu; the call kinds reach them only through these functions.
 #pragma once
+#include "flashoverlap_cuda.h"  // the runtime's API
 #include <cuda_runtime.h>
 #include <stdint.h>
 

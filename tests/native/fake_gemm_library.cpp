@@ -1,11 +1,11 @@
 // A GEMM kernel library with no kernels (host compiler, no GPU): the C ABI of
-// flashoverlap_cuda.h, so that tests/test_cuda_binding_cpu.py can load it through the runtime's
+// gemm_api.h, so that tests/test_cuda_binding_cpu.py can load it through the runtime's
 // GemmLibrary. Its description is FAKE_ABI's, its max_ctas 132, its workspace L * N bytes; a
 // run fails with a message naming its arguments; a launch succeeds only with scales.
 #include <cstdio>
 #include <string>
 
-#include "flashoverlap_cuda.h"
+#include "gemm_api.h"
 
 #ifndef FAKE_ABI
 #define FAKE_ABI FO_CUDA_ABI_VERSION
