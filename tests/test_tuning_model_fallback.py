@@ -1,6 +1,7 @@
 """Never slower, end to end on the CPU: where the plain path (the device's own GEMM, then one
-transfer) beats every grouping, measured or predicted, the tuned plan says "sequential" and
-``overlap`` runs the plain path for that shape."""
+transfer) beats every grouping timed (or, with nothing timed, is predicted to), the tuned plan
+says "sequential" and ``overlap`` runs the plain path for that shape; where a timed grouping
+beats it, that grouping is stored, whatever was predicted."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +53,21 @@ def test_a_measured_plain_path_wins_over_predicted_overlap(parts):
     assert tuned_plan(parts, optimistic, faster_plain).strategy == SEQUENTIAL
     assert tuned_plan(parts, optimistic, {**faster, SEQUENTIAL: parts.plain_s}).group_sizes \
         == halves
+
+
+def test_a_measured_grouping_wins_over_a_predicted_plain_path(parts):
+    """A busy host's model may predict the plain path where a timed grouping beat it: what was
+    timed decides (flashoverlap tune's "stored: the fastest timed")."""
+    model = parts.model()
+    one = (model.num_tiles,)
+    pessimistic = Choice(one, parts.plain_s, parts.sequential_s, 0.0, True, SEQUENTIAL,
+                         parts.plain_s)
+    assert tuned_plan(parts, pessimistic).strategy == SEQUENTIAL  # nothing timed: the choice
+    timed = {one: parts.plain_s * 0.7, SEQUENTIAL: parts.plain_s}
+    kept = tuned_plan(parts, pessimistic, timed)
+    assert kept.strategy == "overlap" and kept.group_sizes == one
+    assert tuned_plan(parts, pessimistic, {one: parts.plain_s * 1.1,
+                                           SEQUENTIAL: parts.plain_s}).strategy == SEQUENTIAL
 
 
 def test_overlap_runs_the_plain_path_for_a_sequential_tuned_plan(parts, tmp_path, monkeypatch):

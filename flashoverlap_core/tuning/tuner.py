@@ -293,16 +293,20 @@ def measure_groupings(job: Job, groupings) -> list[float]:
 
 def tuned_plan(parts: ModelParts, choice: Choice, measured: dict | None = None) -> Plan:
     """The plan to store for the job: the fastest of the groupings in ``measured`` (grouping ->
-    seconds, "sequential" for the plain path; the predicted choice alone when None), unless the
-    plain path is faster -- predicted (``choice.strategy``) or measured (``measured``'s
-    "sequential", else ``parts.plain_s``) -- then the plain path (strategy "sequential"): never
-    slower than the GEMM followed by one collective."""
+    seconds, "sequential" for the plain path), unless the plain path measured faster
+    (``measured``'s "sequential", else ``parts.plain_s``): then the plain path (strategy
+    "sequential"), never slower than the GEMM followed by one collective. What was timed
+    decides, whatever was predicted; with nothing timed (``measured`` None or empty), the
+    predicted choice does (``choice.strategy``)."""
     base = Plan.from_dict(parts.plan)
     measured = dict(measured or {})
     plain = measured.pop(SEQUENTIAL, parts.plain_s)
-    best = min(measured, key=measured.get) if measured else choice.group_sizes
-    if choice.strategy == SEQUENTIAL or (plain is not None and measured
-                                         and measured[best] >= plain):
+    if measured:
+        best = min(measured, key=measured.get)
+        sequential = plain is not None and measured[best] >= plain
+    else:
+        best, sequential = choice.group_sizes, choice.strategy == SEQUENTIAL
+    if sequential:
         return dataclasses.replace(base, group_sizes=(base.num_tiles,), strategy=SEQUENTIAL)
     return dataclasses.replace(base, group_sizes=tuple(best))
 
