@@ -47,6 +47,7 @@ import functools
 import torch
 
 from .backend import OverlapCall, b_layout
+from .plan import SCALINGS
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -191,8 +192,6 @@ def example_inputs(m: int, n: int, k: int, scaling: str, device, generator=None)
     [n, k] weight) with float32 scales of the ``scaling`` kind ("tensorwise": 0-dim;
     "rowwise": [m, 1] and [1, n]; "blockwise": [m, ceil(k/128)] and [ceil(k/128),
     ceil(n/128)]): inputs for timing and tuning an fp8 call. (a, b, scale_a, scale_b)."""
-    from .plan import SCALINGS
-
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     f8 = FP8_DTYPES[0]

@@ -70,7 +70,7 @@ def stored_row(job: Job, cache_path: str | None) -> dict | None:
     group, _, world = resolve_group(None)
     ctx = context_for(backend, job.device_type or backend.device_type or "cpu", group)
     key = plan_key(ctx, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
-                   world_size=world, transfer=job.transfer, scaling=job.plan_scaling)
+                   world_size=world, transfer=job.transfer, scaling=job.scaling)
     value = TuningCache(cache_path).get("plans", key)
     return value.get("row") if value is not None else None
 
@@ -163,21 +163,21 @@ def run(args: argparse.Namespace) -> int:
     hw = pick_hardware(args.backend, args.world_size)
     require_trace(hw.backend)
     dtype, scaling = dtype_and_scaling(args, hw.device_type == "cpu")
-    if scaling is not None and args.op == "all_to_all":
-        raise UsageError("fp8 all_to_all calls run dequantized, as float32 calls (their "
-                         "per-call rows carry no scales): tune all_to_all with --dtype float32")
     shapes = args.shapes
     if args.op == "reduce_scatter":
         bad = ["x".join(map(str, s)) for s in shapes if s[0] % hw.world_size]
         if bad:
             raise UsageError(f"reduce_scatter needs M divisible by the world size "
                              f"{hw.world_size}: {', '.join(bad)}")
+    try:  # (Job refuses what it cannot tune, fp8 all_to_all say, before any rank starts)
+        jobs = [Job(m, n, k, args.op, dtype, hw.backend, args.iters, args.warmup,
+                    device_type=hw.device_type, scaling=scaling) for m, n, k in shapes]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cache = TuningCache(args.cache)
     print(f"flashoverlap tune: backend {hw.backend} on {hw.world_size} {hw.device_type} "
           f"rank(s) ({hw.reason}); {args.op}, {dtype}{f' ({scaling} scales)' if scaling else ''}; "
           f"cache {cache.path}", flush=True)
-    jobs = [Job(m, n, k, args.op, dtype, hw.backend, args.iters, args.warmup,
-                device_type=hw.device_type, scaling=scaling) for m, n, k in shapes]
     progress = Progress(2 * len(jobs))
     with Ranks(hw.world_size, hw.device_type, timeout=args.timeout, in_process=True) as ranks:
         rows = [tune_shape(ranks, job, args, progress) for job in jobs]

@@ -33,7 +33,7 @@ from filelock import FileLock
 
 from ..backend import Backend, OverlapSpec
 from ..devices import device_name
-from ..plan import Plan, block_rows_for, group_unit
+from ..plan import Plan, block_rows_for, check_scaling, group_unit
 from ..tiles import TileGrid
 
 log = logging.getLogger("flashoverlap")
@@ -88,13 +88,14 @@ def context_for(backend: Backend, device_type: str, group=None) -> Context:
 def plan_key(ctx: Context, *, dtype: str, m: int, n: int, k: int, op: str, world_size: int,
              transfer: str = "", scaling: str | None = None) -> dict:
     """``op`` is the plan's op ("custom" for a callable); ``transfer`` names the callable's
-    type for custom ops ("" for collectives); ``scaling``: an fp8 call's scales, of which only
-    "blockwise" has plans of its own (tensor-wise and row-wise share them), so only it is in
-    the key."""
+    type for custom ops ("" for collectives); ``scaling``: an fp8 call's scales, in the key
+    as its plans take them (:func:`~flashoverlap_core.plan.check_scaling`: only "blockwise"
+    has plans of its own; tensor-wise and row-wise share them)."""
     key = {**ctx.key(), "dtype": dtype, "M": m, "N": n, "K": k, "op": op,
            "world_size": world_size, "transfer": transfer}
-    if scaling == "blockwise":
-        key["scaling"] = scaling
+    plan_scaling = check_scaling(dtype, scaling)
+    if plan_scaling is not None:
+        key["scaling"] = plan_scaling
     return key
 
 

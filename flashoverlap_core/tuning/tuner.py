@@ -85,11 +85,6 @@ class Job:
         return self.dtype in FP8_DTYPES
 
     @property
-    def plan_scaling(self) -> str | None:
-        """The scaling of the job's plans and cache key ("blockwise", else None)."""
-        return "blockwise" if self.scaling == "blockwise" else None
-
-    @property
     def plan_op(self) -> str:
         return CUSTOM_OP if self.op == OFFLOAD else self.op
 
@@ -316,7 +311,7 @@ def store_plan(job: Job, parts: ModelParts, plan: Plan, cache_path: str | None =
     """Store ``plan`` as the job's tuned plan, where ``overlap`` looks it up (``info``: what
     else the entry records, e.g. measured times); returns the cache key."""
     key = plan_key(parts.context, dtype=job.dtype, m=job.m, n=job.n, k=job.k, op=job.plan_op,
-                   world_size=plan.world_size, transfer=job.transfer, scaling=job.plan_scaling)
+                   world_size=plan.world_size, transfer=job.transfer, scaling=job.scaling)
     TuningCache(cache_path).put("plans", key, {"plan": plan.to_dict(), **info})
     return key
 
