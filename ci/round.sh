@@ -19,6 +19,7 @@ run_one() {
     cuda-tests) stage cuda-tests ${FO_CUDA_TESTS_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/gpu/test_cuda.py ;;
     plain) stage plain-path 90 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda.py -k "plain_path or native_call" ;;
     fp8all) stage fp8-all 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py ;;
+    norm) stage fused-norm ${FO_NORM_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_fused_norm.py ;;
     norm-plain) stage norm-plain 90 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py -k "plain or rows" ;;
     mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ${FO_MR_K:+-k "$FO_MR_K"} ;;
     strategy) stage strategy 150 $PY bench/strategy.py ;;
@@ -49,7 +50,15 @@ run_one() {
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)
   echo "  new objects after $s: $(find .fo_build/cache -name '*.so' -newer /tmp/fo-marker | wc -l)" | tee -a "$SUMMARY"
 }
-for s in "$@"; do run_one "$s"; done
+# A stage may carry one variable for itself alone: NAME=VALUE:stage (FLASHOVERLAP_WATCHDOG=1:mr-outs)
+for s in "$@"; do
+  if [[ $s == *=*:* ]]; then
+    echo "--- ${s%%:*} for ${s#*:}" | tee -a "$SUMMARY" "$LOG"
+    ( export "${s%%:*}"; run_one "${s#*:}" )
+  else
+    run_one "$s"
+  fi
+done
 # (files come back at most 16 MiB each: the archive in parts of 15 MiB, joined with cat)
 ls "$OUT"/new-cache.tgz.part-* >/dev/null 2>&1 || ( cd .fo_build/cache && find . -type f -name '*.so' -newer /tmp/fo-marker | tar -cz -T - \
     | split -b 15m - "$OUT/new-cache.tgz.part-" ) && ls -la "$OUT"
