@@ -385,8 +385,8 @@ def main(argv=None) -> int:
                     "allreduce workspace / output": WORKSPACE_FRACTION,
                     "decode": f"plain / fo >= {DECODE_TARGET} per row, the default call"},
         "prefill_strategy": args.prefill_strategy, "cut_short": cut_short,
-        # FlashOverlap's NCCL watchdog (FLASHOVERLAP_WATCHDOG=1 turns it on: its cost per call
-        # is the difference between two runs)
+        # FlashOverlap's NCCL watchdog (on by default, FLASHOVERLAP_WATCHDOG=0 turns it off:
+        # its cost per call is the difference between two runs)
         "watchdog": _watchdog_on(),
         "default_run": not cut_short and args.tokens == parser.get_default("tokens")
         and args.shapes == parser.get_default("shapes") and args.ops == parser.get_default("ops")

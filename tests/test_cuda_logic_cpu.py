@@ -461,13 +461,15 @@ def test_ci_compile_check_configurations():
 
 
 def test_nccl_watchdog_switch_is_checked(monkeypatch):
-    """FlashOverlap's NCCL watchdog: off by default (with it on, two all_to_all conformance
-    cases at W = 2 failed on the H200: docs/design.md, "Failure model"); FLASHOVERLAP_WATCHDOG=1
-    turns it on; anything but 0 or 1 is refused with the variable's name."""
+    """FlashOverlap's NCCL watchdog: on by default (a dead peer must not hang the survivors);
+    FLASHOVERLAP_WATCHDOG=0 turns it off, an empty value is the default; anything but 0 or 1
+    is refused with the variable's name."""
     from flashoverlap_backends.cuda import nccl
 
     monkeypatch.delenv(nccl.ENV_WATCHDOG, raising=False)
-    assert not nccl.watchdog_enabled()
+    assert nccl.watchdog_enabled()
+    monkeypatch.setenv(nccl.ENV_WATCHDOG, "")
+    assert nccl.watchdog_enabled()
     monkeypatch.setenv(nccl.ENV_WATCHDOG, "0")
     assert not nccl.watchdog_enabled()
     monkeypatch.setenv(nccl.ENV_WATCHDOG, "1")

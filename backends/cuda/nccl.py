@@ -84,12 +84,14 @@ def version() -> int:
 
 
 def watchdog_enabled() -> bool:
-    """Whether FlashOverlap's communicators are made under a deadline and watched
-    (``FLASHOVERLAP_WATCHDOG=1``). Off by default: its fault tests pass on the H200 and its cost
-    per call is within noise, but with it on two all_to_all conformance cases at W = 2 failed
-    (docs/design.md, "Failure model"). Without it a communicator is made and used as before
-    (the guarded NCCL entry points pass straight through for an unwatched one)."""
-    value = os.environ.get(ENV_WATCHDOG, "0").strip() or "0"
+    """Whether FlashOverlap's communicators are made under a deadline and watched: on by
+    default, ``FLASHOVERLAP_WATCHDOG=0`` turns it off. Its cost per call is within noise on the
+    H200. (It was off by default while an all_to_all conformance case failed only with it on; on
+    2026-12-03 the same case hung with it off, so the watchdog was not the cause but what turned
+    a hang into an error: docs/design.md, "Failure model".) Off, a communicator is made and used
+    as before the watchdog (the guarded NCCL entry points pass straight through for an unwatched
+    one), and a dead peer can hang the survivors."""
+    value = os.environ.get(ENV_WATCHDOG, "1").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_WATCHDOG} must be 0 or 1, got {value!r}")
     return value == "1"
