@@ -269,7 +269,7 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
     takes). It runs on a backend with native fp8 as an fp8 call, else dequantized as a float32
     call; all_to_all always runs dequantized (its per-call rows and splits path carries no
     scales). The call path is :func:`overlap`'s: a key's first call checks and prepares."""
-    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    out_dtype = fp8.DEFAULT_OUT_DTYPE if out_dtype is None else out_dtype
     kind = op if op.__class__ is str else type(op)
     tensors = all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b))
     if faults.failures:

@@ -51,6 +51,7 @@ from .plan import SCALINGS
 
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
+DEFAULT_OUT_DTYPE = torch.bfloat16  # an fp8 call's result without out_dtype
 INFERENCE_ONLY = ("fp8 calls are for inference: no autograd through them (call under "
                   "torch.no_grad(), or with inputs that do not require grad)")
 
@@ -179,7 +180,7 @@ def check_call(a, b, scale_a, scale_b, out_dtype) -> tuple[torch.dtype, str]:
         raise ValueError(f"a is [{m}, {k}] and b is [{b.shape[0]}, {n}]: a.shape[1] must equal "
                          "b.shape[0]")
     kind = check_scales(m, n, k, a.device, scale_a, scale_b)
-    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    out_dtype = DEFAULT_OUT_DTYPE if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     if any(t.requires_grad for t in (a, b, scale_a, scale_b)) and torch.is_grad_enabled():

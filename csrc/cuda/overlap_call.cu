@@ -288,9 +288,9 @@ struct RowsPhase {
     spare.push_back(current);
   }
 
-  cudaError_t update(const fo_call& c, fo_call_graph& g, bool* rebuild) const {
-    if (c.d.collective != 0 && out != g.out) *rebuild = true;  // (choose gave it this out's)
-    else g.out = out;
+  // With a collective, choose has already given the call this out's graph (g.out == out).
+  cudaError_t update(const fo_call&, fo_call_graph& g, bool*) const {
+    g.out = out;
     return cudaSuccess;
   }
 };

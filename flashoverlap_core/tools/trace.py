@@ -61,7 +61,7 @@ def check_groups(hw: Hardware, job: Job, groups: tuple[int, ...]) -> None:
     try:
         base = make_plan(job.m, job.n, job.k, job.plan_op, world, getattr(torch, job.dtype),
                          backend=hw.target, send_splits=send,
-                         out_dtype=torch.bfloat16 if job.fp8 else None, scaling=job.scaling)
+                         out_dtype=job.out_dtype, scaling=job.scaling)
         dataclasses.replace(base, group_sizes=groups)
     except (ValueError, TypeError) as e:
         raise UsageError(f"--groups {','.join(map(str, groups))}: {e}") from None

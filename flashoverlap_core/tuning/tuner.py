@@ -28,7 +28,7 @@ from ..backend import OverlapCall, OverlapSpec
 from ..collectives import resolve_group
 from ..grouping import equal_splits
 from ..ops import CUSTOM_OP, of
-from ..plan import FP8_DTYPES, SCALINGS, Plan
+from ..plan import FP8_DTYPES, SCALINGS, Plan, dtype_name
 from ..planning import make_plan
 from ..tile_trace import TileTrace
 from ..transfers import HostOffload
@@ -60,7 +60,7 @@ class Job:
     device_type: str | None = None  # default: the backend's (the host for backends of any device)
     rounds: int = 3  # samples of ``iters`` back-to-back calls per timed grouping
     # an fp8 job's scales (fp8.example_inputs): "tensorwise", "rowwise" or "blockwise"; its
-    # calls return bfloat16 (an fp8 call's default out_dtype)
+    # calls return an fp8 call's default out_dtype (``out_dtype``)
     scaling: str | None = None
 
     def __post_init__(self):
@@ -83,6 +83,11 @@ class Job:
     @property
     def fp8(self) -> bool:
         return self.dtype in FP8_DTYPES
+
+    @property
+    def out_dtype(self) -> torch.dtype | None:
+        """An fp8 job's result dtype (what its transfers move); None: the inputs' own."""
+        return fp8.DEFAULT_OUT_DTYPE if self.fp8 else None
 
     @property
     def plan_op(self) -> str:
@@ -108,10 +113,10 @@ class Workload:
         self.device = current_device(job.device_type or self.backend.device_type or "cpu")
         gen = torch.Generator(device=self.device).manual_seed(job.seed + self.rank)
         self.scale_a = self.scale_b = None
-        if job.fp8:  # e4m3 inputs with their scales; the result (what moves) in bfloat16
+        if job.fp8:  # e4m3 inputs with their scales; the result (what moves): job.out_dtype
             self.a, self.b, self.scale_a, self.scale_b = fp8.example_inputs(
                 job.m, job.n, job.k, job.scaling, self.device, gen)
-            dtype = torch.bfloat16
+            dtype = job.out_dtype
         else:
             dtype = getattr(torch, job.dtype)
             self.a = torch.randn(job.m, job.k, generator=gen, device=self.device, dtype=dtype)
@@ -135,7 +140,8 @@ class Workload:
         send = tuple(self.send) if self.send and op == "all_to_all" else None
         job = self.job
         return OverlapSpec(job.m, job.n, job.k, op, self.world, job.dtype, self.device.type,
-                           "col", send, "bfloat16" if job.fp8 else None, job.scaling)
+                           "col", send, dtype_name(job.out_dtype) if job.fp8 else None,
+                           job.scaling)
 
     def _plan(self, op: str) -> Plan:
         return make_plan(self.backend, self.spec(op))
@@ -239,11 +245,11 @@ def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) 
     work, cache = workload(job), TuningCache(cache_path)
     plan, dev, group = work.base, work.device, work.group
     send = transfer_fn(work.op, group, work.world)
-    moved = work.moved_dtype  # the result's dtype (an fp8 job's: bfloat16)
+    moved = work.moved_dtype  # the result's dtype (an fp8 job's: job.out_dtype)
     itemsize, total = moved.itemsize, work.output_bytes()
     align = itemsize * (work.world if job.op in ("reduce_scatter", "all_to_all") else 1)
     key = transfer_key(work.context, transfer=job.transfer or job.op, world_size=work.world,
-                       dtype=str(moved).removeprefix("torch."))
+                       dtype=dtype_name(moved))
     cost = _cached_curve(cache, key, work, refresh, total, lambda: measure_curve(
         send, log_sizes(min(plan.tile[0] * plan.tile[1] * itemsize, total), total, align),
         moved, dev, group, job.iters, job.warmup))
