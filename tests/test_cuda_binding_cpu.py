@@ -26,7 +26,7 @@ GEMM_API = ROOT / "csrc" / "cuda" / "gemm_api.h"  # (HEADER includes it)
 FUNCTIONS = {
     "check", "last_error", "load_kernels", "wait_counter", "reset_counters", "unpack_tiles",
     "add_rmsnorm_tiles", "nccl_load", "nccl_version", "nccl_unique_id", "nccl_comm_init",
-    "nccl_comm_destroy", "call_create", "call_destroy", "call_graph_state",
+    "nccl_set_capture_comm", "nccl_comm_destroy", "call_create", "call_destroy", "call_graph_state",
     "call_add_rmsnorm_graph_state", "call_set_add_rmsnorm", "call_run", "call_run_scaled",
     "call_run_add_rmsnorm", "a2a_create", "a2a_destroy", "a2a_set_buffers", "a2a_run",
     "gather_create", "gather_destroy", "gather_load_kernels", "gather_run"}

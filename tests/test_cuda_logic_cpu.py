@@ -460,20 +460,24 @@ def test_ci_compile_check_configurations():
     assert names[2].startswith("sm80_fp16_brow") and names[2].endswith("_blocks"), names
 
 
-def test_nccl_watchdog_switch_is_checked(monkeypatch):
-    """FlashOverlap's NCCL watchdog: on by default (a dead peer must not hang the survivors);
-    FLASHOVERLAP_WATCHDOG=0 turns it off, an empty value is the default; anything but 0 or 1
-    is refused with the variable's name."""
+@pytest.mark.parametrize("variable, reader", [("FLASHOVERLAP_WATCHDOG", "watchdog_enabled"),
+                                              ("FLASHOVERLAP_NCCL_CAPTURE_COMM", "capture_twin")])
+def test_nccl_switches_are_checked(monkeypatch, variable, reader):
+    """FlashOverlap's NCCL watchdog (a dead peer must not hang the survivors) and the capture
+    twin of each communicator (graph replays and eager calls never share one: NCCL may then
+    run a rank's work out of order): both on by default; 0 turns one off, an empty value is the
+    default; anything but 0 or 1 is refused with the variable's name."""
     from flashoverlap_backends.cuda import nccl
 
-    monkeypatch.delenv(nccl.ENV_WATCHDOG, raising=False)
-    assert nccl.watchdog_enabled()
-    monkeypatch.setenv(nccl.ENV_WATCHDOG, "")
-    assert nccl.watchdog_enabled()
-    monkeypatch.setenv(nccl.ENV_WATCHDOG, "0")
-    assert not nccl.watchdog_enabled()
-    monkeypatch.setenv(nccl.ENV_WATCHDOG, "1")
-    assert nccl.watchdog_enabled()
-    monkeypatch.setenv(nccl.ENV_WATCHDOG, "yes")
-    with pytest.raises(ValueError, match="FLASHOVERLAP_WATCHDOG"):
-        nccl.watchdog_enabled()
+    read = getattr(nccl, reader)
+    monkeypatch.delenv(variable, raising=False)
+    assert read()
+    monkeypatch.setenv(variable, "")
+    assert read()
+    monkeypatch.setenv(variable, "0")
+    assert not read()
+    monkeypatch.setenv(variable, "1")
+    assert read()
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=variable):
+        read()

@@ -6,6 +6,13 @@ of the group draws a unique id, the group broadcasts it, and every rank joins wi
 runtime object resolves it with dlopen), so the two never disagree on the NCCL version.
 ``FLASHOVERLAP_NCCL_LIBRARY`` names another library file to load when torch's is not loaded.
 
+Each communicator made here comes with a twin for captured work (``capture_twin``): what the
+runtime queues on a stream being captured (the call path's own graphs, a caller's capture) goes
+to the twin, so that neither communicator runs both graph replays and eager calls. NCCL 2.28
+does not keep one rank's network work in order on a communicator used both ways (csrc/cuda/nccl.cu
+says when), and the ranks' sends and receives then stop pairing up: docs/design.md, "Two
+communicators". ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0`` makes one communicator do both, as before.
+
 Every communicator made here is watched (csrc/cuda/nccl.cu, "The watchdog"; docs/design.md,
 "Failure model"): its creation has a deadline, and everything queued on it is followed against
 the deadline (``flashoverlap_core.faults.timeout``: the group's timeout unless
@@ -34,6 +41,7 @@ from .device_state import _current_stream_getter
 ENV_LIBRARY = "FLASHOVERLAP_NCCL_LIBRARY"
 ENV_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 ENV_WATCHDOG = "FLASHOVERLAP_WATCHDOG"
+ENV_CAPTURE_COMM = "FLASHOVERLAP_NCCL_CAPTURE_COMM"
 # TORCH_NCCL_ASYNC_ERROR_HANDLING -> fo_nccl_watch's handling (0 report and raise at the next
 # call, 1 abort then tear down, 2 tear down without abort); unset: report and raise.
 HANDLING = {"0": 0, "1": 1, "2": 0, "3": 2}
@@ -97,11 +105,22 @@ def watchdog_enabled() -> bool:
     return value == "1"
 
 
+def capture_twin() -> bool:
+    """Whether each communicator gets a twin for the work queued while a stream is captured (on
+    by default; ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0``: one communicator for both, which NCCL
+    2.28 may run out of order between ranks)."""
+    value = os.environ.get(ENV_CAPTURE_COMM, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_CAPTURE_COMM} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def communicator(group, device: torch.device, max_ctas: int | None = None) -> int:
     """This rank's ncclComm_t for ``group`` on ``device``, created on first use (a collective:
     every rank of the group must ask, in the same order, as for any collective). With
     ``max_ctas``, a communicator of its own whose kernels take at most that many CTAs and no
-    CTA clusters (allgather's: its kernels must fit on the SMs its waiting GEMM leaves free)."""
+    CTA clusters (allgather's: its kernels must fit on the SMs its waiting GEMM leaves free).
+    Its capture twin (:func:`capture_twin`) is made with it, from the same broadcast."""
     key = (group, device.index, max_ctas)
     with _lock:
         comm = _comms.get(key)
@@ -113,31 +132,42 @@ def communicator(group, device: torch.device, max_ctas: int | None = None) -> in
         handling = error_handling()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         seconds = faults.timeout(group, "cuda")
+        count = 2 if capture_twin() else 1
 
-        def create():
+        def create():  # -> (communicator, its capture twin or 0)
             with torch.cuda.device(device):
-                uid = torch.zeros(128, dtype=torch.uint8)
+                uid = torch.zeros(128 * count, dtype=torch.uint8)
                 if rank == 0:
-                    uid = torch.frombuffer(bytearray(runtime.nccl_unique_id()), dtype=torch.uint8)
+                    ids = b"".join(runtime.nccl_unique_id() for _ in range(count))
+                    uid = torch.frombuffer(bytearray(ids), dtype=torch.uint8)
                 on_device = uid.to(device)
                 with faults.collective(group, "the broadcast of a new communicator's id"):
                     dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
-                    unique_id = bytes(on_device.cpu().numpy())
-                return runtime.nccl_comm_init(world, unique_id, rank, device.index, max_ctas)
+                    ids = bytes(on_device.cpu().numpy())
+                made = [runtime.nccl_comm_init(world, ids[128 * i:128 * (i + 1)], rank,
+                                               device.index, max_ctas) for i in range(count)]
+                if count == 2:
+                    runtime.nccl_set_capture_comm(made[0], made[1])
+                return made[0], (made[1] if count == 2 else 0)
 
         if not watchdog_enabled():  # as before the watchdog: made here, not watched
-            comm = create()
+            comm, _ = create()
             _comms[key] = comm
             return comm
         # ncclCommInitRank waits for every rank: past the deadline the creating thread is left
         # behind (it cannot be interrupted) and the group is failed.
         try:
-            comm = faults.call_with_deadline(create, seconds, "making FlashOverlap's communicator")
+            comm, twin = faults.call_with_deadline(create, seconds,
+                                                   "making FlashOverlap's communicator")
         except TimeoutError as e:
             raise faults.record(group, faults.error(
                 group, f"{e}: not every rank of the group joined (a rank died, stalled or did not "
                 "make the same call)", timeout_s=seconds)) from None
+        # the two fail together: one group id
         watch = runtime.nccl_watch(comm, device.index, _group_id(group), seconds, handling)
+        if twin:
+            twin_watch = runtime.nccl_watch(twin, device.index, _group_id(group), seconds, handling)
+            _watches[twin] = (group, key + ("capture",), twin_watch)
         _comms[key] = comm
         _watches[comm] = (group, key, watch)
         return comm

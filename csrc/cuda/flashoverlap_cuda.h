@@ -45,6 +45,11 @@ FO_API cudaError_t fo_nccl_comm_init(void** comm, int nranks, const void* id128,
 FO_API cudaError_t fo_nccl_comm_init_bounded(void** comm, int nranks, const void* id128, int rank,
                                              int device, int max_ctas);
 FO_API cudaError_t fo_nccl_comm_destroy(void* comm);
+// Work the runtime queues on `comm` from a stream being captured goes to `capture` instead (a
+// communicator of the same ranks), so that neither one runs both graph replays and eager work:
+// NCCL does not keep a rank's network work in order across the two (nccl.cu). capture == null:
+// no twin any more.
+FO_API cudaError_t fo_nccl_set_capture_comm(void* comm, void* capture);
 // One whole collective on `stream` (the plain path's, on FlashOverlap's own communicator):
 // kind 1 all-reduce (sum; send may equal recv), 2 reduce-scatter (sum), 3 all-gather. count:
 // 1: the elements of send (= recv); 2: the elements each rank receives; 3: the elements each

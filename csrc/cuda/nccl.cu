@@ -19,6 +19,18 @@
 // replay stuck in a collective is found too; one that completes between two looks is never seen.
 // A graph of the call path's own takes no slots (OwnCapture): launch_graph follows it whole.
 // Nothing here is ever freed: the thread may poll while the process exits.
+//
+// Captured and eager work on separate communicators (fo_nccl_set_capture_comm). A communicator
+// may have a capture twin: a guarded entry point called on a stream being captured issues its
+// work on the twin instead. So one communicator only ever runs eager work and the other only
+// graph replays. NCCL 2.28 does not keep one rank's network work in order on a communicator used
+// both ways: while graphs of it are alive, an eager call's proxy work is posted by a host
+// callback behind the previous one's when that is still pending, and at once when none is
+// alive; when NCCL reclaims the last destroyed graph (at a later group launch) between two
+// eager calls, the second one's work is posted before the first's. The peers then pair one
+// call's sends with another's receives ("message truncated"), or hang. On an eager-only
+// communicator every call posts at once, in order; on a graph-only one every replay posts from
+// its own host node, in stream order.
 #include <cuda.h>  // driver types only: cuStreamWriteValue32 is reached through the runtime
 #include <dlfcn.h>
 
@@ -261,6 +273,9 @@ struct Registry {
   std::shared_timed_mutex guard;
   std::vector<Watch*> watches;
   std::once_flag thread_started;
+  // (communicator, its capture twin): fo_nccl_set_capture_comm; changes under `guard` only
+  std::vector<std::pair<Comm, Comm>> twins;
+  std::atomic<bool> any_twin{false};
 };
 
 Registry& registry() {
@@ -293,12 +308,29 @@ struct ThreadGroup {
 thread_local ThreadGroup tls_group;
 thread_local int tls_own_capture = 0;  // OwnCapture objects alive on this thread
 
-// One guarded entry point: `call` is NCCL's, on `comm` and `stream`.
+// The communicator that work on `stream` takes: the capture twin of `comm` while `stream` is
+// being captured, else `comm` (under registry().guard).
+Comm twin_of(Comm comm) {  // the capture twin of `comm` (nullptr: none; under the guard)
+  const Registry& reg = registry();
+  if (!reg.any_twin.load(std::memory_order_relaxed)) return nullptr;
+  for (const auto& [eager, twin] : reg.twins)
+    if (eager == comm) return twin;
+  return nullptr;
+}
+
+Comm route(Comm comm, cudaStream_t stream) {
+  const Comm twin = twin_of(comm);
+  return twin && capturing(stream) ? twin : comm;
+}
+
+// One guarded entry point: `call(comm)` is NCCL's, on `comm` (or its capture twin: route) and
+// `stream`.
 template <class Call>
 Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
   Registry& reg = registry();
   const bool outer = tls_group.depth == 0;
   if (outer) reg.guard.lock_shared();
+  comm = route(comm, stream);
   Watch* w = find(comm);
   Result r;
   if (w && w->aborted.load()) {
@@ -315,7 +347,7 @@ Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
       if (!outer && slot >= 0) tls_group.captured.emplace_back(w, stream, slot);
     }
     if (watched) w->mark(kind);
-    r = call();
+    r = call(comm);
     if (outer && slot >= 0) w->leave_capture(stream, slot);
     if (watched && r != 0) w->unmark();
     if (watched && r == 0) {
@@ -334,20 +366,24 @@ Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
 }
 
 Result g_all_reduce(const void* s, void* r, size_t n, int t, int op, Comm c, cudaStream_t st) {
-  return guarded_call(c, st, kAllReduce, [&] { return raw().AllReduce(s, r, n, t, op, c, st); });
+  return guarded_call(c, st, kAllReduce,
+                      [&](Comm to) { return raw().AllReduce(s, r, n, t, op, to, st); });
 }
 Result g_reduce_scatter(const void* s, void* r, size_t n, int t, int op, Comm c, cudaStream_t st) {
   return guarded_call(c, st, kReduceScatter,
-                      [&] { return raw().ReduceScatter(s, r, n, t, op, c, st); });
+                      [&](Comm to) { return raw().ReduceScatter(s, r, n, t, op, to, st); });
 }
 Result g_all_gather(const void* s, void* r, size_t n, int t, Comm c, cudaStream_t st) {
-  return guarded_call(c, st, kAllGather, [&] { return raw().AllGather(s, r, n, t, c, st); });
+  return guarded_call(c, st, kAllGather,
+                      [&](Comm to) { return raw().AllGather(s, r, n, t, to, st); });
 }
 Result g_send(const void* s, size_t n, int t, int peer, Comm c, cudaStream_t st) {
-  return guarded_call(c, st, kSendRecv, [&] { return raw().Send(s, n, t, peer, c, st); });
+  return guarded_call(c, st, kSendRecv,
+                      [&](Comm to) { return raw().Send(s, n, t, peer, to, st); });
 }
 Result g_recv(void* r, size_t n, int t, int peer, Comm c, cudaStream_t st) {
-  return guarded_call(c, st, kSendRecv, [&] { return raw().Recv(r, n, t, peer, c, st); });
+  return guarded_call(c, st, kSendRecv,
+                      [&](Comm to) { return raw().Recv(r, n, t, peer, to, st); });
 }
 Result g_group_start() {
   if (tls_group.depth++ == 0) registry().guard.lock_shared();
@@ -518,7 +554,8 @@ cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream, Comm comm) {
     return cudaSuccess;
   }
   std::shared_lock<std::shared_timed_mutex> hold(registry().guard);
-  Watch* w = find(comm);
+  const Comm twin = twin_of(comm);  // the graph was captured on it
+  Watch* w = find(twin ? twin : comm);
   if (w && w->aborted.load())
     return fo::fail(cudaErrorLaunchFailure,
                 "the call's communicator was aborted by FlashOverlap's watchdog: %s", w->reason);
@@ -612,6 +649,22 @@ FO_API cudaError_t fo_nccl_collective(void* comm, int kind, const void* send, vo
     default:
       return fo::fail(cudaErrorInvalidValue, "fo_nccl_collective: unknown kind %d (1-3)", kind);
   }
+}
+
+FO_API cudaError_t fo_nccl_set_capture_comm(void* comm, void* capture) {
+  using namespace fo::nccl;
+  if (!comm || comm == capture)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_nccl_set_capture_comm: needs a communicator and another one as its twin");
+  Registry& reg = registry();
+  std::unique_lock<std::shared_timed_mutex> hold(reg.guard);
+  auto& twins = reg.twins;
+  twins.erase(std::remove_if(twins.begin(), twins.end(),
+                             [&](const std::pair<Comm, Comm>& t) { return t.first == comm; }),
+              twins.end());
+  if (capture) twins.emplace_back(static_cast<Comm>(comm), static_cast<Comm>(capture));
+  reg.any_twin.store(!twins.empty());
+  return cudaSuccess;
 }
 
 FO_API cudaError_t fo_nccl_comm_destroy(void* comm) {

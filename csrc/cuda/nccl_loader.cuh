@@ -65,9 +65,10 @@ inline Api& raw() {
 constexpr Result kInvalidUsage = 5;
 constexpr Result kInProgress = 7;
 
-// cudaGraphLaunch(exec, stream) of a graph holding `comm`'s collectives (nullptr: none): an error
-// without launching when the watchdog aborted `comm`; on a watched communicator, the launch is
-// followed against the deadline like any queued collective.
+// cudaGraphLaunch(exec, stream) of a graph holding `comm`'s collectives (nullptr: none; captured
+// on its capture twin where it has one, fo_nccl_set_capture_comm): an error without launching
+// when the watchdog aborted it; on a watched communicator, the launch is followed against the
+// deadline like any queued collective.
 cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream, Comm comm);
 
 // Alive on a thread while it captures a graph of the call path's own (launched through

@@ -688,6 +688,11 @@ PYBIND11_MODULE(fo_runtime, m) {
           }),
           "fo_nccl_collective");
   });
+  m.def("nccl_set_capture_comm", [](Ptr comm, Ptr capture) {
+    check(fo_nccl_set_capture_comm(comm.as<void*>(), capture.as<void*>()),
+          "fo_nccl_set_capture_comm");
+  }, py::arg("comm"), py::arg("capture"),
+        "Work queued on comm from a stream being captured goes to capture (0: no twin).");
   m.def("nccl_comm_destroy", [](Ptr comm) {
     check(unlocked([&] { return fo_nccl_comm_destroy(comm.as<void*>()); }), "ncclCommDestroy");
   });

@@ -295,6 +295,44 @@ def test_graph_replays_bitwise_stable(wait, op, monkeypatch, nccl_group):
 
 
 @needs_cuda
+def test_graph_replays_and_eager_collectives_take_separate_communicators(nccl_group):
+    """A communicator of FlashOverlap's runs either graph replays or eager calls, never both
+    (NCCL 2.28 may post a rank's network work out of order on one used both ways:
+    csrc/cuda/nccl.cu). Behind a GPU busy for a while, a replay of the call's graph is pending
+    on the capture twin's watch alone, and a plain-path collective on the eager one alone."""
+    import time
+
+    from flashoverlap_backends.cuda import nccl
+
+    if not nccl.watchdog_enabled() or not nccl.capture_twin():
+        pytest.skip("needs the watchdog and the capture twin (both on by default)")
+    a, b = _inputs(1024, 3072, 256, torch.bfloat16)
+    plan = fo.plan(1024, 3072, 256, op="allreduce", dtype=torch.bfloat16, backend="cuda")
+    out = torch.empty(1024, 3072, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):  # launches, then a capture and replays
+        fo.overlap(a, b, "allreduce", plan=plan, out=out)
+    torch.cuda.synchronize()
+    _check(out, a, b)
+    mine = [(key, comm) for comm, (group, key, _) in nccl._watches.items() if group is nccl_group]
+    eager = [comm for key, comm in mine if key[-1] != "capture"]
+    twins = [comm for key, comm in mine if key[-1] == "capture"]
+    assert len(eager) == len(twins) == 1, mine
+    time.sleep(0.5)  # a few looks of the watchdog: everything completed is dropped
+    assert nccl.pending(eager[0]) == nccl.pending(twins[0]) == 0
+    torch.cuda._sleep(400_000_000)  # about 0.2 s of the GPU's clock
+    fo.overlap(a, b, "allreduce", plan=plan, out=out)  # a replay
+    assert nccl.pending(twins[0]) >= 1 and nccl.pending(eager[0]) == 0
+    torch.cuda.synchronize()
+    time.sleep(0.5)
+    t = torch.ones(4096, device="cuda")
+    torch.cuda._sleep(400_000_000)
+    nccl.PlainCollectives(nccl_group, t.device).all_reduce(t)
+    assert nccl.pending(eager[0]) >= 1 and nccl.pending(twins[0]) == 0
+    torch.cuda.synchronize()
+    assert torch.equal(t, torch.ones_like(t))
+
+
+@needs_cuda
 def test_host_offload_gets_packed_result():
     m, n, k = 3000, 2048, 1024
     a, b = _inputs(m, n, k, torch.bfloat16)

@@ -159,7 +159,8 @@ def soak(calls: int) -> dict:
     import time
 
     time.sleep(0.5)  # a few looks of the watchdog
-    pending = sum(nccl.pending(comm) for comm in list(nccl._comms.values()))
+    # every watched communicator: the eager ones and their capture twins (the graph replays)
+    pending = sum(nccl.pending(comm) for comm in list(nccl._watches))
     return {"problems": problems[:20], "memory": memory, "pending": pending,
             "communicators": len(nccl._comms)}
 
