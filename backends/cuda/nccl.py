@@ -11,7 +11,8 @@ runtime queues on a stream being captured (the call path's own graphs, a caller'
 to the twin, so that neither communicator runs both graph replays and eager calls. NCCL 2.28
 does not keep one rank's network work in order on a communicator used both ways (csrc/cuda/nccl.cu
 says when), and the ranks' sends and receives then stop pairing up: docs/design.md, "Two
-communicators". ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0`` makes one communicator do both, as before.
+the call path). ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0`` on rank 0 of a group makes one
+communicator do both for that group, as before.
 
 Every communicator made here is watched (csrc/cuda/nccl.cu, "The watchdog"; docs/design.md,
 "Failure model"): its creation has a deadline, and everything queued on it is followed against
@@ -108,7 +109,7 @@ def watchdog_enabled() -> bool:
 def capture_twin() -> bool:
     """Whether each communicator gets a twin for the work queued while a stream is captured (on
     by default; ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0``: one communicator for both, which NCCL
-    2.28 may run out of order between ranks)."""
+    2.28 may run out of order between ranks). Rank 0's answer decides for its group."""
     value = os.environ.get(ENV_CAPTURE_COMM, "1").strip() or "1"
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_CAPTURE_COMM} must be 0 or 1, got {value!r}")
@@ -132,19 +133,23 @@ def communicator(group, device: torch.device, max_ctas: int | None = None) -> in
         handling = error_handling()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         seconds = faults.timeout(group, "cuda")
-        count = 2 if capture_twin() else 1
 
         def create():  # -> (communicator, its capture twin or 0)
+            # rank 0's choice of a twin travels with the ids (byte 0), so that the ranks of a
+            # group make the same communicators even where their environments differ
             with torch.cuda.device(device):
-                uid = torch.zeros(128 * count, dtype=torch.uint8)
+                uid = torch.zeros(1 + 2 * 128, dtype=torch.uint8)
                 if rank == 0:
-                    ids = b"".join(runtime.nccl_unique_id() for _ in range(count))
+                    twin = capture_twin()
+                    ids = bytes([twin]) + runtime.nccl_unique_id() + (
+                        runtime.nccl_unique_id() if twin else bytes(128))
                     uid = torch.frombuffer(bytearray(ids), dtype=torch.uint8)
                 on_device = uid.to(device)
                 with faults.collective(group, "the broadcast of a new communicator's id"):
                     dist.broadcast(on_device, src=dist.get_global_rank(group, 0), group=group)
                     ids = bytes(on_device.cpu().numpy())
-                made = [runtime.nccl_comm_init(world, ids[128 * i:128 * (i + 1)], rank,
+                count = 2 if ids[0] else 1
+                made = [runtime.nccl_comm_init(world, ids[1 + 128 * i:1 + 128 * (i + 1)], rank,
                                                device.index, max_ctas) for i in range(count)]
                 if count == 2:
                     runtime.nccl_set_capture_comm(made[0], made[1])

@@ -439,3 +439,38 @@ def strategies_with_own_caches(seed: int, cache_dir: str, backend) -> dict:
                 os.environ[k] = v
         strategy.forget()
     return {"problems": problems, "chosen": chosen}
+
+
+def twins_follow_rank0(seed: int, calls: int) -> dict:
+    """Two new groups of every rank, made while the ranks' FLASHOVERLAP_NCCL_CAPTURE_COMM
+    differ: rank 0's setting decides whether each communicator of a group gets a capture twin
+    (first 1, then 0), so every rank makes the same communicators. On each, overlapped
+    allreduce calls (launches, then graph replays) and a plain-path one, checked."""
+    from flashoverlap_backends.cuda import nccl
+
+    rank, world = rank_world()
+    m, n, k = 384, 512, 256
+    before = os.environ.get(nccl.ENV_CAPTURE_COMM)
+    problems, twins = [], []
+    try:
+        for step, rank0 in enumerate(("1", "0")):
+            mine = rank0 if rank == 0 else ("0" if rank0 == "1" else "1")
+            os.environ[nccl.ENV_CAPTURE_COMM] = mine
+            group = dist.new_group(list(range(world)))
+            plan = fo.plan(m, n, k, op="allreduce", dtype=DTYPE, backend="cuda",
+                           world_size=world)
+            for call in range(calls):
+                a, b = operands(seed, rank, m, n, k, "col", 100 * step + call)
+                got = fo.overlap(a, b, "allreduce", group, plan=plan)
+                want = reference("allreduce", seed, m, n, k, "col", 100 * step + call)
+                problems += check(got, want.to(got.device), f"group {step} call {call}")
+            keys = [key for comm, (g, key, _) in nccl._watches.items() if g is group]
+            twins.append(sum(1 for key in keys if key[-1] == "capture"))
+            if not keys:  # the watchdog off: no watches to count the communicators by
+                twins[-1] = None
+    finally:
+        if before is None:
+            os.environ.pop(nccl.ENV_CAPTURE_COMM, None)
+        else:
+            os.environ[nccl.ENV_CAPTURE_COMM] = before
+    return {"problems": problems[:20], "twins": twins}

@@ -118,6 +118,18 @@ def test_ranks_with_their_own_outputs_launch_collectives_alike(pools, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_rank0_decides_the_capture_twin_for_its_group(pools, world):
+    """Ranks whose FLASHOVERLAP_NCCL_CAPTURE_COMM differ make the same communicators for a new
+    group (rank 0's choice travels with the ids): with rank 0 at 1 every rank has a twin, at 0
+    none, and the group's calls (launches, then graph replays) are right either way."""
+    results = run(pools, world, work.twins_follow_rank0, 29 + world, 4)
+    no_problems(results, "a group whose ranks' twin settings differ")
+    for r in results:
+        if r["twins"][0] is not None:
+            assert r["twins"] == [1, 0], results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_compile_reduce_overhead_sharing_one_cache(pools, world):
     no_problems(run(pools, world, work.compiled_block, 23, 4, "cuda", timeout=600.0),
                 "torch.compile reduce-overhead")
