@@ -26,6 +26,8 @@ run_one() {
     mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ${FO_MR_K:+-k "$FO_MR_K"} ;;
     strategy) stage strategy 150 $PY bench/strategy.py ;;
     mr-outs) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-own-outputs 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k own_outputs ;;
+    # tests/gpu/test_multirank.py by name (FO_MR_K; mr2..mr4 are the conformance suite)
+    mr-k) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-tests ${FO_MR_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k "${FO_MR_K:?}" ;;
     mr-strategy) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-strategy 120 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k same_strategy ;;
     gemmfp8) stage gemmfp8 240 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
     moe) stage moe 200 $PY bench/moe.py ;;
