@@ -659,9 +659,11 @@ FO_API cudaError_t fo_nccl_set_capture_comm(void* comm, void* capture) {
   Registry& reg = registry();
   std::unique_lock<std::shared_timed_mutex> hold(reg.guard);
   auto& twins = reg.twins;
-  twins.erase(std::remove_if(twins.begin(), twins.end(),
-                             [&](const std::pair<Comm, Comm>& t) { return t.first == comm; }),
-              twins.end());
+  // entries naming either communicator are stale (their addresses were an aborted pair's)
+  const auto stale = [&](const std::pair<Comm, Comm>& t) {
+    return t.first == comm || t.second == comm || (capture && (t.first == capture || t.second == capture));
+  };
+  twins.erase(std::remove_if(twins.begin(), twins.end(), stale), twins.end());
   if (capture) twins.emplace_back(static_cast<Comm>(comm), static_cast<Comm>(capture));
   reg.any_twin.store(!twins.empty());
   return cudaSuccess;
@@ -702,6 +704,13 @@ FO_API cudaError_t fo_nccl_watch(void* comm, int device, int64_t group, double t
   Registry& reg = registry();
   {
     std::unique_lock<std::shared_timed_mutex> hold(reg.guard);
+    // A failed watch of an aborted communicator whose address NCCL has given to this new one
+    // (a recovery in the same process) is dropped from the list, so that find() sees the new
+    // watch. Not freed: the thread may still hold it from its last look.
+    auto& list = reg.watches;
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [&](Watch* old) { return old->comm == w->comm && old->aborted.load(); }),
+               list.end());
     if (find(w->comm)) {
       delete w;
       return fo::fail(cudaErrorInvalidValue, "fo_nccl_watch: the communicator is watched already");
