@@ -10,9 +10,9 @@ Each communicator made here comes with a twin for captured work (``capture_twin`
 runtime queues on a stream being captured (the call path's own graphs, a caller's capture) goes
 to the twin, so that neither communicator runs both graph replays and eager calls. NCCL 2.28
 does not keep one rank's network work in order on a communicator used both ways (csrc/cuda/nccl.cu
-says when), and the ranks' sends and receives then stop pairing up: docs/design.md, "Two
-the call path). ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0`` on rank 0 of a group makes one
-communicator do both for that group, as before.
+says when), and the ranks' sends and receives then stop pairing up (docs/design.md, "The call
+path"). ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0`` on rank 0 of a group makes one communicator do both
+for that group, as before.
 
 Every communicator made here is watched (csrc/cuda/nccl.cu, "The watchdog"; docs/design.md,
 "Failure model"): its creation has a deadline, and everything queued on it is followed against
@@ -100,19 +100,21 @@ def watchdog_enabled() -> bool:
     a hang into an error: docs/design.md, "Failure model".) Off, a communicator is made and used
     as before the watchdog (the guarded NCCL entry points pass straight through for an unwatched
     one), and a dead peer can hang the survivors."""
-    value = os.environ.get(ENV_WATCHDOG, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_WATCHDOG} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch(ENV_WATCHDOG)
 
 
 def capture_twin() -> bool:
     """Whether each communicator gets a twin for the work queued while a stream is captured (on
     by default; ``FLASHOVERLAP_NCCL_CAPTURE_COMM=0``: one communicator for both, which NCCL
     2.28 may run out of order between ranks). Rank 0's answer decides for its group."""
-    value = os.environ.get(ENV_CAPTURE_COMM, "1").strip() or "1"
+    return _switch(ENV_CAPTURE_COMM)
+
+
+def _switch(name: str) -> bool:
+    """An on/off variable that is on by default: "0" or "1" (empty: the default)."""
+    value = os.environ.get(name, "1").strip() or "1"
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV_CAPTURE_COMM} must be 0 or 1, got {value!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
 
 

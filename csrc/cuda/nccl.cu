@@ -308,9 +308,8 @@ struct ThreadGroup {
 thread_local ThreadGroup tls_group;
 thread_local int tls_own_capture = 0;  // OwnCapture objects alive on this thread
 
-// The communicator that work on `stream` takes: the capture twin of `comm` while `stream` is
-// being captured, else `comm` (under registry().guard).
-Comm twin_of(Comm comm) {  // the capture twin of `comm` (nullptr: none; under the guard)
+// The capture twin of `comm` (nullptr: none; under registry().guard).
+Comm twin_of(Comm comm) {
   const Registry& reg = registry();
   if (!reg.any_twin.load(std::memory_order_relaxed)) return nullptr;
   for (const auto& [eager, twin] : reg.twins)
@@ -318,25 +317,23 @@ Comm twin_of(Comm comm) {  // the capture twin of `comm` (nullptr: none; under t
   return nullptr;
 }
 
-Comm route(Comm comm, cudaStream_t stream) {
-  const Comm twin = twin_of(comm);
-  return twin && capturing(stream) ? twin : comm;
-}
-
-// One guarded entry point: `call(comm)` is NCCL's, on `comm` (or its capture twin: route) and
-// `stream`.
+// One guarded entry point: `call(comm)` is NCCL's, on `comm` and `stream`; work on a stream
+// being captured goes to the capture twin of `comm` where it has one.
 template <class Call>
 Result guarded_call(Comm comm, cudaStream_t stream, int kind, Call&& call) {
   Registry& reg = registry();
   const bool outer = tls_group.depth == 0;
   if (outer) reg.guard.lock_shared();
-  comm = route(comm, stream);
+  // the stream's capture status, asked once and only when a twin or a watch needs it
+  const Comm twin = twin_of(comm);
+  const bool stream_captured = (twin || find(comm)) && capturing(stream);
+  if (twin && stream_captured) comm = twin;
   Watch* w = find(comm);
   Result r;
   if (w && w->aborted.load()) {
     r = kInvalidUsage;  // refused: NCCL freed, or is freeing, this communicator
   } else {
-    const bool in_capture = w && capturing(stream);
+    const bool in_capture = w && stream_captured;
     const bool watched = w && !in_capture;
     int slot = -1;
     if (in_capture) {
@@ -660,8 +657,11 @@ FO_API cudaError_t fo_nccl_set_capture_comm(void* comm, void* capture) {
   std::unique_lock<std::shared_timed_mutex> hold(reg.guard);
   auto& twins = reg.twins;
   // entries naming either communicator are stale (their addresses were an aborted pair's)
+  const auto names = [](const std::pair<Comm, Comm>& t, void* c) {
+    return c && (t.first == c || t.second == c);
+  };
   const auto stale = [&](const std::pair<Comm, Comm>& t) {
-    return t.first == comm || t.second == comm || (capture && (t.first == capture || t.second == capture));
+    return names(t, comm) || names(t, capture);
   };
   twins.erase(std::remove_if(twins.begin(), twins.end(), stale), twins.end());
   if (capture) twins.emplace_back(static_cast<Comm>(comm), static_cast<Comm>(capture));

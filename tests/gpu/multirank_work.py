@@ -445,7 +445,7 @@ def twins_follow_rank0(seed: int, calls: int) -> dict:
     """Two new groups of every rank, made while the ranks' FLASHOVERLAP_NCCL_CAPTURE_COMM
     differ: rank 0's setting decides whether each communicator of a group gets a capture twin
     (first 1, then 0), so every rank makes the same communicators. On each, overlapped
-    allreduce calls (launches, then graph replays) and a plain-path one, checked."""
+    allreduce calls (launches, then graph replays), checked."""
     from flashoverlap_backends.cuda import nccl
 
     rank, world = rank_world()
