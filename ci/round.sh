@@ -49,6 +49,12 @@ run_one() {
     ncu-fp8) stage ncu-fp8 ${FO_NCU_SECONDS:-240} ncu --profile-from-start off --nvtx --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/fp8-ncu" $PY bench/fp8_ncu.py ${FO_NCU_ARGS:-}
              ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page details >"$OUT/fp8-ncu-details.csv" 2>&1 || true ;;
+    # Nsight Compute on one all_to_all call (bench/a2a_ncu.py): its table kernel and GEMM
+    ncu-a2a) stage ncu-a2a ${FO_NCU_SECONDS:-120} ncu --profile-from-start off --set ${FO_NCU_SET:-full} \
+               -f -o "$OUT/a2a-ncu" $PY bench/a2a_ncu.py ${FO_NCU_ARGS:-}
+             ncu --import "$OUT/a2a-ncu.ncu-rep" --csv --page details >"$OUT/a2a-ncu-details.csv" 2>&1 || true ;;
+    # objects compiled elsewhere (carried .fo_build) under this machine's toolchain names
+    adopt) stage adopt-cache 60 $PY ci/adopt_cache.py ;;
     *) echo "unknown stage $s" | tee -a "$SUMMARY" ;;
   esac
   # kernel objects built inside the stage (a JIT build inside a test is slow and skews timings)

@@ -41,16 +41,20 @@ def agree(c: dict, a, b, op, plan, out, recv_splits, backend
     world, group = c["world_size"], c["group"]
     plan_backend = plan.backend if plan is not None else None
     selection = spec
-    if of(c["op"]).splits:
+    splits = of(c["op"]).splits
+    if splits:
         # rows and splits are each call's own: the plan this settles (tile, order, number of
-        # groups) comes from what every rank shares; each call then cuts it to its rows
+        # groups) comes from what every rank shares; each call then cuts it to its rows. Alone,
+        # a rank's own rows are what its calls are expected to have (the tile rule's hint);
+        # in a group the hint is the ranks' mean, known after the first exchange below
         spec = selection = dataclasses.replace(
-            spec, m=world, send_splits=(1,) * world if world > 1 else None)
+            spec, m=world, send_splits=(1,) * world if world > 1 else None,
+            rows_hint=a.shape[0] if group is None or world == 1 else None)
         if world > 1 and registry.explicit_choice(backend, plan_backend) is None:
             # nor may the automatic choice follow this rank's own splits
             selection = dataclasses.replace(spec, send_splits=None)
 
-    def attempt(names):
+    def attempt(names, spec=spec):
         """(fit names, plan, digest, error text, strategy mode) for this rank, choosing among
         ``names``."""
         try:
@@ -92,6 +96,17 @@ def agree(c: dict, a, b, op, plan, out, recv_splits, backend
         _raise_errors(views, error)
     _check_same_plan(c["op"], views)
     _check_same_mode(views)
+    if splits:
+        # all_to_all: the plan again with the ranks' mean rows as the tile rule's hint (the
+        # same on every rank: every rank's rows were in the exchange), settled in one more
+        # exchange, which every rank takes part in whatever its plan's source
+        hinted = dataclasses.replace(spec, rows_hint=sum(v[3] for v in views) // world)
+        fit, chosen_plan, digest, error, mode = attempt([fit[0].name], hinted)
+        views = exchange_objects(([x.name for x in fit], digest, _error_text(error), a.shape[0],
+                                  _plan_summary(chosen_plan), mode), group)
+        _raise_errors(views, error)
+        _check_same_plan(c["op"], views)
+        _check_same_mode(views)
     return _decided(c, a, b, op, chosen_plan, out, fit[0], mode, group)
 
 

@@ -53,6 +53,10 @@ class OverlapSpec:
     # fp8 calls: the scales' kind (fp8.scaling_kind): "tensorwise", "rowwise" (either scale per
     # row or column) or "blockwise" (1x128 groups of a along K, 128x128 blocks of b)
     scaling: str | None = None
+    # all_to_all: rows per rank that the key's calls are expected to have (the mean over the
+    # ranks of their first call's rows, the same on every rank: agreement.agree), for a tile
+    # rule that weighs the waves; None where nothing is known (m is then the world size)
+    rows_hint: int | None = None
 
     @property
     def fp8(self) -> bool:

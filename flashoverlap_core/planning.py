@@ -205,7 +205,8 @@ def plan(m: int, n: int, k: int, op: str = "allreduce", world_size: int = 1,
     device_type = (chosen or registry.default_backend()).device_type or "cpu"
     name = dtype_name(dtype)
     spec = OverlapSpec(m, n, k, op, world_size, name, device_type, b_layout, send,
-                       check_out_dtype(name, out_dtype), check_scaling(name, scaling))
+                       check_out_dtype(name, out_dtype), check_scaling(name, scaling),
+                       rows_hint=m if of(op).splits else None)  # all_to_all: the tile's rows
     if chosen is None:  # overlap's choice; an all_to_all chooses from what every rank shares
         chosen = registry.select(dataclasses.replace(spec, m=world_size, send_splits=None)
                                  if of(op).splits else spec)

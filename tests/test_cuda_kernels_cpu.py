@@ -55,17 +55,16 @@ def test_config_names_and_defines_carry_the_epilogue():
     assert not any("FO_BLOCKS" in d for d in build.gemm_defines(tma))
 
 
-def test_all_to_all_has_its_own_builds_of_the_default_tile(monkeypatch):
+def test_all_to_all_has_its_own_builds_of_every_tile(monkeypatch):
     """Unequal destination blocks take builds of their own (the plain builds' producer warps
-    keep their registers), prebuilt for the default tile with 1x1 clusters."""
+    keep their registers), prebuilt for every tile default_tile may pick, with 1x1 clusters."""
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
-    for arch in (90, 80):
+    for arch, tiles in ((90, {(128, 256), (128, 128)}), (80, {kernels.DEFAULT_TILE[80]})):
         made = [c for c in kernels.all_configs([arch]) if c.blocks]
-        assert {(c.tile, c.cluster_m, c.cluster_n) for c in made} == {
-            (kernels.DEFAULT_TILE[arch], 1, 1)}
-        assert len(made) == len(kernels.DTYPES) * 2  # dtypes x layouts of b
-        config = kernels.gemm_config(arch, kernels.DEFAULT_TILE[arch], "bfloat16", True, blocks=True)
-        assert config in made
+        assert {(c.tile, c.cluster_m, c.cluster_n) for c in made} == {(t, 1, 1) for t in tiles}
+        assert len(made) == len(tiles) * len(kernels.DTYPES) * 2  # tiles x dtypes x layouts of b
+        for tile in tiles:
+            assert kernels.gemm_config(arch, tile, "bfloat16", True, blocks=True) in made
 
 
 def test_every_table_entry_makes_valid_configs(monkeypatch):
@@ -111,9 +110,20 @@ def test_pingpong_tile_where_the_last_wave_is_ragged():
     assert kernels.default_tile(90, _spec(5120, 5120, 4096, "reduce_scatter", 8), 128) == (128, 128)
     assert kernels.default_tile(90, _spec(8192, 8192, 4096, "reduce_scatter", 8), 128) == (128, 256)
     assert kernels.default_tile(90) == kernels.DEFAULT_TILE[90]  # no call: the default
-    # all_to_all: the ranks settle the tile without any call's rows (they change every call)
+    # all_to_all: without a hint of the rows (they change every call) the default tile; with
+    # the key's expected rows per rank, cut evenly over the destinations, the same rule
     for m in (1, 4096, 5120):
         assert kernels.default_tile(90, _spec(m, 5120, 4096, "all_to_all", 1), 128) == (128, 256)
+    def a2a(rows, n, k, world):
+        spec = replace(_spec(world, n, k, "all_to_all", world), rows_hint=rows)
+        return kernels.default_tile(90, spec, 128)
+    assert a2a(1024, 5120, 3456, 1) == (128, 128)  # 160 tiles of 128x256: 2 waves, 320: 3
+    assert a2a(5120, 5120, 4096, 1) == (128, 128)
+    assert a2a(4096, 4096, 4096, 1) == (128, 256)
+    assert a2a(16384, 8192, 1024, 1) == (128, 256)
+    # 8 destinations of 640 rows (5 bands each) at N=5120: 800 tiles of 128x256 -> 7 waves
+    assert a2a(5120, 5120, 4096, 8) == (128, 128)
+    assert a2a(0, 5120, 4096, 8) == (128, 256)  # no rows: nothing to weigh
     assert kernels.default_tile(80, _spec(5120, 5120, 4096), 128) == kernels.DEFAULT_TILE[80]
     assert kernels.pingpong_cost(100) == kernels.PINGPONG_COST[0][1]
     assert kernels.pingpong_cost(3000) == dict(kernels.PINGPONG_COST)[2048]

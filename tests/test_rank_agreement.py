@@ -142,3 +142,49 @@ def _bad_plan_on_rank_one(seed):
 def test_a_plan_that_differs_is_an_error_on_every_rank():
     messages = shared_ranks(2).run(_bad_plan_on_rank_one, 1, timeout=120)
     assert all("do not run the same plan" in m for m in messages), messages
+
+
+class TileByRows(ReferenceBackend):
+    """Takes its all_to_all tile from the key's expected rows (as the cuda backend weighs its
+    waves), and records the hint it was given."""
+
+    name = "fake-tile-by-rows"
+    device_type = "cpu"
+    priority = -1000  # named by the call only: the ranks' pool is shared with other tests
+    hints: list = []
+
+    def default_tile(self, spec):
+        if spec.op == "all_to_all":
+            TileByRows.hints.append(spec.rows_hint)
+            return (4, 8) if (spec.rows_hint or 0) >= 10 else (4, 4)
+        return super().default_tile(spec)
+
+
+def _rows_differ_per_rank(seed):
+    """Rank 0 has 2 rows, rank 1 30 (mean 16): both plan the key with the mean as the hint."""
+    import torch.distributed as dist
+
+    api.forget_prepared()
+    registry.register(TileByRows())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = [2, 30]
+    splits = [[1, 1], [20, 10]]
+    b = torch.randn(6, 12, generator=torch.Generator().manual_seed(seed))
+    a_all = [torch.randn(rows[r], 6, generator=torch.Generator().manual_seed(seed + r + 1))
+             for r in range(world)]
+    recv = [splits[src][rank] for src in range(world)]
+    out = fo.overlap(a_all[rank], b, "all_to_all", send_splits=splits[rank], recv_splits=recv,
+                     backend=TileByRows.name)
+    want = torch.cat([(a_all[src].double() @ b.double())[sum(splits[src][:rank]):
+                                                         sum(splits[src][:rank + 1])]
+                      for src in range(world)])
+    prepared = list(api._prepared.values())[-1].prepared
+    return {"backend": fo.prepared_calls()[-1]["backend"], "tile": tuple(prepared.plan.tile),
+            "hint": TileByRows.hints[-1], "error": float((out.double() - want).abs().max())}
+
+
+def test_all_to_all_tile_follows_the_ranks_mean_rows():
+    results = shared_ranks(2).run(_rows_differ_per_rank, 5, timeout=120)
+    assert {r["backend"] for r in results} == {TileByRows.name}, results
+    assert [(r["hint"], r["tile"]) for r in results] == [(16, (4, 8))] * 2, results
+    assert all(r["error"] < 1e-4 for r in results), results

@@ -117,19 +117,27 @@ def pingpong_cost(k: int) -> float:
 def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[int, int]:
     """The tile of a default plan: DEFAULT_TILE, or on sm90, given the call (an OverlapSpec:
     m, n, k, op, world_size, send_splits) and the plan's wave size, pingpong's 128x128 where
-    the waves' raggedness makes up for its cost (PINGPONG_COST)."""
+    the waves' raggedness makes up for its cost (PINGPONG_COST). all_to_all weighs the waves of
+    its expected rows (``spec.rows_hint``), and takes DEFAULT_TILE without them."""
     if spec is not None and spec.scaling == "blockwise" and arch in FP8_BLOCK_CONFIGS:
         return next(iter(FP8_BLOCK_CONFIGS[arch]))  # its one tile
     tile = DEFAULT_TILE[arch]
-    if arch != 90 or spec is None or not wave_size or of(spec.op).splits:
-        return tile  # all_to_all: the rows are each call's own, the tile is settled without them
+    if arch != 90 or spec is None or not wave_size:
+        return tile
     blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
-    if of(spec.op).blocks == "ranks" and spec.world_size > 1:
+    if of(spec.op).splits:
+        # all_to_all: each call's rows are its own; the key's expected rows per rank (the
+        # ranks' mean at its first call, spec.rows_hint), cut evenly over the destinations
+        if not spec.rows_hint:
+            return tile
+        rows, world = spec.rows_hint, spec.world_size
+        blocks = [rows // world + (r < rows % world) for r in range(world)]
+    elif of(spec.op).blocks == "ranks" and spec.world_size > 1:
         blocks = [spec.m // spec.world_size] * spec.world_size
 
     def waves(t) -> int:
         tiles = sum(-(-rows // t[0]) for rows in blocks) * -(-spec.n // t[1])
-        return -(-tiles // wave_size)
+        return max(1, -(-tiles // wave_size))
 
     pingpong = (128, 128)
     if 2 * waves(tile) / waves(pingpong) > pingpong_cost(spec.k):
@@ -174,7 +182,7 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
 def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
     (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster;
-    all_to_all's (its default tile, 1x1, unequal blocks); on sm90 also fp8 (b column-major)
+    all_to_all's (either tile, 1x1, unequal blocks); on sm90 also fp8 (b column-major)
     with either output dtype, tensor-/row-wise and block-wise scales."""
     out = []
     for arch in archs:
@@ -183,8 +191,8 @@ def all_configs(archs) -> list[build.GemmConfig]:
             for dtype in DTYPES:
                 for col in (True, False):
                     out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
-                    if tile == DEFAULT_TILE[arch]:
-                        out.append(gemm_config(arch, tile, dtype, col, blocks=True))
+                    # all_to_all's (1x1): every tile default_tile may pick for it
+                    out.append(gemm_config(arch, tile, dtype, col, blocks=True))
             for dtype in FP8_DTYPES if arch in FP8_CONFIGS else ():
                 for result in DTYPES:
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result)

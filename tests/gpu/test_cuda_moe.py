@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,28 @@ def test_world1_two_streams_share_nothing():
         if a.shape[0]:
             _check(out, a, b)
     api.forget_prepared()
+
+
+def test_world1_tile_follows_the_first_calls_rows():
+    """A default all_to_all key weighs the waves of its first call's rows (the tile rule's
+    hint): 1024 rows at N=5120 take pingpong's 128x128 (3 waves against 2 ragged ones of
+    128x256) through the unequal-blocks build of that tile, 4096 rows at N=4096 the default
+    128x256; later calls of each key, with other rows, keep its tile; all against float64."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the per-shape tile is the sm90 rule")
+    api.forget_prepared()
+    for first, n, want in ((1024, 5120, (128, 128)), (4096, 4096, (128, 256))):
+        for m in (first, 77, 0, 3000):
+            a, b = _inputs(m, n, 256, torch.bfloat16)
+            out = fo.overlap(a, b, "all_to_all", send_splits=[m], recv_splits=[m])
+            torch.cuda.synchronize()
+            if m:
+                _check(out, a, b)
+            runner = _runner()
+            assert tuple(runner.plan.tile) == want, (first, m, runner.plan)
+            built = Path(runner.native.gemm.path).name  # that tile's unequal-blocks build
+            assert f"_{want[0]}x{want[1]}x64_" in built and "_blocks" in built, built
+        api.forget_prepared()
 
 
 # ---- the "rows" layout (issue 30): tiles written at their final rows, no post-reorder ----------
