@@ -151,8 +151,9 @@ def call_key(a, b, kind, group, plan, backend, send_splits=None, recv_splits=Non
     """The key of a call: what fixes its preparation. a's and b's shapes, strides, dtypes and
     device, the op's ``kind`` (its name, or a callable's type), the process group (the default
     group when None), the plan object, the backend asked for and the splits; then ``more``
-    (:func:`tensor_facts` of a call's other tensors, an fp8 call's out dtype). all_to_all's
-    rows and splits are each call's own: not in its key (:data:`ROWS_PER_CALL`)."""
+    (:func:`tensor_facts` of a call's other tensors, an fp8 call's out dtype; an fp8
+    all_to_all's: :func:`fp8_all_to_all_facts`). all_to_all's rows and splits are each call's
+    own: not in its key (:data:`ROWS_PER_CALL`)."""
     group = group if group is not None else current_default_group()
     if kind == "all_to_all":
         key = ((ROWS_PER_CALL, a.shape[1]), b.shape, a.stride()[1:], b.stride(), a.dtype,
@@ -267,8 +268,9 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
     """The fp8 call: ``op((a * scale_a) @ (b * scale_b))`` in ``out_dtype`` (bfloat16 by
     default) for float8_e4m3fn ``a`` and ``b`` (flashoverlap_core/fp8.py says what each argument
     takes). It runs on a backend with native fp8 as an fp8 call, else dequantized as a float32
-    call; all_to_all always runs dequantized (its per-call rows and splits path carries no
-    scales). The call path is :func:`overlap`'s: a key's first call checks and prepares."""
+    call; all_to_all too, each call with its own rows, splits and scales (its key holds the
+    scales' kind and the result dtype: :func:`fp8_all_to_all_facts`). The call path is
+    :func:`overlap`'s: a key's first call checks and prepares."""
     out_dtype = fp8.DEFAULT_OUT_DTYPE if out_dtype is None else out_dtype
     kind = op if op.__class__ is str else type(op)
     tensors = all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b))
@@ -283,10 +285,19 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
             entry = _prepared.get(key)
             if entry is not None and entry.fits(out, a, b):
                 return entry.run_scaled(a, b, scale_a, scale_b, out, op)
-        _, scaling = fp8.check_call(a, b, scale_a, scale_b, out_dtype)
-        if kind == "all_to_all":
-            return _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out,
-                                           send_splits, recv_splits, backend)
+        elif tensors and a.dim() == 2 and b.dim() == 2:  # all_to_all: nothing of its rows
+            key = call_key(a, b, kind, group, plan, backend,
+                           more=fp8_all_to_all_facts(a, b, scale_a, scale_b) + (out_dtype,))
+            entry = _prepared.get(key)
+            if entry is not None:  # each call's rows, splits, scales and out checked there
+                return entry.prepared.run_scaled(a, b, scale_a, scale_b, out, op, send_splits,
+                                                 recv_splits)
+        try:
+            _, scaling = fp8.check_call(a, b, scale_a, scale_b, out_dtype)
+        except (TypeError, ValueError) as e:
+            if kind == "all_to_all":  # a first call: the peers are in its agreement
+                tell_agreeing_peers(group, e)
+            raise
         return _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                            (scale_a, scale_b, out_dtype, scaling))
     except RuntimeError as e:
@@ -296,26 +307,14 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
         raise failure from e
 
 
-def _all_to_all_dequantized(a, b, group, scale_a, scale_b, out_dtype, plan, out, send_splits,
-                            recv_splits, backend) -> torch.Tensor:
-    """An fp8 all_to_all: the float32 call of the dequantized inputs, rounded to out_dtype."""
-    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != out_dtype):
-        raise ValueError(f"out must be a {out_dtype} tensor, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)}")
-    a32, b32 = fp8.dequantized(a, b, scale_a, scale_b)
-    try:
-        result = overlap(a32, b32, "all_to_all", group, send_splits=send_splits,
-                         recv_splits=recv_splits, backend=backend,
-                         plan=plan.dequantized() if isinstance(plan, Plan) else plan)
-    except registry.BackendError as e:
-        raise registry.BackendError(f"{e}\n(an fp8 all_to_all runs dequantized, as a float32 "
-                                    "call, on a backend that takes float32)") from None
-    if out is None:
-        return result.to(out_dtype)
-    if out.shape != result.shape:
-        raise ValueError(f"out must be a {out_dtype} tensor of shape {tuple(result.shape)}, got "
-                         f"{tuple(out.shape)}")
-    return out.copy_(result)
+def fp8_all_to_all_facts(a, b, scale_a, scale_b) -> tuple:
+    """What an fp8 all_to_all key holds of its scales: what every rank shares and no call's
+    rows (a row-wise or block-wise scale_a has each call's own): their kind (fp8.scaling_kind,
+    of scale_a's own rows; each call checks them against a's: AllToAllCall) and which of them
+    is per row or column (their dims)."""
+    rows = scale_a.shape[0] if scale_a.dim() == 2 else a.shape[0]
+    return (fp8.scaling_kind(rows, b.shape[1], a.shape[1], scale_a, scale_b), scale_a.dim(),
+            scale_b.dim())
 
 
 def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backend, scales=None):
@@ -325,6 +324,9 @@ def _first_call(key, a, b, op, group, plan, out, send_splits, recv_splits, backe
     entry, call = _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                            scales)
     if call is None:  # all_to_all: each call is laid out from its own splits
+        if scales:
+            return entry.prepared.run_scaled(a, b, scales[0], scales[1], out, op, send_splits,
+                                             recv_splits)
         return entry.prepared.run(a, b, out, op, send_splits, recv_splits)
     if scales:
         return entry.prepared.run_scaled(a, b, scales[0], scales[1], call.out, op)

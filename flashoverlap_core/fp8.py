@@ -36,8 +36,9 @@ fp8 signaling GEMM) runs it. A "sequential" plan runs torch's scaled GEMM and on
 (:class:`ScaledSequentialCall`: ``torch._scaled_mm``, block-wise
 ``torch.nn.functional.scaled_mm``) where the device has it. Otherwise it runs dequantized
 (:class:`DequantizedCall`: the inputs times their scales in float32, the float32 call, the
-result rounded to ``out_dtype``). all_to_all always runs dequantized: its per-call rows and
-splits path carries no scales.
+result rounded to ``out_dtype``). all_to_all alike (issue 32), through its per-call rows and
+splits path (:class:`~flashoverlap_core.all_to_all.AllToAllCall`): each call's row-wise or
+block-wise ``scale_a`` has that call's rows, and its key holds the scales' kind, not their rows.
 """
 from __future__ import annotations
 
@@ -95,6 +96,12 @@ def _shapes(m: int, n: int, k: int) -> str:
             f"[1, {n}]; block-wise: scale_a [{m}, {kb}] (1x{BLOCK} groups of a along K: "
             f"ceil({k}/{BLOCK}) = {kb}) and scale_b [{kb}, {nb}]{padded} ({BLOCK}x{BLOCK} "
             f"blocks of b: ceil({k}/{BLOCK}) x ceil({n}/{BLOCK}))")
+
+
+def expected_shapes(m: int, n: int, k: int) -> str:
+    """The scales' shapes an fp8 call of a [m, k] @ [k, n] takes, of each kind, as text (what
+    the checks' messages say)."""
+    return _shapes(m, n, k)
 
 
 def _why_not(name: str, scale, m: int, n: int, k: int, other) -> str:
@@ -314,6 +321,11 @@ class ScaledSequentialCall:
         extra = {} if out is None else {"out": out}
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                                 use_fast_accum=self.fast, **extra)
+
+    def product(self, a, b, scale_a, scale_b, out_dtype) -> torch.Tensor:
+        """The scaled product alone, in ``out_dtype`` (all_to_all's plain path: each call's
+        rows, then the all_to_all of the result)."""
+        return self._product(a, b, scale_a, scale_b, out_dtype)
 
     def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
         plain = self.plain

@@ -61,7 +61,8 @@ def overlap(a, b, op="allreduce", group=None, *, plan: Plan | None = None, out=N
 def _overlap_fp8(a, b, op, group, plan, out, send_splits, recv_splits, backend, scale_a,
                  scale_b, out_dtype):
     """The fp8 call (api.overlap_scaled); under torch.compile, on fake tensors or with a
-    scale that requires grad, the fp8 custom ops (all_to_all: dequantized, the float32 op)."""
+    scale that requires grad, the fp8 custom ops (all_to_all: dequantized, the float32 op;
+    eagerly it runs on the backend's fp8 path)."""
     if not _is_compiling() and all(_direct(t) for t in (a, b, scale_a, scale_b)):
         return api.overlap_scaled(a, b, op, group, scale_a=scale_a, scale_b=scale_b,
                                   out_dtype=out_dtype, plan=plan, out=out,
@@ -73,7 +74,7 @@ def _overlap_fp8(a, b, op, group, plan, out, send_splits, recv_splits, backend, 
                         "meta or fake tensors, or on tensors that require grad")
     if not _is_compiling():
         api.check_arguments(a, b, op, group, plan, out, send_splits, recv_splits, out_dtype)
-    if op == "all_to_all":  # dequantized on every backend (api.overlap_scaled)
+    if op == "all_to_all":  # no fp8 custom op: the float32 op of the dequantized inputs
         a32, b32 = fp8.dequantized(a, b, scale_a, scale_b)
         result = _through_custom_op(a32, b32, op, group, plan.dequantized() if plan else None,
                                     None, send_splits, recv_splits, backend).to(out_dtype)

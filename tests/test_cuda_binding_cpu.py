@@ -29,6 +29,7 @@ FUNCTIONS = {
     "nccl_set_capture_comm", "nccl_comm_destroy", "call_create", "call_destroy", "call_graph_state",
     "call_add_rmsnorm_graph_state", "call_set_add_rmsnorm", "call_run", "call_run_scaled",
     "call_run_add_rmsnorm", "a2a_create", "a2a_destroy", "a2a_set_buffers", "a2a_run",
+    "a2a_run_scaled",
     "gather_create", "gather_destroy", "gather_load_kernels", "gather_run"}
 # binding class -> the C struct of flashoverlap_cuda.h it fills
 DESCRIPTIONS = {"CallDescription": "fo_call_desc", "GatherDescription": "fo_gather_desc",
@@ -180,6 +181,24 @@ def test_a_description_reaches_the_c_side(native, field, value, message):
         native.call_create(desc)
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(scaled=1), "need the GEMM (gemm_run_blocks, or with scaled = 1 gemm_run_blocks_scaled)"),
+    (dict(scaled=1, gemm_run_blocks_scaled=0x2000, scale_a_per_row=2, scale_b_per_col=1),
+     "or both FO_SCALE_BLOCKS (2) (got scaled 1, modes 2 and 1)"),
+    (dict(scaled=1, gemm_run_blocks_scaled=0x2000, scale_a_per_row=3),
+     "(got scaled 1, modes 3 and 0)"),
+    (dict(scaled=2, gemm_run_blocks_scaled=0x2000), "scaled must be 0 or 1")])
+def test_an_fp8_all_to_all_description_reaches_the_c_side(native, fields, message):
+    """fo_a2a_create's checks of the fp8 fields (issue 32), before any CUDA call."""
+    desc = native.A2aDescription(gemm_run_blocks=0x1000, tile_m=128, tile_n=256, N=512,
+                                 swizzle=8, groups=1, world=1, rank=0, K=128, num_ctas=128,
+                                 elem_size=2, **fields)
+    assert all(getattr(desc, name) == value for name, value in fields.items())
+    with pytest.raises(runtime.KernelError,
+                       match=r"fo_a2a_create failed \(cudaError 1\): .*" + re.escape(message)):
+        native.a2a_create(desc)
+
+
 # ---- a GEMM library through the runtime ---------------------------------------------------------
 
 def _cuda_include() -> Path | None:
@@ -214,6 +233,7 @@ def test_a_gemm_library_loads_through_the_runtime(native, tmp_path):
     assert lib.max_ctas(0) == 132 and lib.workspace_size(2, 128, 512, 64, 128) == 1024
     assert all((lib.launch_address, lib.set_node_address, lib.run_ex_address,
                 lib.run_blocks_address))
+    assert lib.run_blocks_scaled_address == 0  # fp8 all_to_all's builds' only: optional
     lib.load_kernels()
     with pytest.raises(runtime.KernelError,
                        match=r"^fo_gemm_run failed \(cudaError 1\): fake run L=2 "

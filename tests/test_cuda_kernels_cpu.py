@@ -60,11 +60,43 @@ def test_all_to_all_has_its_own_builds_of_every_tile(monkeypatch):
     keep their registers), prebuilt for every tile default_tile may pick, with 1x1 clusters."""
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
     for arch, tiles in ((90, {(128, 256), (128, 128)}), (80, {kernels.DEFAULT_TILE[80]})):
-        made = [c for c in kernels.all_configs([arch]) if c.blocks]
+        made = [c for c in kernels.all_configs([arch])
+                if c.blocks and c.dtype not in build.FP8_DTYPES]  # (fp8's: the next test)
         assert {(c.tile, c.cluster_m, c.cluster_n) for c in made} == {(t, 1, 1) for t in tiles}
         assert len(made) == len(tiles) * len(kernels.DTYPES) * 2  # tiles x dtypes x layouts of b
         for tile in tiles:
             assert kernels.gemm_config(arch, tile, "bfloat16", True, blocks=True) in made
+
+
+def test_fp8_all_to_all_has_its_own_builds_from_their_own_source(monkeypatch):
+    """fp8 all_to_all (issue 32): e4m3 builds for unequal blocks (1x1 clusters, b column-major)
+    of every fp8 tile and either result dtype, tensor-/row-wise and block-wise, prebuilt; they
+    alone compile gemm_sm90_blocks_scaled.cu (gemm_sm90.cu plus fo_gemm_run_blocks_scaled), so
+    every other build keeps its source, and its cached object."""
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    made = [c for c in kernels.all_configs([90]) if c.blocks and c.dtype in build.FP8_DTYPES]
+    tiles = set(kernels.FP8_CONFIGS[90])
+    block_tiles = set(kernels.FP8_BLOCK_CONFIGS[90])
+    assert {(c.tile, c.block_scaled, c.out_dtype, c.cluster_m, c.cluster_n, c.b_col_major)
+            for c in made} == (
+        {(t, False, out, 1, 1, True) for t in tiles for out in ("bf16", "fp16")}
+        | {(t, True, out, 1, 1, True) for t in block_tiles for out in ("bf16", "fp16")})
+    assert not [c for c in kernels.all_configs([80]) if c.dtype in build.FP8_DTYPES]
+    for config in made:
+        assert build.gemm_source(config) == "gemm_sm90_blocks_scaled.cu"
+        job = build._gemm_job(config)
+        assert job.sources == ("gemm_sm90_blocks_scaled.cu",)
+        assert "-DFO_BLOCKS=1" in job.flags and "-DFO_DTYPE=2" in job.flags
+        assert build.config_name(config).endswith("_blocks")
+    names = {p.name for p in build._sources("gemm_sm90_blocks_scaled.cu")}
+    assert {"gemm_sm90.cu", "gemm_blocks_scaled.h", "gemm_api.h"} <= names
+    assert "flashoverlap_cuda.h" not in names  # the runtime's API: not the GEMM libraries'
+    for config in [c for c in kernels.all_configs([90, 80]) if c not in made]:
+        assert build.gemm_source(config) in ("gemm_sm90.cu", "gemm_sm80.cu"), config
+    assert "gemm_blocks_scaled.h" not in {p.name for p in build._sources("gemm_sm90.cu")}
+    block = kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, blocks=True,
+                                scaling="blockwise")
+    assert (block.block_scaled, block.schedule, block.tile_k) == (True, "cooperative", 128)
 
 
 def test_every_table_entry_makes_valid_configs(monkeypatch):

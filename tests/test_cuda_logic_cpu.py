@@ -313,10 +313,29 @@ def test_fp8_runs_natively_on_sm90_only(backend, arch):
 
 
 def test_fp8_ops_without_a_scaled_path_are_declined_saying_where_they_run(backend):
-    for op in ("allgather", "all_to_all"):
+    for op in ("allgather",):
         reasons = backend.unsupported_reasons(fp8_spec(op=op, world_size=2))
         assert any(f"fp8 {op}" in r and "'decomposition'" in r for r in reasons), reasons
     assert any("column-major" in r for r in backend.unsupported_reasons(fp8_spec(b_layout="row")))
+
+
+def test_fp8_all_to_all_runs_natively_on_sm90_only(backend, arch):
+    """fp8 all_to_all (issue 32): the scaled GEMM over unequal destination blocks on sm_90, every
+    kind of scales (block-wise once its build is verified, as for the other ops); sm_80 declines
+    it as every fp8 call, saying why; world sizes past the native call's are declined as for
+    16-bit all_to_all."""
+    for world in (1, 2, 8):
+        for scaling in ("tensorwise", "rowwise", None):
+            reasons = backend.unsupported_reasons(fp8_spec(
+                op="all_to_all", world_size=world, m=world, scaling=scaling,
+                send_splits=(1,) * world if world > 1 else None))
+            if arch == 90:
+                assert reasons == [], reasons
+            else:
+                [reason] = reasons
+                assert "sm_90a" in reason and f"{ENV_ARCH}=80" in reason, reason
+    reasons = backend.unsupported_reasons(fp8_spec(op="all_to_all", world_size=65, m=65))
+    assert any("world sizes up to 64" in r for r in reasons), reasons
 
 
 def test_a_one_by_one_b_is_column_major(backend):
@@ -355,11 +374,18 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
                      "sm90_e4m3_fp16_bcol_128x256x128_c2x1_cooperative_etma4",
                      "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_etma4",
                      "sm90_e4m3_fp16_bcol_128x128x128_c2x1_pingpong_etma",
-                     "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma"}
+                     "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma",
+                     # fp8 all_to_all's (issue 32): unequal destination blocks, 1x1
+                     "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_etma4_blocks",
+                     "sm90_e4m3_bf16_bcol_128x128x128_c1x1_pingpong_etma_blocks",
+                     "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_etma4_blocks",
+                     "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma_blocks"}
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
     blocks = {build.config_name(c) for c in kernels.all_configs([90]) if c.block_scaled}
     assert blocks == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_cooperative_block128_etma"
-                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")}
+                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")} | {
+                      f"sm90_e4m3_{o}_bcol_128x128x128_c1x1_cooperative_block128_etma_blocks"
+                      for o in ("bf16", "fp16")}
 
 
 def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
@@ -452,12 +478,16 @@ def test_fp8_scales_as_the_kernel_reads_them(monkeypatch):
 
 
 def test_ci_compile_check_configurations():
-    """CI compiles three representative GEMM builds: an sm90 16-bit one, an sm90 e4m3 scaled
-    one and an sm80 one with unequal destination blocks (named by index into CHECK_CONFIGS)."""
+    """CI compiles four representative GEMM builds: an sm90 16-bit one, an sm90 e4m3 scaled
+    one, an sm80 one with unequal destination blocks and fp8 all_to_all's block-scaled one
+    (its own source; named by index into CHECK_CONFIGS)."""
     names = [build.config_name(c) for c in build.CI_CHECK_CONFIGS]
     assert names[0].startswith("sm90_fp16_brow_128x128") and "pingpong" in names[0], names
     assert names[1].startswith("sm90_e4m3_") and "cooperative" in names[1], names
     assert names[2].startswith("sm80_fp16_brow") and names[2].endswith("_blocks"), names
+    assert names[3].startswith("sm90_e4m3_") and "_block128_" in names[3], names
+    assert names[3].endswith("_blocks"), names
+    assert build.gemm_source(build.CI_CHECK_CONFIGS[3]) == "gemm_sm90_blocks_scaled.cu"
 
 
 @pytest.mark.parametrize("variable, reader", [("FLASHOVERLAP_WATCHDOG", "watchdog_enabled"),

@@ -254,7 +254,12 @@ def test_fp8_all_to_all_runs_dequantized_and_sequential_plans_scaled_mm():
     a, b, sa, sb = _call(m=8)
     got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb)
     assert torch.allclose(got.double(), _want(a, b, sa, sb), rtol=1e-2, atol=1e-2)
-    assert [c["dtype"] for c in fo.prepared_calls()] == ["float32"]  # the float32 call's key
+    # the fp8 call's key (issue 32), run dequantized: no backend here has native fp8
+    [entry] = fo.prepared_calls()
+    assert (entry["dtype"], entry["out_dtype"], entry["runner"]) == (
+        "float8_e4m3fn", "bfloat16", "AllToAllCall")
+    assert not registry.get(entry["backend"]).native_fp8
+    assert list(api._prepared.values())[-1].prepared.dequantize
     import dataclasses
 
     sequential = dataclasses.replace(fo.plan(8, 9, 16, dtype=F8, backend="reference"),
@@ -263,6 +268,215 @@ def test_fp8_all_to_all_runs_dequantized_and_sequential_plans_scaled_mm():
     assert torch.allclose(got.double(), _want(a, b, sa, sb), rtol=1e-2, atol=1e-2)
     # the plain path runs the device's fp8 GEMM (torch._scaled_mm), never dequantized rows
     assert fo.prepared_calls()[-1]["runner"] == "ScaledSequentialCall"
+
+
+# ---- fp8 all_to_all (issue 32): each call's rows, splits and scales ----------------------------
+def _a2a_scales(m, n, k, kind, seed=0):
+    """Scales of ``kind`` for a [m, k] @ [k, n] call: "tensorwise", "rowwise" (both), "rowwise-a"
+    ([m, 1] and a 0-dim scale_b), "rowwise-b" (0-dim scale_a and [1, n]), "blockwise"."""
+    g = torch.Generator().manual_seed(seed)
+    kb, nb = fo.fp8.blocks(k), fo.fp8.blocks(n)
+    shapes = {"tensorwise": ((), ()), "rowwise": ((m, 1), (1, n)), "rowwise-a": ((m, 1), ()),
+              "rowwise-b": ((), (1, n)), "blockwise": ((m, kb), (kb, nb))}[kind]
+    return [torch.rand(s, generator=g) + 0.5 for s in shapes]
+
+
+def _a2a_want(a, b, sa, sb):
+    a32, b32 = fo.fp8.dequantized(a, b, sa, sb)
+    return a32.double() @ b32.double()
+
+
+@pytest.mark.parametrize("backend", ["reference", "decomposition", "fake-native-fp8"])
+def test_fp8_all_to_all_keys_hold_the_scaling_kind_not_the_rows(backend, registered):
+    """An fp8 all_to_all key holds what every rank shares (the scales' kind, which side is per
+    row or column, out_dtype), never a call's rows: calls of other rows (none too) reuse it,
+    each with scales of its own rows; each kind and out_dtype is a key of its own. Native fp8
+    backends get each call's scales, the others its dequantized float32 call."""
+    native = registered(NativeFp8()) if backend == "fake-native-fp8" else None
+    api.forget_prepared()
+    n, k = 200, 300
+    kinds = ("tensorwise", "rowwise", "rowwise-a", "rowwise-b", "blockwise")
+    for kind in kinds:
+        for call, m in enumerate((8, 0, 13, 1)):
+            a = torch.randn(m, k).to(F8)
+            b = torch.randn(n, k).to(F8).t()
+            sa, sb = _a2a_scales(m, n, k, kind, seed=call)
+            if kind == "blockwise" and call % 2:  # torch's outer-dim-major scale_a, any rows
+                sa = sa.t().contiguous().t()
+            splits = {} if call == 2 else {"send_splits": [m], "recv_splits": [m]}
+            got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, backend=backend,
+                             **splits)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert torch.allclose(got.double(), _a2a_want(a, b, sa, sb), rtol=1e-2, atol=1e-2)
+    out = torch.full((5, n), float("nan"), dtype=torch.float16)
+    a = torch.randn(5, k).to(F8)
+    sa, sb = _a2a_scales(5, n, k, "rowwise")
+    b = torch.randn(n, k).to(F8).t()
+    assert fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, out_dtype=torch.float16,
+                      out=out, backend=backend) is out
+    assert torch.allclose(out.double(), _a2a_want(a, b, sa, sb), rtol=4e-3, atol=4e-3)
+    calls = fo.prepared_calls()
+    assert len(calls) == len(kinds) + 1  # one key per kind, one for the float16 result
+    assert {(c["a"][0], c["M"], c["runner"], c["dtype"]) for c in calls} == {
+        (api.ROWS_PER_CALL, api.ROWS_PER_CALL, "AllToAllCall", "float8_e4m3fn")}
+    assert [c["scaling"] for c in calls] == [None] * 4 + ["blockwise", None]
+    assert [c["out_dtype"] for c in calls] == ["bfloat16"] * len(kinds) + ["float16"]
+    if native is not None:  # each call's scales, with its own rows
+        assert [tuple(c[4].shape) for c in native.calls[:4]] == [(), (), (), ()]
+        assert [tuple(c[4].shape) for c in native.calls[4:8]] == [(8, 1), (0, 1), (13, 1), (1, 1)]
+        assert all(c[:4] == (F8, "float8_e4m3fn", "bfloat16", torch.bfloat16)
+                   for c in native.calls[:-1])
+
+
+def test_fp8_all_to_all_checks_each_calls_scales_before_any_device_work(registered):
+    """A later call of an fp8 all_to_all key (its hot path) checks its scales against its own
+    rows and their dtype and device, and its out against the result dtype, before the backend
+    runs anything."""
+    class TripwireFp8(NativeFp8):
+        name = "fake-tripwire-a2a"
+        armed = False
+
+        def run(self, call):
+            if self.armed:
+                raise AssertionError("the backend ran a call whose arguments are invalid")
+            return super().run(call)
+
+    tripwire = registered(TripwireFp8())
+    api.forget_prepared()
+    n, k = 9, 300
+    b = torch.randn(n, k).to(F8).t()
+
+    def call(m, kind, **kw):
+        a = torch.randn(m, k).to(F8)
+        sa, sb = _a2a_scales(m, n, k, kind)
+        args = {"scale_a": sa, "scale_b": sb, "send_splits": [m], **kw}
+        return fo.overlap(a, b, "all_to_all", backend=tripwire.name, **args)
+
+    for kind in ("rowwise", "blockwise"):
+        call(8, kind)  # the key's first call
+        tripwire.armed = True
+        sa, sb = _a2a_scales(7, n, k, kind)
+        with pytest.raises(ValueError, match=r"scale_a has 7 rows, but this call's a has 6: a "
+                                             f"{kind} scale_a has one row per row of a"):
+            call(6, kind, scale_a=sa)
+        with pytest.raises(TypeError, match="scale_a must be a float32 tensor, got torch.float64"):
+            call(6, kind, scale_a=_a2a_scales(6, n, k, kind)[0].double())
+        with pytest.raises(TypeError, match="scale_b must be a float32 tensor, got torch.float16"):
+            call(6, kind, scale_b=sb.half())
+        with pytest.raises(ValueError, match="scale_b must be on cpu like a, got meta"):
+            call(6, kind, scale_b=sb.to("meta"))
+        with pytest.raises(ValueError, match="out must be torch.bfloat16"):
+            call(6, kind, out=torch.empty(6, n, dtype=torch.float16))
+        with pytest.raises(ValueError, match="send_splits"):
+            call(6, kind, send_splits=[5])
+        tripwire.armed = False
+    assert len(fo.prepared_calls()) == 2
+    # a first call's scales: fp8's own checks, naming the kinds' shapes
+    api.forget_prepared()
+    a = torch.randn(6, k).to(F8)
+    with pytest.raises(ValueError, match=r"scale_a has shape \[5, 1\]; the scales must be one of"):
+        fo.overlap(a, b, "all_to_all", scale_a=torch.rand(5, 1), scale_b=torch.rand(()),
+                   backend=tripwire.name)
+    with pytest.raises(ValueError, match="non-finite"):
+        fo.overlap(a, b, "all_to_all", scale_a=torch.full((6, 1), float("inf")),
+                   scale_b=torch.rand(()), backend=tripwire.name)
+    assert fo.prepared_calls() == []
+
+
+def test_fp8_all_to_all_plain_path_runs_torchs_scaled_gemm():
+    """A "sequential" all_to_all plan: torch's scaled GEMM of each call's rows (where it runs
+    the key's calls), then the all_to_all (none at world size 1)."""
+    import dataclasses
+
+    api.forget_prepared()
+    n, k = 9, 16
+    plan = dataclasses.replace(fo.plan(8, n, k, op="all_to_all", dtype=F8, backend="reference"),
+                               strategy="sequential")
+    b = torch.randn(n, k).to(F8).t()
+    for m in (8, 0, 3):
+        a = torch.randn(m, k).to(F8)
+        sa, sb = _a2a_scales(m, n, k, "rowwise-a")
+        got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, plan=plan)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        assert torch.allclose(got.double(), _a2a_want(a, b, sa, sb), rtol=1e-2, atol=1e-2)
+    [entry] = fo.prepared_calls()
+    assert (entry["strategy"], entry["runner"]) == ("sequential", "AllToAllCall")
+    assert isinstance(list(api._prepared.values())[-1].prepared.scaled_mm,
+                      fo.fp8.ScaledSequentialCall)
+
+
+class Fp8ThroughReference(ReferenceBackend):
+    """A native fp8 backend for spawned ranks: the fp8 call it is handed (each call's own
+    scales) as the reference runs its float32 call, collectives included."""
+
+    name = "fake-fp8-through-reference"
+    native_fp8 = True
+
+    def run(self, call):
+        if call.scale_a is None:
+            return super().run(call)
+        import dataclasses
+
+        a32, b32 = fo.fp8.dequantized(call.a, call.b, call.scale_a, call.scale_b)
+        into = None if call.out is None else torch.empty(call.out.shape)
+        result = super().run(dataclasses.replace(call, a=a32, b=b32, out=into, scale_a=None,
+                                                 scale_b=None, plan=call.plan.dequantized()))
+        return result.to(call.plan.result_dtype) if call.out is None else call.out.copy_(result)
+
+
+def _all_to_all_with_each_ranks_rows_and_scales(backend: str) -> list[str]:
+    """On a spawned rank (gloo): fp8 all_to_all calls whose rows and splits are new every call
+    (zeros among them: a rank with no rows, destinations that get none), each rank with scales
+    of its own rows, recv_splits given or not; against float64 of every source's dequantized
+    rows, recomputed here. One key per kind of scales."""
+    import torch.distributed as dist
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    if backend == Fp8ThroughReference.name:
+        registry.register(Fp8ThroughReference())
+    api.forget_prepared()
+    n, k = 136, 200
+    rows_of = [[(5, 0), (0, 0), (3, 9)], [(0, 4), (2, 2), (1, 0)]]  # [call][rank] -> splits
+
+    def inputs(r, call, kind):
+        sends = rows_of[call % 2][r] if w == 2 else (call + r,) * w
+        m = sum(sends)
+        g = torch.Generator().manual_seed(1000 * r + call)
+        a = (torch.randn(m, k, generator=g) * 2).to(F8)
+        b = (torch.randn(n, k, generator=g) * 2).to(F8).t()
+        sa, sb = _a2a_scales(m, n, k, kind, seed=17 * r + call)
+        return a, b, sa, sb, list(sends)
+
+    problems = []
+    for kind in ("tensorwise", "rowwise", "rowwise-a", "blockwise"):
+        for call in range(3):
+            a, b, sa, sb, send = inputs(rank, call, kind)
+            theirs = [inputs(r, call, kind) for r in range(w)]
+            recv = [t[4][rank] for t in theirs]
+            want = torch.cat([_a2a_want(*t[:4])[sum(t[4][:rank]):sum(t[4][:rank + 1])]
+                              for t in theirs])
+            got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, send_splits=send,
+                             recv_splits=recv if call != 1 else None, backend=backend)
+            if got.shape != want.shape or got.dtype != torch.bfloat16 or (
+                    want.numel() and not torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)):
+                problems.append(f"{kind} call {call}: rank {rank} got {tuple(got.shape)} "
+                                f"{got.dtype}, want {tuple(want.shape)}")
+    calls = fo.prepared_calls()
+    if len(calls) != 4 or {c["runner"] for c in calls} != {"AllToAllCall"}:
+        problems.append(f"rank {rank}: keys {[(c['scaling'], c['runner']) for c in calls]}")
+    return problems
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["reference", Fp8ThroughReference.name])
+def test_fp8_all_to_all_on_ranks_with_their_own_rows_and_scales(backend):
+    """fp8 all_to_all at world size 2: each rank's rows, splits (zeros too) and scales its own,
+    every call; dequantized on the reference, each call's scales on a native fp8 backend."""
+    from flashoverlap_core.tools.ranks import RankPool
+
+    with RankPool(2, "cpu", timeout=150) as pool:
+        problems = pool.run(_all_to_all_with_each_ranks_rows_and_scales, backend)
+    assert problems == [[], []]
 
 
 def test_fp8_backward_says_fp8_is_for_inference():

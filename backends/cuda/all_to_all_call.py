@@ -21,6 +21,12 @@ The plan's layout decides where the tiles go:
 
 Per compute stream the call keeps its own communication stream, counters and buffers; the
 buffers grow when a call needs more (the native call says how much), and stay.
+
+fp8 (e4m3 a and b, sm90; issue 32): the GEMM is an e4m3 build for unequal destination blocks
+(``fo_gemm_run_blocks_scaled``) that scales each product by its row's ``scale_a`` and its
+column's ``scale_b`` (tensor-wise, row-wise, or block-wise in its main loop), and writes the
+result in ``out_dtype``, which is what the buffers hold and NCCL moves. Each call passes its own
+scales (``run_scaled``): a row-wise or block-wise ``scale_a`` has that call's rows.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from flashoverlap_core.tiles import RASTERS
 
 from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
-from .device_state import NCCL_DTYPES, _current_device, outside_graph_pools, wait_mode
+from .device_state import (NCCL_DTYPES, _current_device, kernel_scale, outside_graph_pools,
+                           scale_modes, wait_mode)
 from .gemm import Operands, arch, takes_col_major
 from .runtime import WAIT_MODES
 
@@ -122,20 +129,29 @@ class _StreamState(CallState):
 class CudaAllToAllCall(NativeCall):
     """The all_to_all calls of one key: ``run(a, b, out, send_splits, recv_splits)`` with each
     call's own rows and splits (checked by the caller, :class:`flashoverlap_core.all_to_all.
-    AllToAllCall`)."""
+    AllToAllCall`); an fp8 key's: ``run_scaled(a, b, scale_a, scale_b, out, send_splits,
+    recv_splits)``."""
 
     def __init__(self, template: OverlapCall, warm_ups: WarmUps):
         plan, b, device = template.plan, template.b, template.a.device
         super().__init__(device, warm_ups)
         self.world, self.groups, self.n = template.world_size, plan.num_groups, plan.n
-        self.dtype = plan.torch_dtype
+        self.dtype = plan.result_dtype  # what the buffers hold and NCCL moves (fp8: out_dtype)
         self.layout = plan.layout
         self.arch = arch()
         self.col = takes_col_major(self.arch, b)
+        # fp8: the scales' modes are the key's (their kind); their pointers and (block-wise)
+        # strides each call's own
+        self.scaled = template.scale_a is not None
+        self.blockwise = plan.scaling == "blockwise"
         # the build for unequal destination blocks, with 1x1 clusters: a round's items are
         # tiles of different destination blocks, which need not share operand tiles
-        self.gemm = kernels.gemm_library(kernels.gemm_config(self.arch, plan.tile, plan.dtype,
-                                                             self.col, blocks=True))
+        self.gemm = kernels.gemm_library(kernels.gemm_config(
+            self.arch, plan.tile, plan.dtype, self.col, blocks=True, out_dtype=plan.out_dtype,
+            scaling=plan.scaling))
+        if self.scaled and not self.gemm.run_blocks_scaled_address:
+            raise RuntimeError(f"{self.gemm.path} has no fo_gemm_run_blocks_scaled (fp8 "
+                               "all_to_all's GEMM): rebuild it (flashoverlap build)")
         # a's rows are each call's own: its strides are checked per call (Operands.of_rows)
         self.operands = Operands(self.arch, template.a, b, self.col)
         self.k = self.operands.k
@@ -143,6 +159,7 @@ class CudaAllToAllCall(NativeCall):
                      if template.group is not None and self.world > 1 else None)
         self.runtime = kernels.runtime_library()
         self.run_native = self.runtime.a2a_run
+        self.run_native_scaled = self.runtime.a2a_run_scaled
         self.warm_key = (self.gemm.path, template.group, "all_to_all rows", plan.dtype)
         self.warmed = False
         self.desc = self.description(template)
@@ -153,6 +170,12 @@ class CudaAllToAllCall(NativeCall):
         plan, b = template.plan, template.b
         desc = new_description(self.runtime.A2aDescription)
         desc.gemm_run_blocks = self.gemm.run_blocks_address
+        if self.scaled:  # the modes of the key's kind of scales (fo_gemm_scales)
+            desc.gemm_run_blocks_scaled = self.gemm.run_blocks_scaled_address
+            desc.scaled = 1
+            desc.scale_a_per_row, desc.scale_b_per_col = scale_modes(
+                kernel_scale(template.scale_a, self.blockwise),
+                kernel_scale(template.scale_b, self.blockwise), self.blockwise)[:2]
         desc.tile_m, desc.tile_n = plan.tile
         desc.N = plan.n
         desc.raster_m = RASTERS.index(plan.schedule.raster)
@@ -162,8 +185,8 @@ class CudaAllToAllCall(NativeCall):
         desc.K, desc.num_ctas = self.k, plan.wave_size
         desc.wait_mode = WAIT_MODES[wait_mode()]
         desc.nccl_comm = self.comm
-        desc.nccl_dtype = NCCL_DTYPES[plan.dtype]
-        desc.elem_size = b.element_size()
+        desc.nccl_dtype = NCCL_DTYPES[plan.out_dtype or plan.dtype]  # the result's
+        desc.elem_size = plan.result_dtype.itemsize
         desc.rows = int(plan.layout == "rows")
         return desc
 
@@ -183,21 +206,40 @@ class CudaAllToAllCall(NativeCall):
                                          for name, t in state.tensors.items()}
 
     def run(self, a, b, out, send, recv) -> torch.Tensor:
+        return self._run(a, b, out, send, recv, None)
+
+    def run_scaled(self, a, b, scale_a, scale_b, out, send, recv) -> torch.Tensor:
+        """An fp8 call (checked by the caller): ``run`` with this call's scales, read in place
+        where the kernel can read them (:func:`.device_state.kernel_scale`; else copies)."""
+        return self._run(a, b, out, send, recv, (scale_a, scale_b))
+
+    def _run(self, a, b, out, send, recv, scales) -> torch.Tensor:
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
-                return self.run(a, b, out, send, recv)
+                return self._run(a, b, out, send, recv, scales)
         stream = self.current_stream(self.index)
         state = self._states.get(stream) or self.state(stream)
         a_ptr, lda, b_ptr, ldb, copies = self.operands.of_rows(a, b)
         warm = 0 if self.warmed else int(self.needs_warm_up())
-        args = (state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), a.shape[0], send, recv,
-                stream, warm)
-        err = self.run_native(*args)
+        if scales is None:
+            args = (state.handle, a_ptr, lda, b_ptr, ldb, out.data_ptr(), a.shape[0], send, recv,
+                    stream, warm)
+            run, what = self.run_native, "fo_a2a_run"
+        else:
+            # a copy (a scale the kernel cannot read in place) is queued before the call, and
+            # the caching allocator orders its reuse after it
+            scale_a, scale_b = (kernel_scale(t, self.blockwise) for t in scales)
+            strides = (tuple(scale_a.stride()) + tuple(scale_b.stride())
+                       if self.blockwise else None)
+            args = (state.handle, a_ptr, lda, b_ptr, ldb, scale_a.data_ptr(), scale_b.data_ptr(),
+                    strides, out.data_ptr(), a.shape[0], send, recv, stream, warm)
+            run, what = self.run_native_scaled, "fo_a2a_run_scaled"
+        err = run(*args)
         if err == _TOO_SMALL and any(n > 0 for n in state.handle.needs):
             state.grow(self)
-            err = self.run_native(*args)
+            err = run(*args)
         del copies  # queued: the caching allocator orders their reuse after these kernels
         if err:
-            self.raise_error(err, "fo_a2a_run")
+            self.raise_error(err, what)
         self.warmed = True
         return out

@@ -118,15 +118,17 @@ class CudaBackend(Backend):
 
     def fp8_reasons(self, spec: OverlapSpec) -> list[str]:
         """What the fp8 signaling GEMM declines: anything but sm_90, fp8 dtypes it has no build
-        for, and the ops whose call paths carry no scales yet (those run dequantized)."""
+        for, and the ops whose call paths carry no scales yet (allgather: it runs dequantized)."""
         reasons = []
         if spec.dtype not in kernels.FP8_DTYPES or spec.out_dtype not in kernels.DTYPES:
             reasons.append(f"the fp8 signaling GEMM takes {list(kernels.FP8_DTYPES)} a and b with "
                            f"a {list(kernels.DTYPES)} result, not {spec.dtype} -> {spec.out_dtype}")
-        if of(spec.op).splits or of(spec.op).gathers:
+        if of(spec.op).gathers:
             reasons.append(f"fp8 {spec.op} has no signaling GEMM path on cuda yet (allreduce, "
-                           "reduce_scatter and callable ops do); it runs dequantized on "
-                           "'decomposition'")
+                           "reduce_scatter, all_to_all and callable ops do); it runs dequantized "
+                           "on 'decomposition'")
+        if of(spec.op).splits:  # all_to_all: the scaled GEMM over unequal destination blocks
+            reasons += all_to_all_call.unsupported(None, spec.world_size)
         if spec.b_layout != "col":
             reasons.append("fp8 b must be column-major [K, N] (weight.t()), as the e4m3 tensor "
                            "cores read both operands K-major")

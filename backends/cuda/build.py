@@ -1,7 +1,8 @@
 """Just-in-time build of FlashOverlap's CUDA kernel libraries and runtime.
 
 Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
-compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros; it exports the
+compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros (fp8
+all_to_all's builds from ``gemm_sm90_blocks_scaled.cu``: :func:`gemm_source`); it exports the
 C ABI of ``csrc/cuda/gemm_api.h`` and depends on the ABI of no torch or Python build.
 The device-side waits, counter resets, post-reorders, the prepared calls and NCCL's entry points
 live in the runtime, a Python extension module (pybind11) linked from its translation units
@@ -347,9 +348,20 @@ class Job:
         return extension_suffix() if self.python else ".so"
 
 
+def gemm_source(config: GemmConfig) -> str:
+    """The source file (csrc/cuda) of a configuration: gemm_sm90.cu or gemm_sm80.cu, and for
+    e4m3 builds with unequal destination blocks (fp8 all_to_all's) gemm_sm90_blocks_scaled.cu,
+    which is gemm_sm90.cu plus fo_gemm_run_blocks_scaled (gemm_blocks_scaled.h): a source of its
+    own, so that every other configuration's source, and so its cached object, stays as it is."""
+    if config.arch != 90:
+        return "gemm_sm80.cu"
+    return "gemm_sm90_blocks_scaled.cu" if config.blocks and config.dtype in FP8_DTYPES \
+        else "gemm_sm90.cu"
+
+
 def _gemm_job(config: GemmConfig) -> Job:
     """The job of one GEMM configuration."""
-    source = "gemm_sm90.cu" if config.arch == 90 else "gemm_sm80.cu"
+    source = gemm_source(config)
     flags = GENCODE[f"sm{config.arch}"] + COMMON_FLAGS + gemm_defines(config) + LINK_FLAGS
     return Job(config_name(config), tuple(flags), (source,), needs_cutlass=True)
 
@@ -503,16 +515,24 @@ CHECK_CONFIGS = (
     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True),
     default_config(80),
     default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
+    # fp8 all_to_all's (gemm_sm90_blocks_scaled.cu): block-wise, and row-wise pingpong
+    GemmConfig(tile_n=128, tile_k=128, cluster_m=1, dtype="e4m3", epilogue="tma",
+               block_scaled=True, blocks=True),
+    GemmConfig(tile_n=128, tile_k=128, cluster_m=1, dtype="e4m3", out_dtype="fp16",
+               schedule="pingpong", epilogue="tma", blocks=True),
 )
 # ... and the compile check's default (CI's): one sm90 16-bit, one sm90 e4m3 scaled and one sm80
-# build, each a configuration that plans use (the tma and staged epilogues). Between them: both
-# sm90 schedules, both layouts of b, both 16-bit dtypes and fp8, clusters 1x2 and 2x1, and
-# unequal destination blocks (all_to_all's sm80 build). The GPU machine builds every
-# configuration of the kernel table (ci/gpu.sh's build stage).
+# build, each a configuration that plans use (the tma and staged epilogues), and fp8
+# all_to_all's block-scaled build, the one source of its own (gemm_sm90_blocks_scaled.cu).
+# Between them: both sm90 schedules, both layouts of b, both 16-bit dtypes and fp8 (row-wise
+# and block-wise), clusters 1x2 and 2x1, and unequal destination blocks (all_to_all's sm80 and
+# fp8 builds). The GPU machine builds every configuration of the kernel table (ci/gpu.sh's
+# build stage).
 CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they name)
     CHECK_CONFIGS[3],  # sm90 pingpong 128x128, fp16, b row-major, cluster 1x2, tma
     CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled), tma with 4 slots
     replace(CHECK_CONFIGS[8], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
+    CHECK_CONFIGS[9],  # sm90 cooperative 128x128x128, e4m3 block-scaled, 1x1, tma, blocks
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128; e4m3 row-wise and block-wise
@@ -604,7 +624,7 @@ if __name__ == "__main__":
     parser.add_argument("--no-selftests", action="store_true",
                         help="skip building and running the sm90 layout self-tests")
     parser.add_argument("--all-configs", action="store_true",
-                        help="compile every configuration of CHECK_CONFIGS, not only CI's three")
+                        help="compile every configuration of CHECK_CONFIGS, not only CI's four")
     args = parser.parse_args()
     configs = CHECK_CONFIGS if args.all_configs else CI_CHECK_CONFIGS
     sys.exit(0 if compile_check(args.out, args.jobs, not args.no_selftests, configs) else 1)

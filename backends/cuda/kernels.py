@@ -183,7 +183,7 @@ def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
     (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster;
     all_to_all's (either tile, 1x1, unequal blocks); on sm90 also fp8 (b column-major)
-    with either output dtype, tensor-/row-wise and block-wise scales."""
+    with either output dtype, tensor-/row-wise and block-wise scales, all_to_all's too."""
     out = []
     for arch in archs:
         for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
@@ -197,12 +197,16 @@ def all_configs(archs) -> list[build.GemmConfig]:
                 for result in DTYPES:
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result)
                             for c in clusters]
+                    # fp8 all_to_all's (1x1, unequal blocks, fo_gemm_run_blocks_scaled)
+                    out.append(gemm_config(arch, tile, dtype, True, blocks=True, out_dtype=result))
         for tile in FP8_BLOCK_CONFIGS.get(arch, {}):  # block-wise fp8
             for dtype in FP8_DTYPES:
                 for result in DTYPES:
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
                                         scaling="blockwise")
                             for c in dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])]
+                    out.append(gemm_config(arch, tile, dtype, True, blocks=True, out_dtype=result,
+                                           scaling="blockwise"))  # all_to_all's
     return out
 
 

@@ -14,6 +14,9 @@
 // there), the sends read the product's rows and the receives land in `out`'s final rows; the
 // table kernel writes no post-reorder tiles, there is no staging buffer, and the last phase
 // only zeroes the counters.
+// fp8 (desc.scaled, fo_a2a_run_scaled): the GEMM is fo_gemm_run_blocks_scaled with each call's
+// scales (a row's scale is that of its row of a, whatever block it goes to); everything after
+// it moves the result (out dtype), as for 16-bit calls.
 // No host synchronisation and no per-call allocation: the buffers belong to the caller, who
 // grows them when a call reports that they are too small (fo_a2a_run's `needs`).
 // One translation unit of the runtime object.
@@ -94,12 +97,14 @@ inline cudaError_t check_a2a_desc(const fo_a2a_desc& d) {
   if (d.abi_version != FO_CUDA_ABI_VERSION)
     return fail(cudaErrorInvalidValue, "fo_a2a_create: descriptor ABI %d, library ABI %d",
                 d.abi_version, FO_CUDA_ABI_VERSION);
-  if (!d.gemm_run_blocks || d.world < 1 || d.world > a2a::kMaxRanks || d.rank < 0 ||
+  if (!(d.scaled ? d.gemm_run_blocks_scaled : d.gemm_run_blocks) || d.world < 1 ||
+      d.world > a2a::kMaxRanks || d.rank < 0 ||
       d.rank >= d.world || d.tile_m < 1 || d.tile_n < 1 || d.N < 1 || d.swizzle < 1 ||
       (d.raster_m != 0 && d.raster_m != 1) || d.groups < 1 || d.groups > a2a::kMaxGroups ||
       d.K < 1 || d.num_ctas < 1 || (d.rows != 0 && d.rows != 1))
     return fail(cudaErrorInvalidValue,
-                "fo_a2a_create: need the GEMM, 1 <= world <= %d, a rank in it, a tile, N, K, "
+                "fo_a2a_create: need the GEMM (gemm_run_blocks, or with scaled = 1 "
+                "gemm_run_blocks_scaled), 1 <= world <= %d, a rank in it, a tile, N, K, "
                 "swizzle and CTAs >= 1, raster 0 or 1, 1 <= groups <= %d and rows 0 or 1 (got "
                 "world %d, rank %d, tile %dx%d, N %d, K %d, swizzle %d, raster %d, groups %d, "
                 "CTAs %d, rows %d)",
@@ -119,6 +124,16 @@ inline cudaError_t check_a2a_desc(const fo_a2a_desc& d) {
     return fail(cudaErrorInvalidValue, "fo_a2a_create: wait_mode %d is not 0 or 1", d.wait_mode);
   if (d.elem_size != 2 && d.elem_size != 4)
     return fail(cudaErrorInvalidValue, "fo_a2a_create: elem_size %d is not 2 or 4", d.elem_size);
+  const bool block_wise = d.scale_a_per_row == FO_SCALE_BLOCKS || d.scale_b_per_col == FO_SCALE_BLOCKS;
+  if ((d.scaled != 0 && d.scaled != 1) ||
+      (d.scaled && (block_wise ? d.scale_a_per_row != d.scale_b_per_col
+                               : (d.scale_a_per_row != 0 && d.scale_a_per_row != 1) ||
+                                     (d.scale_b_per_col != 0 && d.scale_b_per_col != 1))))
+    return fail(cudaErrorInvalidValue,
+                "fo_a2a_create: scaled must be 0 or 1, and a scaled call's scale_a_per_row and "
+                "scale_b_per_col each 0 or 1, or both FO_SCALE_BLOCKS (%d) (got scaled %d, "
+                "modes %d and %d)", FO_SCALE_BLOCKS, d.scaled, d.scale_a_per_row,
+                d.scale_b_per_col);
   return cudaSuccess;
 }
 
@@ -142,8 +157,11 @@ inline cudaError_t a2a_step(const fo_a2a& c, int g, void* out) {
                               });
 }
 
+// One call; `scales`: an fp8 call's (the descriptor's modes, this call's pointers and strides),
+// null for a 16-bit one.
 inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b, int64_t ldb,
-                           void* out, int M, const int32_t* send_rows, const int32_t* recv_rows,
+                           const fo_gemm_scales* scales, void* out, int M,
+                           const int32_t* send_rows, const int32_t* recv_rows,
                            cudaStream_t stream, bool warm, int64_t* needs) {
   const fo_a2a_desc& d = c.d;
   const a2a::Geometry& geo = c.geo;
@@ -178,9 +196,10 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
                 send_tiles, recv_tiles, (long long)packed_numel, (long long)staging_numel,
                 buf.tile_capacity, buf.unpack_capacity, (long long)buf.packed_numel,
                 (long long)buf.staging_numel);
-  if ((send_tiles > 0 && (!a || !b)) || (received > 0 && !out))
-    return fail(cudaErrorInvalidValue, "fo_a2a_run: a, b (rows to send) and out (rows to receive) "
-                "must be non-null");
+  if ((send_tiles > 0 && (!a || !b || (scales && (!scales->a || !scales->b)))) ||
+      (received > 0 && !out))
+    return fail(cudaErrorInvalidValue, "fo_a2a_run: a, b%s (rows to send) and out (rows to "
+                "receive) must be non-null", scales ? ", scale_a, scale_b" : "");
   // The communication stream follows what the caller queued before this call (the inputs, the
   // previous call's post-reorder, which read the staging buffer, and, "rows", whatever used
   // `out` before the receives overwrite it).
@@ -202,10 +221,16 @@ inline cudaError_t run_a2a(fo_a2a& c, const void* a, int64_t lda, const void* b,
   // tile at its final row (ldo = N) of the product, or at world size 1 of `out` (M rows).
   int32_t* counters = communicate ? buf.counters : nullptr;
   const bool into_out = rows && !communicate;
-  err = reinterpret_cast<GemmRunBlocks>(d.gemm_run_blocks)(
-      a, b, into_out ? out : buf.packed, into_out ? int64_t(M) * geo.n : buf.packed_numel, M,
-      geo.n, d.K, lda, ldb, rows ? geo.n : 0, buf.block_starts, d.world, buf.items,
-      buf.item_group, send_tiles, counters, d.num_ctas, stream);
+  void* product = into_out ? out : buf.packed;
+  const int64_t product_numel = into_out ? int64_t(M) * geo.n : buf.packed_numel;
+  err = scales ? reinterpret_cast<GemmRunBlocksScaled>(d.gemm_run_blocks_scaled)(
+                     a, b, scales, product, product_numel, M, geo.n, d.K, lda, ldb,
+                     rows ? geo.n : 0, buf.block_starts, d.world, buf.items, buf.item_group,
+                     send_tiles, counters, d.num_ctas, stream)
+               : reinterpret_cast<GemmRunBlocks>(d.gemm_run_blocks)(
+                     a, b, product, product_numel, M, geo.n, d.K, lda, ldb, rows ? geo.n : 0,
+                     buf.block_starts, d.world, buf.items, buf.item_group, send_tiles, counters,
+                     d.num_ctas, stream);
   if (err != cudaSuccess) return gemm_failed(err, "signaling");
   if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (communicate) {
@@ -280,8 +305,35 @@ FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const vo
                               cudaStream_t stream, int warm, int64_t* needs) {
   if (!call || !send_rows || !recv_rows || !needs)
     return fo::fail(cudaErrorInvalidValue, "fo_a2a_run: call, send_rows, recv_rows and needs must be non-null");
-  return fo::runtime::run_a2a(*call, a, lda, b, ldb, out, M, send_rows, recv_rows, stream, warm != 0,
-                              needs);
+  if (call->d.scaled)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_a2a_run: this call is fp8 (scaled = 1): fo_a2a_run_scaled takes its scales");
+  return fo::runtime::run_a2a(*call, a, lda, b, ldb, nullptr, out, M, send_rows, recv_rows, stream,
+                              warm != 0, needs);
+}
+
+FO_API cudaError_t fo_a2a_run_scaled(fo_a2a* call, const void* a, int64_t lda, const void* b,
+                                     int64_t ldb, const float* scale_a, const float* scale_b,
+                                     const int64_t* scale_strides, void* out, int M,
+                                     const int32_t* send_rows, const int32_t* recv_rows,
+                                     cudaStream_t stream, int warm, int64_t* needs) {
+  if (!call || !send_rows || !recv_rows || !needs)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_a2a_run_scaled: call, send_rows, recv_rows and needs must be non-null");
+  const fo_a2a_desc& d = call->d;
+  const bool block_wise = d.scale_a_per_row == FO_SCALE_BLOCKS;
+  if (!d.scaled || (block_wise && !scale_strides))
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_a2a_run_scaled: needs a call made with scaled = 1 (got %d), and for "
+                    "block-wise scales their strides (got scale_strides=%p)", d.scaled,
+                    static_cast<const void*>(scale_strides));
+  fo_gemm_scales scales = {scale_a, scale_b, d.scale_a_per_row, d.scale_b_per_col, {0, 0}, {0, 0}};
+  if (block_wise) {
+    scales.a_stride[0] = scale_strides[0], scales.a_stride[1] = scale_strides[1];
+    scales.b_stride[0] = scale_strides[2], scales.b_stride[1] = scale_strides[3];
+  }
+  return fo::runtime::run_a2a(*call, a, lda, b, ldb, &scales, out, M, send_rows, recv_rows,
+                              stream, warm != 0, needs);
 }
 
 FO_API void fo_a2a_destroy(fo_a2a* call) {

@@ -24,10 +24,16 @@ using GemmRunBlocks = cudaError_t (*)(const void*, const void*, void*, int64_t, 
                                       int64_t, int64_t, int64_t, const int32_t*, int,
                                       const int64_t*, const int32_t*, int, int32_t*, int,
                                       cudaStream_t);
+// fo_gemm_run_blocks_scaled: fp8 all_to_all's (gemm_blocks_scaled.h).
+using GemmRunBlocksScaled = cudaError_t (*)(const void*, const void*, const fo_gemm_scales*, void*,
+                                            int64_t, int, int, int, int64_t, int64_t, int64_t,
+                                            const int32_t*, int, const int64_t*, const int32_t*,
+                                            int, int32_t*, int, cudaStream_t);
 static_assert(std::is_same_v<GemmLaunch, decltype(&fo_gemm_launch)>);
 static_assert(std::is_same_v<GemmSetNodeParams, decltype(&fo_gemm_set_node_params)>);
 static_assert(std::is_same_v<GemmRunEx, decltype(&fo_gemm_run_ex)>);
 static_assert(std::is_same_v<GemmRunBlocks, decltype(&fo_gemm_run_blocks)>);
+static_assert(std::is_same_v<GemmRunBlocksScaled, decltype(&fo_gemm_run_blocks_scaled)>);
 
 // A GEMM library's launch failed: its own fo_last_error has the details.
 inline cudaError_t gemm_failed(cudaError_t err, const char* what) {

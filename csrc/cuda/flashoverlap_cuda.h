@@ -1,16 +1,18 @@
 // C API of FlashOverlap's CUDA runtime: every function the runtime object exports is declared
 // here, and every function of the GEMM libraries (one shared object per GEMM configuration) in
-// gemm_api.h, which this includes (with the work items, clusters and alignment they take). The
+// gemm_api.h, which this includes (with the work items, clusters and alignment they take), but
+// fp8 all_to_all's fo_gemm_run_blocks_scaled, in gemm_blocks_scaled.h (included too). The
 // runtime is one object made of one translation unit per call kind (runtime.cu: wait, counter
 // reset, post-reorder, fo_load_kernels and fo_last_error; nccl.cu; overlap_call.cu;
 // add_rmsnorm.cu; gather_call.cu; all_to_all_call.cu). The GEMM libraries include gemm_api.h
-// only, so an edit here leaves their cached objects valid (backends/cuda/build.py hashes what
-// each object includes).
+// (and gemm_blocks_scaled.h) only, so an edit here leaves their cached objects valid
+// (backends/cuda/build.py hashes what each object includes).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "gemm_api.h"
+#include "gemm_blocks_scaled.h"  // fo_gemm_run_blocks_scaled: fp8 all_to_all's GEMM libraries
 
 #ifdef __cplusplus
 extern "C" {
@@ -284,6 +286,12 @@ FO_API cudaError_t fo_gather_load_kernels(void);
 // size 1 `out` itself), the sends read the product's rows and the receives land in `out`'s
 // final rows: no staging buffer, no post-reorder tables and no post-reorder (the last phase
 // only zeroes the counters).
+// fp8 (issue 32): scaled = 1 for e4m3 a and b, whose GEMM is `gemm_run_blocks_scaled` (the
+// fo_gemm_run_blocks_scaled of an e4m3 library built with FO_BLOCKS=1; gemm_blocks_scaled.h)
+// and whose calls go through fo_a2a_run_scaled with their scales, laid out as
+// scale_a_per_row and scale_b_per_col say (fo_gemm_scales' modes: 0 one float, 1 per row of a /
+// column of the result, both FO_SCALE_BLOCKS block-wise, with each call's strides). What the
+// buffers hold and NCCL moves is the result (nccl_dtype and elem_size are the out dtype's).
 typedef struct {
   int abi_version;  // FO_CUDA_ABI_VERSION
   void* gemm_run_blocks;
@@ -298,6 +306,10 @@ typedef struct {
   int nccl_dtype, elem_size;
   cudaStream_t comm_stream;
   int rows;         // 1: layout "rows" (see above), 0: "tiles"
+  // Appended (issue 32): fp8 (see above); gemm_run_blocks may then be null
+  void* gemm_run_blocks_scaled;
+  int scaled;
+  int scale_a_per_row, scale_b_per_col;
 } fo_a2a_desc;
 
 // The caller's device buffers, and what they hold (set again when the caller grows them).
@@ -327,6 +339,17 @@ FO_API cudaError_t fo_a2a_set_buffers(fo_a2a* call, const fo_a2a_buffers* buffer
 FO_API cudaError_t fo_a2a_run(fo_a2a* call, const void* a, int64_t lda, const void* b, int64_t ldb,
                               void* out, int M, const int32_t* send_rows, const int32_t* recv_rows,
                               cudaStream_t stream, int warm, int64_t* needs);
+// fo_a2a_run of a call made with scaled = 1 (fp8): scale_a and scale_b are this call's float32
+// device pointers, laid out as the descriptor's modes say (row-wise scale_a: one per row of this
+// call's a; block-wise: [M, ceil(K/128)] and [ceil(K/128), ceil(N/128)]); scale_strides: their
+// element strides {scale_a's 2, scale_b's 2} (block-wise only, which then needs them: scale_a's
+// change with each call's rows in torch's outer-dim-major layout; null otherwise). With no rows
+// to send (M = 0), a and the scales may be null.
+FO_API cudaError_t fo_a2a_run_scaled(fo_a2a* call, const void* a, int64_t lda, const void* b,
+                                     int64_t ldb, const float* scale_a, const float* scale_b,
+                                     const int64_t* scale_strides, void* out, int M,
+                                     const int32_t* send_rows, const int32_t* recv_rows,
+                                     cudaStream_t stream, int warm, int64_t* needs);
 FO_API void fo_a2a_destroy(fo_a2a* call);
 
 #ifdef __cplusplus

@@ -240,9 +240,11 @@ struct UnpackPhase {
 };
 
 // A "rows" call: the rows are in place in `out` once the collectives are done, and there is no
-// last phase: each group's waiter zeroes its counter on the communication stream (a kernel after
-// the join cost about 3 us per call), and without a collective the GEMM signals nothing. An
-// allreduce reduces `out` itself; a reduce_scatter receives into it (at one rank, in place).
+// last phase: each group's waiter zeroes its counter on the communication stream, the last
+// group's included (a kernel after the join cost about 3 us per call, a stream write there
+// lay on the critical path too), and without a collective, or with one group, the GEMM signals
+// nothing. An allreduce reduces `out` itself; a reduce_scatter receives into it (at one rank,
+// in place).
 struct RowsPhase {
   void* out;
   static constexpr bool kWaitersReset = true;
@@ -332,13 +334,22 @@ struct NormPhase {
   }
 };
 
-// The GEMM's launch parameters for one call, writing `out`. Without a collective nothing waits
-// on the group counters: the GEMM signals none.
-inline fo_gemm_params gemm_params(const fo_call& c, const GemmOperands& op, void* out) {
+// Whether a call ending in `Phase` has the GEMM signal its group counters: not without a
+// collective (nothing waits on them), nor in a "rows" call of one group, whose only collective
+// follows the GEMM in stream order (nothing waits on them either, and none needs zeroing). The
+// other phases' kernels zero the counters, and the fused norm's reads them.
+template <class Phase>
+inline bool signals(const fo_call& c) {
+  return c.d.collective != 0 && !(Phase::kWaitersReset && c.d.num_groups == 1);
+}
+
+// The GEMM's launch parameters for one call, writing `out` (signaling: see `signals`).
+inline fo_gemm_params gemm_params(const fo_call& c, const GemmOperands& op, void* out,
+                                  bool signal) {
   const fo_call_desc& d = c.d;
   return fo_gemm_params{op.a, op.lda, op.b, op.ldb, d.scaled ? &c.scales : nullptr, out,
                         d.rows ? int64_t(d.N) : 0, d.L, d.block_rows, d.N, d.K, d.items,
-                        d.item_group, d.num_items, d.collective != 0 ? d.counters : nullptr,
+                        d.item_group, d.num_items, signal ? d.counters : nullptr,
                         d.num_ctas, nullptr};
 }
 
@@ -364,7 +375,7 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
   if (err != cudaSuccess) return err;
   // The GEMM first: a waiter queued before its producer could deadlock (docs/design.md).
   const CallBuffers buffers = phase.buffers(c);
-  const fo_gemm_params params = gemm_params(c, op, buffers.gemm_out);
+  const fo_gemm_params params = gemm_params(c, op, buffers.gemm_out, signals<Phase>(c));
   err = reinterpret_cast<GemmLaunch>(d.gemm_launch)(&params, stream);
   if (err != cudaSuccess) return gemm_failed(err, "signaling");
   if (g) {
@@ -381,17 +392,21 @@ inline cudaError_t issue_call(fo_call& c, const GemmOperands& op, const Phase& p
     if (err != cudaSuccess) return err;
   }
   if (forked) {
+    // The last group's counter too, zeroed by a waiter of its own on the communication stream:
+    // it fires with the GEMM's last tiles, a little before the kernel ends, so its reset is
+    // done by the time the join lets the last collective start (a reset on `stream` after the
+    // GEMM lay on the critical path). The other phases' kernels zero every counter.
+    if (Phase::kWaitersReset) {
+      err = wait_counter_and_reset(d.counters + tail, c.group_sizes[tail], d.wait_mode,
+                                   d.comm_stream);
+      if (err != cudaSuccess) return err;
+    }
     if (warm) FO_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
     err = c.events.comm_finished(d.comm_stream);
     if (err == cudaSuccess) err = c.events.join(stream);
     if (err != cudaSuccess) return err;
   }
   if (communicate) {
-    // the last group's counter, which no waiter zeroes (the other phases' kernels zero them all)
-    if (Phase::kWaitersReset) {
-      err = reset_counter(d.counters + tail, d.wait_mode, stream);
-      if (err != cudaSuccess) return err;
-    }
     for (int s = tail; s < d.num_steps; ++s) {
       err = launch_step(c, s, buffers, stream);
       if (err != cudaSuccess) return err;
@@ -448,7 +463,7 @@ inline cudaError_t update_graph(fo_call& c, fo_call_graph& g, const GemmOperands
   void* gemm_out = phase.buffers(c).gemm_out;
   if (op.a != g.a || op.b != g.b || op.lda != g.lda || op.ldb != g.ldb || scales_moved ||
       gemm_out != g.gemm_out) {
-    const fo_gemm_params params = gemm_params(c, op, gemm_out);
+    const fo_gemm_params params = gemm_params(c, op, gemm_out, signals<Phase>(c));
     err = reinterpret_cast<GemmSetNodeParams>(c.d.gemm_set_node)(g.exec, g.gemm, &params);
     if (err != cudaSuccess)
       return fail(err, "re-pointing the graph's GEMM at new operands (cudaError %d)", int(err));

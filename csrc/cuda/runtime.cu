@@ -189,10 +189,6 @@ cudaError_t launch_reset(int32_t* counters, int n, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t reset_counter(int32_t* counter, int mode, cudaStream_t stream) {
-  return mode == 0 ? write_value32(counter, 0, stream) : launch_reset(counter, 1, stream);
-}
-
 cudaError_t wait_counter(const int32_t* counter, int32_t value, int mode, cudaStream_t stream) {
   if (mode == 0) {
     StreamValue32 fn;

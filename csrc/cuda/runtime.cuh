@@ -27,11 +27,6 @@ cudaError_t load_stream_memops();
 // Zeroes a call's `n` group counters on `stream` with one CTA (when no post-reorder does it).
 cudaError_t launch_reset(int32_t* counters, int n, cudaStream_t stream);
 
-// Zeroes one counter on `stream` once its earlier work is done, as the wait of `mode` would
-// have (a stream memory write in mode 0, a one-CTA kernel in mode 1): the last group's, which
-// no waiter zeroes (its collective follows the GEMM in stream order).
-cudaError_t reset_counter(int32_t* counter, int mode, cudaStream_t stream);
-
 // The launch of the post-reorder of one block (fo_unpack_tiles's arguments; it also zeroes
 // `num_reset` counters at `reset`): its grid and its argument values, kept together so that a
 // replayed graph's node can be re-pointed at a new `dst` with the same launch.

@@ -8,7 +8,8 @@
 // be set from Python (it stays zero), and one that is listed has its C type. Host arrays are
 // vectors owned here and checked against their counts before a call is made.
 //
-// Per-call entry points (call_run, call_run_scaled, call_run_add_rmsnorm, a2a_run, gather_run)
+// Per-call entry points (call_run, call_run_scaled, call_run_add_rmsnorm, a2a_run,
+// a2a_run_scaled, gather_run)
 // take plain ints (pointers as integers) and the call's handle, and return the cudaError code:
 // the caller raises (check) only when it is not 0. Every entry point lets other Python threads
 // run while it is in native code, as ctypes did. Built by backends/cuda/build.py; needs no
@@ -133,17 +134,22 @@ class GemmLibrary {
     launch_ = symbol<decltype(&fo_gemm_launch)>("fo_gemm_launch");
     set_node_params_ = symbol<decltype(&fo_gemm_set_node_params)>("fo_gemm_set_node_params");
     run_blocks_ = symbol<decltype(&fo_gemm_run_blocks)>("fo_gemm_run_blocks");
+    // fp8 all_to_all's builds only (gemm_blocks_scaled.h): optional
+    run_blocks_scaled_ = reinterpret_cast<decltype(&fo_gemm_run_blocks_scaled)>(
+        dlsym(handle_, "fo_gemm_run_blocks_scaled"));
   }
 
   const std::string& path() const { return path_; }
   const fo_gemm_config& description() const { return description_; }
   bool fp8() const { return description_.dtype == FO_DTYPE_E4M3; }
   // What the descriptions take: fo_call_desc.gemm_launch and gemm_set_node, fo_gather_desc
-  // gemm_run_ex, fo_a2a_desc gemm_run_blocks.
+  // gemm_run_ex, fo_a2a_desc gemm_run_blocks and gemm_run_blocks_scaled (0: a library without
+  // it, any but an e4m3 build with unequal blocks).
   uintptr_t launch_address() const { return address(launch_); }
   uintptr_t set_node_address() const { return address(set_node_params_); }
   uintptr_t run_ex_address() const { return address(run_ex_); }
   uintptr_t run_blocks_address() const { return address(run_blocks_); }
+  uintptr_t run_blocks_scaled_address() const { return address(run_blocks_scaled_); }
 
   std::string last_error() const {
     const char* text = last_error_();
@@ -235,6 +241,7 @@ class GemmLibrary {
   decltype(&fo_gemm_launch) launch_ = nullptr;
   decltype(&fo_gemm_set_node_params) set_node_params_ = nullptr;
   decltype(&fo_gemm_run_blocks) run_blocks_ = nullptr;
+  decltype(&fo_gemm_run_blocks_scaled) run_blocks_scaled_ = nullptr;  // optional
 };
 
 // The runtime's check, with the GEMM library's own last error in `what` when it has one.
@@ -579,7 +586,8 @@ PYBIND11_MODULE(fo_runtime, m) {
         FO_FIELD(tile_n) FO_FIELD(N) FO_FIELD(raster_m) FO_FIELD(swizzle) FO_FIELD(groups)
         FO_FIELD(world) FO_FIELD(rank) FO_FIELD(K) FO_FIELD(num_ctas) FO_FIELD(wait_mode)
         FO_FIELD(nccl_comm) FO_FIELD(nccl_dtype) FO_FIELD(elem_size) FO_FIELD(comm_stream)
-        FO_FIELD(rows);
+        FO_FIELD(rows) FO_FIELD(gemm_run_blocks_scaled) FO_FIELD(scaled) FO_FIELD(scale_a_per_row)
+        FO_FIELD(scale_b_per_col);
   }
 
   py::class_<A2aBuffers> buffers(m, "A2aBuffers", py::module_local());
@@ -602,6 +610,7 @@ PYBIND11_MODULE(fo_runtime, m) {
       .def_property_readonly("set_node_address", &GemmLibrary::set_node_address)
       .def_property_readonly("run_ex_address", &GemmLibrary::run_ex_address)
       .def_property_readonly("run_blocks_address", &GemmLibrary::run_blocks_address)
+      .def_property_readonly("run_blocks_scaled_address", &GemmLibrary::run_blocks_scaled_address)
       .def("last_error", &GemmLibrary::last_error)
       .def("check", &GemmLibrary::check)
       .def("load_kernels", &GemmLibrary::load_kernels)
@@ -801,6 +810,20 @@ PYBIND11_MODULE(fo_runtime, m) {
       return fo_a2a_run(c.p, a.as<const void*>(), lda, b.as<const void*>(), ldb, out.as<void*>(),
                         M, c.rows.data(), c.rows.data() + c.world, stream.as<cudaStream_t>(), warm,
                         c.needs.data());
+    }));
+  });
+  // an fp8 call: its scales, and (block-wise) their element strides, (a0, a1, b0, b1)
+  m.def("a2a_run_scaled", [](A2a& c, Ptr a, int64_t lda, Ptr b, int64_t ldb, Ptr scale_a,
+                             Ptr scale_b, std::optional<std::array<int64_t, 4>> strides, Ptr out,
+                             int M, py::handle send, py::handle recv, Ptr stream, int warm) {
+    read_rows(send, c.world, c.rows.data(), "send");
+    read_rows(recv, c.world, c.rows.data() + c.world, "recv");
+    return int(unlocked([&] {
+      return fo_a2a_run_scaled(c.p, a.as<const void*>(), lda, b.as<const void*>(), ldb,
+                               scale_a.as<const float*>(), scale_b.as<const float*>(),
+                               strides ? strides->data() : nullptr, out.as<void*>(), M,
+                               c.rows.data(), c.rows.data() + c.world, stream.as<cudaStream_t>(),
+                               warm, c.needs.data());
     }));
   });
 

@@ -155,7 +155,7 @@ def run_fp8_case(target, case: Fp8Case, seed: int) -> list[str]:
 
 def fp8_reasons(backend, case: Fp8Case, seed: int, device_type: str) -> list[str]:
     """Why ``backend`` declines the case: asked of the fp8 call (a backend without native fp8
-    is asked of the float32 call it runs as); all_to_all always runs dequantized."""
+    is asked of the float32 call it runs as: call_reasons)."""
     import dataclasses
 
     from flashoverlap_core.backend import call_reasons
@@ -166,8 +166,6 @@ def fp8_reasons(backend, case: Fp8Case, seed: int, device_type: str) -> list[str
     as_float32 = Case(case.op, case.world_size, "float32", case.m, case.n, case.k, (1, 1), "col",
                       "auto", splits="send")
     spec = spec_of(as_float32, seed, 0, device_type)
-    if case.op == "all_to_all":
-        return call_reasons(backend, spec)
     return call_reasons(backend, dataclasses.replace(spec, dtype=FP8_DTYPE_NAME,
                                                      out_dtype=case.out_dtype,
                                                      scaling=case.scaling))

@@ -76,9 +76,8 @@ class Job:
             raise ValueError(f"scaling is for fp8 jobs ({', '.join(FP8_DTYPES)}), not "
                              f"{self.dtype}")
         if self.fp8 and self.op == "all_to_all":
-            raise ValueError("fp8 all_to_all calls run dequantized, as float32 calls (their "
-                             "per-call rows carry no scales): tune all_to_all with "
-                             "--dtype float32")
+            raise ValueError("fp8 all_to_all is not tuned (its jobs would need scales of "
+                             "each call's own rows): tune all_to_all with --dtype float32")
 
     @property
     def fp8(self) -> bool:

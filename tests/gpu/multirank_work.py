@@ -151,6 +151,71 @@ def moe_sequence(seed: int, calls: int, backend) -> dict:
             "backends": sorted({c["backend"] for c in calls_seen})}
 
 
+def fp8_moe_sequence(seed: int, calls: int, scaling: str) -> dict:
+    """fp8 all_to_all (issue 32) as expert parallelism runs it: e4m3 a and b with float32 scales
+    of ``scaling`` ("tensorwise", "rowwise": [rows, 1] and [1, N], "blockwise": [rows,
+    ceil(K/128)] outer-dim-major and [ceil(K/128), ceil(N/128)]), every call each rank's rows
+    and splits new (skewed, zeros, a rank without rows at times) and its scale_a of its own
+    rows, recv_splits given on every other call; each result (bf16) against float64 of every
+    source's dequantized rows. One prepared key, which cuda runs (the scaled GEMM over unequal
+    destination blocks)."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    n, k = 1000, 264
+    kb, nb = -(-k // 128), -(-n // 128)
+    f8 = torch.float8_e4m3fn
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def inputs(r: int, rows: int, call: int):  # rank r's a, b and scales, on the host
+        g = torch.Generator().manual_seed((seed * 7919 + r * 131 + call) & 0x7FFFFFFF)
+        a = (torch.randn(rows, k, generator=g) * 2).to(f8)
+        b = (torch.randn(n, k, generator=g) * 2).to(f8).t()
+        if scaling == "tensorwise":
+            return a, b, torch.rand((), generator=g) + 0.25, torch.rand((), generator=g) + 0.25
+        if scaling == "rowwise":
+            return (a, b, torch.rand(rows, 1, generator=g) + 0.25,
+                    torch.rand(1, n, generator=g) + 0.25)
+        return (a, b, (torch.rand(kb, rows, generator=g) + 0.25).t(),
+                torch.rand(kb, nb, generator=g) + 0.25)
+
+    def dequantized(a, b, sa, sb):
+        if scaling == "blockwise":
+            sa = sa.repeat_interleave(128, 1)[:, :k]
+            sb = sb.repeat_interleave(128, 0)[:k].repeat_interleave(128, 1)[:, :n]
+        return (a.double() * sa.double()) @ (b.double() * sb.double())
+
+    problems = []
+    previous = os.environ.get("FLASHOVERLAP_CUDA_FP8_BLOCK")
+    os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = "1"  # (block-wise: the kernel's verification)
+    try:
+        for call in range(calls):
+            splits = splits_for(seed, world, call, False, 1 + 97 * (call % 7) + 13 * call)
+            offsets = [[sum(s[:d]) for d in range(world + 1)] for s in splits]
+            want = torch.cat([dequantized(*inputs(src, sum(splits[src]), call))[
+                offsets[src][rank]:offsets[src][rank + 1]] for src in range(world)])
+            a, b, sa, sb = (t.to(device) for t in inputs(rank, sum(splits[rank]), call))
+            given = call % 2 == 0
+            out = None
+            if given and call % 4 == 0:  # poisoned, in the result dtype
+                out = torch.full(tuple(want.shape), float("nan"), dtype=DTYPE, device=device)
+            got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, out_dtype=DTYPE,
+                             out=out, send_splits=splits[rank],
+                             recv_splits=[s[rank] for s in splits] if given else None)
+            if got.dtype != DTYPE:
+                problems.append(f"fp8 MoE call {call}: result is {got.dtype}")
+            problems += check(got, want.to(got.device), f"fp8 {scaling} MoE call {call} "
+                              f"(splits {splits})")
+    finally:
+        if previous is None:
+            os.environ.pop("FLASHOVERLAP_CUDA_FP8_BLOCK", None)
+        else:
+            os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = previous
+    calls_seen = fo.prepared_calls()
+    return {"problems": problems, "keys": len(calls_seen),
+            "backends": sorted({c["backend"] for c in calls_seen}),
+            "runners": sorted({c["runner"] for c in calls_seen})}
+
+
 def back_to_back(seed: int, calls: int, backend) -> dict:
     """``calls`` mixed calls in a row (op, shape and layout change every call; fresh inputs),
     each checked against float64."""

@@ -5,8 +5,10 @@ Fresh random inputs every run (the seed is in each failure's message), NaN-poiso
 ragged shapes (partial tiles, K not a multiple of the 128-element K tile, K not a multiple of
 16: the rows are then copied to 16-byte strides), tensor-wise, row-wise and mixed scales, bf16
 and fp16 out, allreduce and reduce_scatter on a NCCL group of one rank, callable ops, graph
-replays with moving operands and scales, torch.compile, and what cuda declines (allgather,
-all_to_all, sm_80 kernels) running dequantized on 'decomposition'. Block-wise scales (1x128
+replays with moving operands and scales, torch.compile, all_to_all with each call's own rows
+and scales (issue 32: ragged rows, none at times, every kind of scales, alone and on the NCCL
+group of one rank; world sizes 2-4 in test_multirank.py), and what cuda declines (allgather,
+sm_80 kernels) running dequantized on 'decomposition'. Block-wise scales (1x128
 groups of a, 128x128 blocks of b; issue 32): every element's error at most that of torch's
 block-wise scaled_mm on the same inputs plus 2 ulps of the output dtype (where torch lacks it,
 the float32 dequantized product, and the failure message says which), their scale layouts,
@@ -214,7 +216,7 @@ def test_fp8_compiles_on_cuda():
 
 
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
-@pytest.mark.parametrize("op", ["allgather", "all_to_all"])
+@pytest.mark.parametrize("op", ["allgather"])
 def test_fp8_ops_cuda_declines_run_dequantized(op, scaling):
     blockwise = scaling == "blockwise"
     seed = random.randrange(2**31)
@@ -227,6 +229,77 @@ def test_fp8_ops_cuda_declines_run_dequantized(op, scaling):
     (_block_check if blockwise else _check)(got, a, b, sa, sb, torch.bfloat16,
                                             f"{op} {scaling} dequantized")
     assert fo.prepared_calls()[-1]["backend"] == "decomposition"
+
+
+# ---- all_to_all (issue 32): each call's rows, splits and scales ------------------------------
+A2A_SCALINGS = ("tensorwise", "rowwise", "mixed", "blockwise")
+
+
+def _a2a_inputs(m, n, k, scaling, seed):
+    """A call's e4m3 a and b and scales of ``scaling`` (block-wise: torch's layouts)."""
+    if scaling == "blockwise":
+        return _block_inputs(m, n, k, seed)
+    return _inputs(m, n, k, scaling, seed)
+
+
+@pytest.mark.parametrize("group", ["none", "nccl"])
+@pytest.mark.parametrize("out_name", sorted(OUT))
+@pytest.mark.parametrize("scaling", A2A_SCALINGS)
+def test_fp8_all_to_all_rows_change_every_call(scaling, out_name, group, request):
+    """One fp8 all_to_all key, 14 calls whose rows change every call (none at times, tile
+    edges, thousands), scale_a of each call's rows, splits given or not, out given (poisoned)
+    or not, b and its scales new at times: every result against float64 of the dequantized
+    inputs (block-wise: within torch's block-wise error + 2 ulps), run by cuda's scaled GEMM
+    over unequal destination blocks, laid out per call."""
+    nccl_group = request.getfixturevalue("nccl_group") if group == "nccl" else None
+    rng = random.Random()
+    n, k = rng.choice([(1000, 264), (136, 72), (384, 300), (4096, 512)])
+    out_dtype = OUT[out_name]
+    check = _block_check if scaling == "blockwise" else _check
+    for call in range(14):
+        m = rng.choice([0, 1, 127, 128, 129, 255, rng.randint(1, 3000)])
+        seed = random.randrange(2**31)
+        a, b, sa, sb = _a2a_inputs(m, n, k, scaling, seed)
+        kw = {} if call % 3 == 0 else {"send_splits": [m]}
+        if call % 2:
+            kw["recv_splits"] = [m]
+        if call % 4 == 1:
+            kw["out"] = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+        got = fo.overlap(a, b, "all_to_all", nccl_group, scale_a=sa, scale_b=sb,
+                         out_dtype=out_dtype, backend="cuda", **kw)
+        torch.cuda.synchronize()
+        if "out" in kw:
+            assert got is kw["out"]
+        assert got.shape == (m, n) and got.dtype == out_dtype, (got.shape, got.dtype)
+        if m:
+            check(got, a, b, sa, sb, out_dtype,
+                  f"all_to_all {m}x{n}x{k} {scaling} {out_name} call {call}, seed {seed}")
+    [key] = fo.prepared_calls()  # the rows are each call's own: one key
+    assert (key["backend"], key["runner"], key["dtype"], key["out_dtype"]) == (
+        "cuda", "AllToAllCall", "float8_e4m3fn", out_name), key
+    assert fo.prepared_calls()[-1]["backend"] == "cuda"
+    assert list(api._prepared.values())[-1].prepared.native is not None  # laid out per call
+
+
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_fp8_all_to_all_layouts_and_strided_scales(layout):
+    """Both all_to_all layouts on the scaled GEMM, a row-wise scale_a that is a column of a
+    wider tensor (copied per call), and rows of a whose stride is not 16 bytes (copied)."""
+    n, k = 768, 200
+    plan = fo.plan(1000, n, k, op="all_to_all", dtype=F8, backend="cuda", layout=layout)
+    for m in (1000, 0, 333, 2000):
+        a, b, _, sb = _inputs(m, n, k, "rowwise", random.randrange(2**31))
+        sa = (torch.rand(m, 3, device="cuda") + 0.25)[:, 1:2]  # [m, 1], stride (3, 1)
+        odd = torch.empty(m, k + 3, device="cuda", dtype=F8)
+        odd[:, :k] = a
+        got = fo.overlap(odd[:, :k], b, "all_to_all", scale_a=sa, scale_b=sb, plan=plan,
+                         send_splits=[m], recv_splits=[m])
+        torch.cuda.synchronize()
+        assert got.shape == (m, n)
+        if m:
+            _check(got, a, b, sa, sb, torch.bfloat16, f"all_to_all {layout} {m} rows")
+    [key] = fo.prepared_calls()
+    assert (key["backend"], key["layout"]) == ("cuda", layout), key
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])

@@ -88,6 +88,17 @@ def test_moe_sequence_on_the_signaling_gemm(pools, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_moe_sequence_on_the_scaled_gemm(pools, world, scaling):
+    """fp8 all_to_all (issue 32): skewed splits with zeros, each rank's scales of its own rows,
+    on cuda's scaled GEMM over unequal destination blocks (multirank_work.fp8_moe_sequence)."""
+    results = run(pools, world, work.fp8_moe_sequence, 43 + world, 16, scaling)
+    no_problems(results, f"fp8 {scaling} MoE sequence")
+    for r in results:
+        assert (r["backends"], r["runners"], r["keys"]) == (["cuda"], ["AllToAllCall"], 1), results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_200_back_to_back_mixed_calls(pools, world):
     results = run(pools, world, work.back_to_back, 5, 200, "cuda")
     no_problems(results, "back-to-back")
