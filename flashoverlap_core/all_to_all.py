@@ -110,10 +110,10 @@ class AllToAllCall:
             self._verify(send, recv, a.device, None)
         if self.native is not None:
             return self._native(a, b, out, send, recv, scales)
+        if plan.strategy == "sequential":  # allocates its own result: the GEMM's, alone
+            return self._sequential(a, b, out, send, recv, scales)
         if out is None and rows is not None:
             out = torch.empty((rows, self.n), dtype=self.result_dtype, device=a.device)
-        if plan.strategy == "sequential":
-            return self._sequential(a, b, out, send, recv, scales)
         if scales is not None and self.dequantize:  # the float32 call, rounded into out
             a32, b32 = fp8.dequantized(a, b, *scales)
             into = None if out is None else torch.empty(out.shape, dtype=torch.float32,
@@ -267,12 +267,15 @@ class AllToAllCall:
     def _sequential(self, a, b, out, send, recv, scales=None):
         """The plan's "sequential" strategy: the device's GEMM (fp8: :meth:`_scaled_product`),
         then one all_to_all_single."""
+        alone = self.group is None or self.world == 1
+        if alone and scales is None:  # the GEMM writes the result: no copy of it
+            return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
         c = torch.matmul(a, b) if scales is None else self._scaled_product(a, b, *scales)
-        if self.group is None or self.world == 1:
+        if alone:
             return c if out is None else out.copy_(c)
         if recv is None:
             recv = self._received(send, a.device)
-            out = self._out_for(out, c.device, sum(recv))
+        out = self._out_for(out, c.device, sum(recv))
         with _collective(self.group, "the plain path's all_to_all"):
             dist.all_to_all_single(out, c, output_split_sizes=list(recv),
                                    input_split_sizes=list(send), group=self.group)

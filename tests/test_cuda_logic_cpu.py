@@ -411,9 +411,12 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
         build.GemmConfig(tile_k=128, dtype="e4m3", block_scaled=True)  # 128x256
     with pytest.raises(ValueError, match="block_scaled applies to e4m3 builds"):
         build.GemmConfig(tile_n=128, tile_k=128, block_scaled=True)
-    # unverified on a GPU: declined unless asked for (block-wise calls then run dequantized)
+    # run by default; FLASHOVERLAP_CUDA_FP8_BLOCK=0 declines it (block-wise calls then run
+    # dequantized)
     monkeypatch.delenv("FLASHOVERLAP_CUDA_FP8_BLOCK", raising=False)
-    assert any("not yet verified" in r for r in backend.unsupported_reasons(spec))
+    assert not backend.unsupported_reasons(spec), backend.unsupported_reasons(spec)
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_FP8_BLOCK", "0")
+    assert any("turns the block-scaled" in r for r in backend.unsupported_reasons(spec))
     monkeypatch.setenv("FLASHOVERLAP_CUDA_FP8_BLOCK", "1")
     assert not backend.unsupported_reasons(spec), backend.unsupported_reasons(spec)
     monkeypatch.setenv(ENV_ARCH, "80")

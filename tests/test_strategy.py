@@ -430,3 +430,49 @@ def test_the_plain_path_runs_the_backends_own_collectives():
         assert r["seen"] == ["all_reduce", "reduce_scatter", "all_gather", "all_gather",
                              "all_gather"], r
         assert r["runners"][:3] == ["SequentialCall"] * 3, r
+
+
+def _plain_all_to_all(seed):
+    """The plain path of all_to_all on this rank (FLASHOVERLAP_STRATEGY=plain): recv_splits
+    given or not, out given (poisoned) or not, a destination with no rows."""
+    import os
+
+    import torch.distributed as dist
+
+    from flashoverlap_core import api
+
+    os.environ[st.ENV_STRATEGY] = "plain"
+    try:
+        api.forget_prepared()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        splits = [[3, 0], [1, 2]]
+        b = torch.randn(6, 5, generator=torch.Generator().manual_seed(seed))
+        a_all = [torch.randn(sum(splits[r]), 6, generator=torch.Generator().manual_seed(seed + r))
+                 for r in range(world)]
+        recv = [splits[src][rank] for src in range(world)]
+        want = torch.cat([(a_all[src].double() @ b.double())[sum(splits[src][:rank]):
+                                                             sum(splits[src][:rank + 1])]
+                          for src in range(world)])
+        errors = []
+        for kw in ({"recv_splits": recv}, {},
+                   {"recv_splits": recv, "out": torch.full((sum(recv), 5), float("nan"))}):
+            got = fo.overlap(a_all[rank], b, "all_to_all", send_splits=splits[rank],
+                             backend="reference", **kw)
+            assert "out" not in kw or got is kw["out"]
+            errors.append(float((got.double() - want).abs().max()))
+        return errors, fo.prepared_calls()[-1]["strategy"]
+    finally:
+        os.environ.pop(st.ENV_STRATEGY, None)
+
+
+def test_plain_all_to_all_on_ranks_and_alone():
+    from test_torch_ops_ranks import ranks
+
+    for errors, strategy in ranks(2).run(_plain_all_to_all, 3, timeout=120):
+        assert strategy == st.PLAIN and max(errors) < 1e-5, (errors, strategy)
+    # alone the GEMM writes the result itself (no copy of it): into out when given
+    a, b = torch.randn(7, 6), torch.randn(6, 5)
+    out = torch.full((7, 5), float("nan"))
+    assert fo.overlap(a, b, "all_to_all", out=out, backend="reference") is out
+    assert torch.allclose(out, a @ b)
+    assert torch.allclose(fo.overlap(a, b, "all_to_all", backend="reference"), a @ b)

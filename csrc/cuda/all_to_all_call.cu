@@ -57,9 +57,56 @@ __device__ inline void build_side(const a2a::Geometry& g, const int* rows, int w
   __syncthreads();
 }
 
+// The same side of a "rows" call, with no loop of one thread over the blocks or groups (such
+// loops, the CTA waiting at a barrier behind them, were most of the kernel's time): a thread per
+// (group, block) for the chunk bounds, one warp's scan of the blocks' starts (world <= 64: two
+// per lane), a thread per (group, block) for the parts (their rows' first element: no scan) and
+// per group for its first item (the chunk starts of group 0 are 0, so the sum of group g's).
+__device__ inline void build_rows_side(const a2a::Geometry& g, const int* rows, int world,
+                                       a2a::Side& s) {
+  static_assert(a2a::kMaxRanks <= 64, "the scan below takes two blocks per lane of one warp");
+  for (int i = threadIdx.x; i < (g.groups + 1) * world; i += blockDim.x) {
+    const int gr = i / world, d = i % world;
+    const a2a::Block b = a2a::block_of(g, rows[d]);
+    s.lo[gr][d] = a2a::chunk_start(g, b, gr);
+    if (gr == 0) s.rows[d] = b.rows, s.tile_start[d + 1] = b.tiles, s.row_start[d + 1] = b.rows;
+  }
+  if (threadIdx.x == 0) s.world = world, s.tile_start[0] = 0, s.row_start[0] = 0;
+  __syncthreads();
+  if (threadIdx.x < 32) {  // counts to starts: an inclusive scan over the blocks
+    const int lane = threadIdx.x, first = 2 * lane + 1;
+    const int t0 = first < world + 1 ? s.tile_start[first] : 0;
+    const int t1 = first + 1 < world + 1 ? s.tile_start[first + 1] : 0;
+    const int r0 = first < world + 1 ? s.row_start[first] : 0;
+    const int r1 = first + 1 < world + 1 ? s.row_start[first + 1] : 0;
+    int tiles = t0 + t1, rows_sum = r0 + r1;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, tiles, o), r = __shfl_up_sync(0xffffffffu, rows_sum, o);
+      if (lane >= o) tiles += t, rows_sum += r;
+    }
+    if (first < world + 1) s.tile_start[first] = tiles - t1, s.row_start[first] = rows_sum - r1;
+    if (first + 1 < world + 1) s.tile_start[first + 1] = tiles, s.row_start[first + 1] = rows_sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < g.groups * world; i += blockDim.x) {
+    const int gr = i / world, d = i % world;
+    const a2a::Block b = a2a::block_of(g, s.rows[d]);
+    s.part[gr][d] = int64_t(s.row_start[d] + a2a::band_row(g, b, s.lo[gr][d])) * g.n;
+  }
+  for (int gr = threadIdx.x; gr <= g.groups; gr += blockDim.x) {
+    int items = 0;
+    for (int d = 0; d < world; ++d) items += s.lo[gr][d];
+    s.item_start[gr] = items;
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kTableThreads) a2a_tables(const __grid_constant__ A2aTablesArgs p) {
   __shared__ a2a::Side send, recv;
-  build_side(p.geo, p.send_rows, p.world, send);
+  if (p.geo.rows)
+    build_rows_side(p.geo, p.send_rows, p.world, send);
+  else
+    build_side(p.geo, p.send_rows, p.world, send);
   if (p.recv_tiles > 0) build_side(p.geo, p.recv_rows, p.world, recv);  // "rows": none
   if (blockIdx.x == 0)
     for (int d = threadIdx.x; d <= p.world; d += blockDim.x) p.block_starts[d] = send.row_start[d];
