@@ -98,8 +98,9 @@ class AllToAllCall:
             if out is not None:
                 self._check_out(out, a, rows)
                 check_out_apart(out, a=a, b=b)
-            # the backend may refuse these rows
-            plan = self._plan_for(a.shape[0], send) if self.native is None else None
+            # the backend may refuse these rows (the plain path's GEMM takes any: no plan)
+            plan = (self._plan_for(a.shape[0], send)
+                    if self.native is None and self.plan.strategy != "sequential" else None)
         except (TypeError, ValueError) as e:
             if not self.verified:
                 self._verify(None, None, a.device, e)  # the peers are in the check: tell them
@@ -110,7 +111,7 @@ class AllToAllCall:
             self._verify(send, recv, a.device, None)
         if self.native is not None:
             return self._native(a, b, out, send, recv, scales)
-        if plan.strategy == "sequential":  # allocates its own result: the GEMM's, alone
+        if self.plan.strategy == "sequential":  # allocates its own result: the GEMM's, alone
             return self._sequential(a, b, out, send, recv, scales)
         if out is None and rows is not None:
             out = torch.empty((rows, self.n), dtype=self.result_dtype, device=a.device)
