@@ -269,8 +269,9 @@ def overlap_scaled(a, b, op: str | Callable = "allreduce", group=None, *, scale_
     default) for float8_e4m3fn ``a`` and ``b`` (flashoverlap_core/fp8.py says what each argument
     takes). It runs on a backend with native fp8 as an fp8 call, else dequantized as a float32
     call; all_to_all too, each call with its own rows, splits and scales (its key holds the
-    scales' kind and the result dtype: :func:`fp8_all_to_all_facts`). The call path is
-    :func:`overlap`'s: a key's first call checks and prepares."""
+    scales' kind and the result dtype: :func:`fp8_all_to_all_facts`), and allgather, whose
+    scale_a is this rank's (of its shard's rows; the backend gathers it with them). The call
+    path is :func:`overlap`'s: a key's first call checks and prepares."""
     out_dtype = fp8.DEFAULT_OUT_DTYPE if out_dtype is None else out_dtype
     kind = op if op.__class__ is str else type(op)
     tensors = all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b))

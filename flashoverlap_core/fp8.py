@@ -39,6 +39,10 @@ fp8 signaling GEMM) runs it. A "sequential" plan runs torch's scaled GEMM and on
 result rounded to ``out_dtype``). all_to_all alike (issue 32), through its per-call rows and
 splits path (:class:`~flashoverlap_core.all_to_all.AllToAllCall`): each call's row-wise or
 block-wise ``scale_a`` has that call's rows, and its key holds the scales' kind, not their rows.
+allgather alike (issue 32): a native backend gets the fp8 call with this rank's scales
+(``PreparedCall.run_scaled``, as allreduce's) and gathers the e4m3 rows with every rank's
+``scale_a``; the key holds this rank's scales' shapes, so a later call's scale_a of other rows,
+dtype or device is refused before any device work.
 """
 from __future__ import annotations
 

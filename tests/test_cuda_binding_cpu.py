@@ -30,7 +30,7 @@ FUNCTIONS = {
     "call_add_rmsnorm_graph_state", "call_set_add_rmsnorm", "call_run", "call_run_scaled",
     "call_run_add_rmsnorm", "a2a_create", "a2a_destroy", "a2a_set_buffers", "a2a_run",
     "a2a_run_scaled",
-    "gather_create", "gather_destroy", "gather_load_kernels", "gather_run"}
+    "gather_create", "gather_destroy", "gather_load_kernels", "gather_run", "gather_run_scaled"}
 # binding class -> the C struct of flashoverlap_cuda.h it fills
 DESCRIPTIONS = {"CallDescription": "fo_call_desc", "GatherDescription": "fo_gather_desc",
                 "A2aDescription": "fo_a2a_desc", "A2aBuffers": "fo_a2a_buffers",
@@ -199,6 +199,44 @@ def test_an_fp8_all_to_all_description_reaches_the_c_side(native, fields, messag
         native.a2a_create(desc)
 
 
+GATHER = dict(gemm_run_ex=0x1000, world=1, rank=0, block_rows=128, N=512, K=128, copy_cols=128,
+              items=0x2000, item_group=0x2000, item_wait=0x2000, num_items=4, num_ctas=128,
+              gathered=0x3000, ldg=128, arrive_flags=0x4000, wait_flags=0x4000, num_chunks=1,
+              chunk_rows=[0, 128], elem_size=1, comm_stream=0x5000)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(scaled=1, gathered_scales=0x6000, scale_a_per_row=1),
+     "gemm_run_ex (with scaled = 1 gemm_run_ex_scaled), items"),
+    (dict(scaled=1, gemm_run_ex_scaled=0x1100, scale_a_per_row=1),
+     "needs gathered_scales and the scales' modes"),
+    (dict(scaled=1, gemm_run_ex_scaled=0x1100, gathered_scales=0x6000),
+     "(got gathered_scales 0x6000, modes 0 and 0)"),  # a gathered scale_a is per row
+    (dict(scaled=1, gemm_run_ex_scaled=0x1100, gathered_scales=0x6000, scale_a_per_row=2,
+          scale_b_per_col=1), "or both FO_SCALE_BLOCKS (2) (got gathered_scales 0x6000, modes 2 "
+                              "and 1)"),
+    (dict(scaled=1, gemm_run_ex_scaled=0x1100, gathered_scales=0x6000, scale_a_per_row=1,
+          elem_size=2), "elem_size 2)"),  # e4m3 rows are bytes
+    (dict(scaled=0, elem_size=1), "elem_size 1)"),  # 16-bit rows are not
+    (dict(scaled=2), "scaled must be 0 or 1, got 2")])
+def test_an_fp8_allgather_description_reaches_the_c_side(native, fields, message):
+    """fo_gather_create's checks of the fp8 fields (issue 32), before any CUDA call."""
+    desc = native.GatherDescription(**{**GATHER, **fields})
+    assert all(getattr(desc, name) == value for name, value in fields.items())
+    with pytest.raises(runtime.KernelError,
+                       match=r"fo_gather_create failed \(cudaError 1\): .*" + re.escape(message)):
+        native.gather_create(desc)
+
+
+def test_gather_run_scaled_takes_a_handle_and_four_strides(native):
+    with pytest.raises(TypeError):  # a handle, not an address
+        native.gather_run_scaled(0x1000, 0x2000, 64, 0x3000, 64, 0x10, 0x20, (0, 0, 0, 0),
+                                 0x4000, 64, 0, 0)
+    gather = native.Gather  # handles come from gather_create only
+    with pytest.raises(TypeError):
+        gather()
+
+
 # ---- a GEMM library through the runtime ---------------------------------------------------------
 
 def _cuda_include() -> Path | None:
@@ -210,14 +248,15 @@ def _cuda_include() -> Path | None:
     return found[0] if found else None
 
 
-def fake_library(tmp_path: Path, abi: int | None = None) -> Path:
+def fake_library(tmp_path: Path, abi: int | None = None, ex_scaled: bool = False) -> Path:
     cxx, include = shutil.which("c++") or shutil.which("g++"), _cuda_include()
     if cxx is None or include is None:
         pytest.skip("needs a C++ compiler and the CUDA headers")
-    out = tmp_path / f"fake_gemm_{abi}.so"
+    out = tmp_path / f"fake_gemm_{abi}{'_ex_scaled' if ex_scaled else ''}.so"
     subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-I{build.source_dir()}",
                     f"-I{include}",
                     *([f"-DFAKE_ABI={abi}"] if abi is not None else []),
+                    *(["-DFAKE_EX_SCALED"] if ex_scaled else []),
                     str(ROOT / "tests" / "native" / "fake_gemm_library.cpp"), "-o", str(out)],
                    check=True, capture_output=True, timeout=120)
     return out
@@ -234,6 +273,7 @@ def test_a_gemm_library_loads_through_the_runtime(native, tmp_path):
     assert all((lib.launch_address, lib.set_node_address, lib.run_ex_address,
                 lib.run_blocks_address))
     assert lib.run_blocks_scaled_address == 0  # fp8 all_to_all's builds' only: optional
+    assert lib.run_ex_scaled_address == 0  # fp8 allgather's builds' only: optional
     lib.load_kernels()
     with pytest.raises(runtime.KernelError,
                        match=r"^fo_gemm_run failed \(cudaError 1\): fake run L=2 "
@@ -255,6 +295,23 @@ def test_a_gemm_library_loads_through_the_runtime(native, tmp_path):
     with pytest.raises(runtime.KernelError, match=r"^the native call \(GEMM library: fake "
                        r"launch without scales, N=512\) failed \(cudaError 4\)"):
         native.check(4, "the native call", lib)
+
+
+def test_fp8_allgathers_gemm_is_optional_and_takes_its_scales(native, tmp_path):
+    """fo_gemm_run_ex_scaled (issue 32): GemmLibrary finds it where a library exports it (fp8
+    allgather's builds) and hands it its scales; a library without it says so."""
+    scales = native.GemmScales(0x10, 0x20, 2, 2, (5, 1), (1, 3))
+    args = (1, 2, scales, 3, 4, 128, 512, 128, 128, 128, 512, 4, 5, 6, 7, 8, 9, None, 2, None,
+            None, 0)
+    without = native.GemmLibrary(str(fake_library(tmp_path)))
+    with pytest.raises(runtime.KernelError, match="has no fo_gemm_run_ex_scaled"):
+        without.run_ex_scaled(*args)
+    lib = native.GemmLibrary(str(fake_library(tmp_path, ex_scaled=True)))
+    assert lib.run_ex_scaled_address and lib.run_ex_address
+    assert lib.run_blocks_scaled_address == 0
+    with pytest.raises(runtime.KernelError, match=r"^fo_gemm_run_ex_scaled failed \(cudaError 1\): "
+                       "fake run_ex_scaled ldo=512 flags=8 a_per_row=2 b_per_col=2 a_stride=5,1"):
+        lib.run_ex_scaled(*args)
 
 
 def test_a_gemm_library_of_another_abi_is_refused(native, tmp_path):

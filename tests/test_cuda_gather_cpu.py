@@ -216,3 +216,47 @@ def test_default_tile_counts_the_waves_of_each_shard():
     # cooperative tile; the shards are 16 tiles (2 waves) or 32 (3 waves): ragged, pingpong.
     assert kernels.default_tile(90, one_block, 14) == (128, 256)
     assert kernels.default_tile(90, shards, 14) == (128, 128)
+
+
+# ---- fp8 (issue 32): e4m3 rows and every rank's scales --------------------------------------------
+
+def test_gathered_rows_keep_16_byte_strides_for_every_dtype():
+    """The gathered buffer's row stride is a multiple of 16 bytes (TMA): 8 16-bit elements,
+    16 e4m3 ones (a K of 72 e4m3 bytes takes rows of 80)."""
+    assert gather_call.row_align(torch.bfloat16) == gather_call.row_align(torch.float16) == 8
+    assert gather_call.row_align(torch.float8_e4m3fn) == 16
+    assert gather_call.round_up(72, gather_call.row_align(torch.float8_e4m3fn)) == 80
+
+
+def test_gathered_scales_have_a_row_per_gathered_row():
+    """One column (a scale per row: tensor-wise scales run as per-row ones), block-wise one per
+    group of 128 k, the last one partial."""
+    assert [gather_call.scale_groups(k, False) for k in (1, 128, 4096)] == [1, 1, 1]
+    assert [gather_call.scale_groups(k, True) for k in (1, 128, 129, 300, 4096)] == [1, 1, 2, 3, 32]
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "column-of-wider", "blockwise-torch",
+                                  "blockwise-rows", "one-row"])
+def test_scale_strides_read_this_ranks_scale_a_as_the_native_call_does(kind):
+    """The strides handed to fo_gather_run_scaled make the own scales' copy (gather_call.cu:
+    row r, group g at scale_a[r * s0 + g * s1]) read every kind of scale_a as its [m, G]
+    values: a 0-dim one repeated on every row, a column of a wider tensor, torch's
+    outer-dim-major block-wise layout; scale_b's strides only block-wise."""
+    m, k, n = 5, 300, 200
+    blockwise = kind.startswith("blockwise")
+    groups = gather_call.scale_groups(k, blockwise)
+    sb = torch.rand(3, 2).t().contiguous().t() if blockwise else torch.rand(1, n)
+    sa = {"tensorwise": torch.tensor(0.75), "rowwise": torch.rand(m, 1),
+          "column-of-wider": torch.rand(m, 3)[:, 1:2], "blockwise-torch": torch.rand(3, m).t(),
+          "blockwise-rows": torch.rand(m, 3), "one-row": torch.rand(4, 2)[2:3, 1:2]}[kind]
+    rows = 1 if kind == "one-row" else m
+    strides = gather_call.scale_strides(sa, sb, blockwise)
+    assert len(strides) == 4 and min(strides) >= 0
+    base = sa.storage_offset()
+    read = torch.tensor([[sa.as_strided((), (), base + r * strides[0] + g * strides[1]).item()
+                          for g in range(groups)] for r in range(rows)])
+    assert torch.equal(read, sa.expand(rows, groups) if sa.dim() == 0 else sa)
+    if blockwise:
+        assert strides[2:] == tuple(sb.stride())
+    else:
+        assert strides[2:] == (0, 0)

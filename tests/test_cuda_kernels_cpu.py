@@ -91,12 +91,57 @@ def test_fp8_all_to_all_has_its_own_builds_from_their_own_source(monkeypatch):
     names = {p.name for p in build._sources("gemm_sm90_blocks_scaled.cu")}
     assert {"gemm_sm90.cu", "gemm_blocks_scaled.h", "gemm_api.h"} <= names
     assert "flashoverlap_cuda.h" not in names  # the runtime's API: not the GEMM libraries'
-    for config in [c for c in kernels.all_configs([90, 80]) if c not in made]:
+    for config in [c for c in kernels.all_configs([90, 80]) if c not in made and not c.gather]:
         assert build.gemm_source(config) in ("gemm_sm90.cu", "gemm_sm80.cu"), config
     assert "gemm_blocks_scaled.h" not in {p.name for p in build._sources("gemm_sm90.cu")}
     block = kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, blocks=True,
                                 scaling="blockwise")
     assert (block.block_scaled, block.schedule, block.tile_k) == (True, "cooperative", 128)
+
+
+def test_fp8_allgather_has_its_own_builds_from_their_own_source(monkeypatch):
+    """fp8 allgather (issue 32): e4m3 builds for allgather (gather=True) of every fp8 tile,
+    either result dtype and both clusters (as a 16-bit allgather takes the plain builds),
+    tensor-/row-wise and block-wise, prebuilt; they alone compile gemm_sm90_ex_scaled.cu
+    (gemm_sm90.cu plus fo_gemm_run_ex_scaled) with the flags of the same build without gather,
+    so no other build's name, flags, source or cached object changes."""
+    monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
+    made = [c for c in kernels.all_configs([90]) if c.gather]
+    outs = ("bf16", "fp16")
+    clusters = lambda tile: {kernels.preferred_cluster(90, tile), (1, 1)}  # noqa: E731
+    assert {(c.tile, c.block_scaled, c.out_dtype, (c.cluster_m, c.cluster_n), c.b_col_major,
+             c.blocks) for c in made} == (
+        {(t, False, out, cl, True, False) for t in kernels.FP8_CONFIGS[90] for out in outs
+         for cl in clusters(t)}
+        | {(t, True, out, cl, True, False) for t in kernels.FP8_BLOCK_CONFIGS[90] for out in outs
+           for cl in clusters(t)})
+    assert len(made) == 12 and not [c for c in kernels.all_configs([80]) if c.gather]
+    others = [c for c in kernels.all_configs([90, 80]) if not c.gather]
+    for config in made:
+        plain = replace(config, gather=False)
+        assert plain in others  # the same build without fo_gemm_run_ex_scaled is made too
+        job, plain_job = build._gemm_job(config), build._gemm_job(plain)
+        assert job.sources == ("gemm_sm90_ex_scaled.cu",)
+        assert job.flags == plain_job.flags and "-DFO_DTYPE=2" in job.flags
+        assert job.name == plain_job.name + "_gather"
+        assert build._digest(job) != build._digest(plain_job)
+    names = {p.name for p in build._sources("gemm_sm90_ex_scaled.cu")}
+    assert {"gemm_sm90.cu", "gemm_ex_scaled.h", "gemm_api.h"} <= names
+    assert "flashoverlap_cuda.h" not in names and "gemm_blocks_scaled.h" not in names
+    for source in ("gemm_sm90.cu", "gemm_sm80.cu", "gemm_sm90_blocks_scaled.cu"):
+        assert "gemm_ex_scaled.h" not in {p.name for p in build._sources(source)}, source
+    assert len({build.config_name(c) for c in others + made}) == len(others) + len(made)
+    # gather=True is fp8's alone: a 16-bit allgather runs the plain build's fo_gemm_run_ex
+    for dtype in kernels.DTYPES:
+        assert kernels.gemm_config(90, (128, 256), dtype, True, (2, 1), gather=True) == \
+            kernels.gemm_config(90, (128, 256), dtype, True, (2, 1))
+    fp8 = kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1), gather=True,
+                              scaling="blockwise")
+    assert (fp8.gather, fp8.block_scaled) == (True, True)
+    with pytest.raises(ValueError, match="gather applies to e4m3 builds"):
+        GemmConfig(gather=True)
+    with pytest.raises(ValueError, match="not both"):
+        GemmConfig(tile_k=128, cluster_m=1, dtype="e4m3", blocks=True, gather=True)
 
 
 def test_every_table_entry_makes_valid_configs(monkeypatch):

@@ -312,11 +312,46 @@ def test_fp8_runs_natively_on_sm90_only(backend, arch):
                 assert "sm_90a" in reason and f"{ENV_ARCH}=80" in reason and "sm_89" in reason
 
 
-def test_fp8_ops_without_a_scaled_path_are_declined_saying_where_they_run(backend):
-    for op in ("allgather",):
-        reasons = backend.unsupported_reasons(fp8_spec(op=op, world_size=2))
-        assert any(f"fp8 {op}" in r and "'decomposition'" in r for r in reasons), reasons
+def test_fp8_b_must_be_column_major(backend):
     assert any("column-major" in r for r in backend.unsupported_reasons(fp8_spec(b_layout="row")))
+    assert any("column-major" in r for r in backend.unsupported_reasons(
+        fp8_spec(op="allgather", b_layout="row")))
+
+
+def test_fp8_allgather_runs_natively_on_sm90_only(backend, arch, monkeypatch):
+    """fp8 allgather (issue 32): the waiting GEMM with scales on sm_90 (the e4m3 rows and their
+    scales gathered, never dequantized rows), every kind of scales at every world size; sm_80
+    declines it as every fp8 call, saying why; FLASHOVERLAP_CUDA_FP8_BLOCK=0 declines block-wise
+    allgather as every block-wise call."""
+    monkeypatch.delenv("FLASHOVERLAP_CUDA_FP8_BLOCK", raising=False)
+    for world in (1, 2, 8):
+        for scaling in ("tensorwise", "rowwise", "blockwise"):
+            for out in kernels.DTYPES:
+                reasons = backend.unsupported_reasons(fp8_spec(
+                    op="allgather", world_size=world, m=256 * world, scaling=scaling,
+                    out_dtype=out))
+                if arch == 90:
+                    assert reasons == [], reasons
+                else:
+                    [reason] = reasons
+                    assert "sm_90a" in reason and f"{ENV_ARCH}=80" in reason, reason
+    monkeypatch.setenv("FLASHOVERLAP_CUDA_FP8_BLOCK", "0")
+    reasons = backend.unsupported_reasons(fp8_spec(op="allgather", world_size=2,
+                                                   scaling="blockwise"))
+    assert any("turns the block-scaled" in r for r in reasons), reasons
+
+
+def test_the_conformance_suites_fp8_allgather_cases_are_asked_of_cuda(backend, arch, monkeypatch):
+    """The conformance suite (flashoverlap_core/testing/test_fp8.py) runs its fp8 allgather
+    cases on cuda itself now (issue 32): on sm_90 none is declined; on sm_80 each says why."""
+    from flashoverlap_core.testing import test_fp8 as suite
+
+    monkeypatch.delenv("FLASHOVERLAP_CUDA_FP8_BLOCK", raising=False)
+    cases = [c for c in suite.fp8_matrix([1, 2, 3, 4]) if c.op == "allgather"]
+    assert {c.scaling for c in cases} == {"tensorwise", "rowwise", "blockwise"}
+    for case in cases:
+        reasons = suite.fp8_reasons(backend, case, 0, "cuda")
+        assert (reasons == []) == (arch == 90), (case.id, reasons)
 
 
 def test_fp8_all_to_all_runs_natively_on_sm90_only(backend, arch):
@@ -366,7 +401,7 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
                 "e4m3", build.DTYPE_ALIASES[out], 128, True)
             assert not cfg.problems()
     names = {build.config_name(c) for c in kernels.all_configs([90])
-             if c.dtype == "e4m3" and not c.block_scaled}
+             if c.dtype == "e4m3" and not c.block_scaled and not c.gather}
     assert names == {"sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_etma4",
                      "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_etma4",
                      "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_etma",
@@ -381,7 +416,12 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
                      "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_etma4_blocks",
                      "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma_blocks"}
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
-    blocks = {build.config_name(c) for c in kernels.all_configs([90]) if c.block_scaled}
+    gather = {build.config_name(c) for c in kernels.all_configs([90]) if c.gather}
+    assert gather == {n + "_gather" for n in names if not n.endswith("_blocks")} | {
+        f"sm90_e4m3_{o}_bcol_128x128x128_{c}_cooperative_block128_etma_gather"
+        for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")}  # fp8 allgather's (issue 32)
+    blocks = {build.config_name(c) for c in kernels.all_configs([90])
+              if c.block_scaled and not c.gather}
     assert blocks == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_cooperative_block128_etma"
                       for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")} | {
                       f"sm90_e4m3_{o}_bcol_128x128x128_c1x1_cooperative_block128_etma_blocks"

@@ -1,11 +1,12 @@
 """The C sources keep one home per export (csrc/cuda; issue 29). flashoverlap_cuda.h declares every
 exported function (``FO_API``) of the runtime, and gemm_api.h, which it includes, those of the GEMM
 libraries (which include it alone), but for fp8 all_to_all's fo_gemm_run_blocks_scaled, which
-gemm_blocks_scaled.h declares (included by flashoverlap_cuda.h too; issue 32). Each export is
-defined once in the object that exports it: the GEMM libraries' in gemm_abi.cuh, that one in
-gemm_sm90_blocks_scaled.cu (a GEMM source that is gemm_sm90.cu plus it, so that gemm_sm90.cu and
-every object built from it stay as they are), the runtime's in one of its translation units
-(``build.RUNTIME_SOURCES``). No other header defines one or opens an ``extern "C"`` block.
+gemm_blocks_scaled.h declares, and fp8 allgather's fo_gemm_run_ex_scaled, which gemm_ex_scaled.h
+declares (both included by flashoverlap_cuda.h too; issue 32). Each export is defined once in
+the object that exports it: the GEMM libraries' in gemm_abi.cuh, those two in
+gemm_sm90_blocks_scaled.cu and gemm_sm90_ex_scaled.cu (GEMM sources that are gemm_sm90.cu plus
+one of them, so that gemm_sm90.cu and every object built from it stay as they are), the
+runtime's in one of its translation units (``build.RUNTIME_SOURCES``). No other header defines one or opens an ``extern "C"`` block.
 The sources are read as text; no compiler is needed (but for the last test, which links the
 runtime with FLASHOVERLAP_COMPILE_TESTS=1 and nvcc)."""
 from __future__ import annotations
@@ -26,9 +27,12 @@ GEMM_API = "gemm_api.h"  # the GEMM libraries' part of the C ABI (HEADER include
 GEMM_ABI = "gemm_abi.cuh"  # the C functions every GEMM source (one object each) shares
 GEMM_SOURCES = {"gemm_sm90.cu", "gemm_sm80.cu"}
 # GEMM sources that are another one plus exports of their own (source -> the one it includes),
-# declared in their own header (HEADER includes it)
-GEMM_VARIANTS = {"gemm_sm90_blocks_scaled.cu": "gemm_sm90.cu"}
-VARIANT_API = "gemm_blocks_scaled.h"  # what the variants add to the GEMM libraries' C ABI
+# declared in a header of their own (VARIANT_APIS: source -> it; HEADER includes it)
+GEMM_VARIANTS = {"gemm_sm90_blocks_scaled.cu": "gemm_sm90.cu",
+                 "gemm_sm90_ex_scaled.cu": "gemm_sm90.cu"}
+# what each variant adds to the GEMM libraries' C ABI
+VARIANT_APIS = {"gemm_sm90_blocks_scaled.cu": "gemm_blocks_scaled.h",
+                "gemm_sm90_ex_scaled.cu": "gemm_ex_scaled.h"}
 PROGRAMS = {"gemm_sm90_selftest.cu"}  # a host program that includes gemm_sm90.cu, no object
 
 EXPORT = re.compile(r"\bFO_API\s+[\w\s*]*?\b(fo_\w+)\s*\(")
@@ -69,10 +73,18 @@ def sources(suffix: str) -> list[str]:
 def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
     declared, defined_there = exports(HEADER)
     gemm_declared, gemm_defined_there = exports(GEMM_API)
-    variant_declared, variant_defined_there = exports(VARIANT_API)
-    defined_there += gemm_defined_there + variant_defined_there
+    assert set(VARIANT_APIS) == set(GEMM_VARIANTS)
+    variant_declared = []
+    for source, header in VARIANT_APIS.items():
+        here, defined_in_header = exports(header)
+        defined_there += defined_in_header
+        assert f'#include "{header}"' in (SRC / source).read_text(), source
+        assert set(exports(source)[1]) == set(here), (
+            f"{source} defines {sorted(exports(source)[1])}, {header} declares {sorted(here)}")
+        variant_declared += here
+    defined_there += gemm_defined_there
     assert not defined_there, f"the headers define {defined_there}"
-    for header in (GEMM_API, VARIANT_API):
+    for header in (GEMM_API, *VARIANT_APIS.values()):
         assert f'#include "{header}"' in (SRC / HEADER).read_text()
     declared += gemm_declared + variant_declared
     assert len(declared) == len(set(declared)), "declared twice: " + str(
@@ -80,9 +92,6 @@ def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
     gemm = exports(GEMM_ABI)[1]
     variants = [n for source in GEMM_VARIANTS for n in exports(source)[1]]
     runtime = [n for source in build.RUNTIME_SOURCES for n in exports(source)[1]]
-    assert set(variants) == set(variant_declared), (
-        f"the GEMM variants define {sorted(variants)}, {VARIANT_API} declares "
-        f"{sorted(variant_declared)}")
     for name, defined in ((GEMM_ABI, gemm), ("the GEMM variants", gemm + variants),
                           ("the runtime", runtime)):
         twice = [n for n, k in Counter(defined).items() if k > 1]
@@ -95,7 +104,7 @@ def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
 
 def test_no_header_but_the_gemm_abi_defines_an_export():
     for header in sources(".cuh") + sources(".h"):
-        if header in (GEMM_ABI, HEADER, GEMM_API, VARIANT_API):
+        if header in (GEMM_ABI, HEADER, GEMM_API, *VARIANT_APIS.values()):
             continue
         declared, defined = exports(header)
         assert not declared + defined, f"{header} declares or defines {declared + defined}: " \
@@ -113,13 +122,17 @@ def test_every_translation_unit_is_a_gemm_source_a_program_or_the_runtime():
         sources_in = [h for h in included if h.endswith(".cu")]
         assert sources_in == ([GEMM_VARIANTS[unit]] if unit in GEMM_VARIANTS else []), (
             f"{unit} includes {included}")
-    # build.py compiles the variants: fp8 all_to_all's builds (e4m3, unequal blocks) only
+    # build.py compiles the variants: fp8 all_to_all's builds (e4m3, unequal blocks) and fp8
+    # allgather's (e4m3, gather) only
     from flashoverlap_backends.cuda.build import GemmConfig
 
     variant = GemmConfig(tile_k=128, cluster_m=1, dtype="e4m3", epilogue="tma", blocks=True)
-    assert build.gemm_source(variant) in GEMM_VARIANTS
+    assert build.gemm_source(variant) == "gemm_sm90_blocks_scaled.cu"
+    gather = GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", gather=True)
+    assert build.gemm_source(gather) == "gemm_sm90_ex_scaled.cu"
     assert build.gemm_source(GemmConfig(cluster_m=1, blocks=True)) == "gemm_sm90.cu"
     assert build.gemm_source(GemmConfig(tile_k=128, dtype="e4m3")) == "gemm_sm90.cu"
+    assert {build.gemm_source(variant), build.gemm_source(gather)} == set(GEMM_VARIANTS)
 
 
 def test_the_check_reads_declarations_and_definitions():

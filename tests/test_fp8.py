@@ -524,15 +524,89 @@ def test_bad_blockwise_scales_are_refused_before_any_device_work(change, error, 
         fo.overlap(a, b, "allreduce", backend="fake-tripwire-fp8", **kw)
 
 
-def _allgather_with_each_ranks_scales(device_type: str = "cpu") -> list[str]:
+# ---- fp8 allgather (issue 32): each rank's rows take its own scale_a ---------------------------
+def _gather_scales(m, n, k, kind, seed=0):
+    """Scales of ``kind`` for an allgather shard [m, k] @ [k, n] (block-wise scale_a in torch's
+    outer-dim-major layout)."""
+    sa, sb = _a2a_scales(m, n, k, kind, seed)
+    return (sa.t().contiguous().t() if kind == "blockwise" else sa), sb
+
+
+def test_a_native_backend_gets_fp8_allgather_with_each_calls_scales(registered):
+    """fp8 allgather on a backend with native fp8 (cuda's is issue 32's): the fp8 call itself
+    (e4m3 a and b, never dequantized), with this rank's scale_a of its own shard and each call's
+    scale values, every kind of scales a key of its own, out in out_dtype."""
+    native = registered(NativeFp8())
+    api.forget_prepared()
+    m, n, k = 8, 9, 300
+    a, b = torch.randn(m, k).to(F8), torch.randn(n, k).to(F8).t()
+    kinds = ("tensorwise", "rowwise", "rowwise-a", "rowwise-b", "blockwise")
+    for kind in kinds:
+        plan = fo.plan(m, n, k, op="allgather", dtype=F8, out_dtype=torch.float16,
+                       backend=native.name, scaling="blockwise" if kind == "blockwise" else None)
+        for seed in range(3):  # the second call on takes the prepared key's hot path
+            sa, sb = _gather_scales(m, n, k, kind, seed)
+            got = fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out_dtype=torch.float16,
+                             plan=plan, backend=native.name)
+            assert got.dtype == torch.float16 and got.shape == (m, n)
+            assert torch.allclose(got.double(), _a2a_want(a, b, sa, sb), rtol=4e-3, atol=1e-2)
+            assert native.calls[-1][4] is sa and native.calls[-1][5] is sb
+    assert [c[:4] for c in native.calls] == [(F8, "float8_e4m3fn", "float16", torch.float16)] * 15
+    entries = fo.prepared_calls()
+    assert len(entries) == len(kinds)
+    assert {(e["op"], e["backend"], e["runner"], e["dtype"]) for e in entries} == {
+        ("allgather", native.name, "PreparedCall", "float8_e4m3fn")}
+    assert [e["scaling"] for e in entries] == [None] * 4 + ["blockwise"]
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(scale_a=torch.rand(9, 1)), ValueError, r"scale_a has shape \[9, 1\]"),
+    (dict(scale_a=torch.rand(8, 1, dtype=torch.float64)), TypeError, "scale_a must be a float32"),
+    (dict(scale_a=torch.rand(8, 1, device="meta")), ValueError, "scale_a must be on cpu like a"),
+    (dict(scale_b=torch.rand(1, 9).half()), TypeError, "scale_b must be a float32"),
+    (dict(scale_a=torch.rand(9, 3)), ValueError, "scale_a has shape"),
+])
+def test_fp8_allgather_checks_this_ranks_scales_before_any_device_work(change, error, match,
+                                                                       registered):
+    """A call of a prepared fp8 allgather key whose scales are not this shard's (scale_a's rows
+    are this rank's m), not float32 or on another device: refused before the backend runs."""
+    class TripwireFp8(NativeFp8):
+        name = "fake-tripwire-gather"
+        armed = False
+
+        def run(self, call):
+            if self.armed:
+                raise AssertionError("the backend ran a call whose arguments are invalid")
+            return super().run(call)
+
+    tripwire = registered(TripwireFp8())
+    api.forget_prepared()
+    m, n, k = 8, 9, 300
+    a, b = torch.randn(m, k).to(F8), torch.randn(n, k).to(F8).t()
+    plan = fo.plan(m, n, k, op="allgather", dtype=F8, backend=tripwire.name)
+    args = dict(scale_a=torch.rand(m, 1), scale_b=torch.rand(1, n), plan=plan,
+                backend=tripwire.name)
+    fo.overlap(a, b, "allgather", **args)  # the key's first call
+    tripwire.armed = True
+    with pytest.raises(error, match=match):
+        fo.overlap(a, b, "allgather", **{**args, **change})
+    assert len(tripwire.calls) == 1
+
+
+def _allgather_with_each_ranks_scales(device_type: str = "cpu", backend: str | None = None
+                                      ) -> list[str]:
     """On a spawned rank: allgather on a "sequential" plan (torch's scaled GEMM after one
-    gather), each rank with scales of its own, against float64 of every rank's a times that
-    rank's scale_a (recomputed here from every rank's seed)."""
+    gather), or (``backend``, a native fp8 one) on an overlapped plan of that backend, which
+    gets the fp8 call with this rank's own scales; each rank with scales of its own, against
+    float64 of every rank's a times that rank's scale_a (recomputed here from every rank's
+    seed)."""
     import dataclasses
     import warnings
 
     import torch.distributed as dist
 
+    if backend == Fp8ThroughReference.name:
+        registry.register(Fp8ThroughReference())
     rank, w = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device_type,
                        torch.cuda.current_device() if device_type == "cuda" else None)
@@ -576,11 +650,11 @@ def _allgather_with_each_ranks_scales(device_type: str = "cpu") -> list[str]:
             lambda call: call.plan.scaling == "blockwise" or real_available(call))
         for scaling in ("tensorwise", "rowwise-0dim-a", "rowwise", "blockwise"):
             for out_dtype in (torch.bfloat16, torch.float16):
-                plan = dataclasses.replace(
-                    fo.plan(m * w, n, k, op="allgather", world_size=w, dtype=F8,
-                            backend="decomposition", out_dtype=out_dtype,
-                            scaling="blockwise" if scaling == "blockwise" else None),
-                    strategy="sequential")
+                plan = fo.plan(m * w, n, k, op="allgather", world_size=w, dtype=F8,
+                               backend=backend or "decomposition", out_dtype=out_dtype,
+                               scaling="blockwise" if scaling == "blockwise" else None)
+                if backend is None:
+                    plan = dataclasses.replace(plan, strategy="sequential")
                 for again in (0, 1):  # the second call runs the prepared key's hot path
                     a, sa, sb = inputs(rank, scaling, again)
                     with warnings.catch_warnings():
@@ -593,7 +667,8 @@ def _allgather_with_each_ranks_scales(device_type: str = "cpu") -> list[str]:
                     err = float((got.cpu().double() - want).abs().max() / want.abs().max())
                     runner = fo.prepared_calls()[-1]["runner"]
                     rtol = 2e-2 if out_dtype == torch.bfloat16 else 4e-3  # the suite's
-                    if got.shape != want.shape or err > rtol or runner != "ScaledSequentialCall":
+                    expected = "PreparedCall" if backend else "ScaledSequentialCall"
+                    if got.shape != want.shape or err > rtol or runner != expected:
                         problems.append(f"{scaling} {out_dtype} call {again}: rank {rank} "
                                         f"relative error {err:.3g} ({runner})")
     finally:
@@ -611,4 +686,16 @@ def test_fp8_allgather_sequential_scales_each_ranks_rows_by_its_own_scale():
 
     with RankPool(2, "cpu", timeout=90) as pool:
         problems = pool.run(_allgather_with_each_ranks_scales)
+    assert problems == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_fp8_allgather_on_a_native_backend_scales_each_ranks_rows_by_its_own_scale():
+    """The same on an overlapped plan of a native fp8 backend (as cuda's is, issue 32): every
+    rank's call brings its own scale_a (tensor-wise ones that differ by rank too), and every
+    rank's rows come out scaled by theirs."""
+    from flashoverlap_core.tools.ranks import RankPool
+
+    with RankPool(2, "cpu", timeout=90) as pool:
+        problems = pool.run(_allgather_with_each_ranks_scales, "cpu", Fp8ThroughReference.name)
     assert problems == [[], []]

@@ -117,16 +117,14 @@ class CudaBackend(Backend):
         return reasons
 
     def fp8_reasons(self, spec: OverlapSpec) -> list[str]:
-        """What the fp8 signaling GEMM declines: anything but sm_90, fp8 dtypes it has no build
-        for, and the ops whose call paths carry no scales yet (allgather: it runs dequantized)."""
+        """What the fp8 signaling GEMM declines: anything but sm_90 (every op runs on it there:
+        allgather on its waiting GEMM with scales, gather_call.py, all_to_all on its scaled GEMM
+        over unequal blocks), fp8 dtypes it has no build for, b not column-major, and the
+        switch that turns block-wise scales off."""
         reasons = []
         if spec.dtype not in kernels.FP8_DTYPES or spec.out_dtype not in kernels.DTYPES:
             reasons.append(f"the fp8 signaling GEMM takes {list(kernels.FP8_DTYPES)} a and b with "
                            f"a {list(kernels.DTYPES)} result, not {spec.dtype} -> {spec.out_dtype}")
-        if of(spec.op).gathers:
-            reasons.append(f"fp8 {spec.op} has no signaling GEMM path on cuda yet (allreduce, "
-                           "reduce_scatter, all_to_all and callable ops do); it runs dequantized "
-                           "on 'decomposition'")
         if of(spec.op).splits:  # all_to_all: the scaled GEMM over unequal destination blocks
             reasons += all_to_all_call.unsupported(None, spec.world_size)
         if spec.b_layout != "col":

@@ -2,8 +2,9 @@
 
 Every GEMM configuration (tile, cluster, schedule, dtype, layout of b) is one shared object
 compiled from ``csrc/cuda/gemm_sm90.cu`` or ``gemm_sm80.cu`` with ``-D`` macros (fp8
-all_to_all's builds from ``gemm_sm90_blocks_scaled.cu``: :func:`gemm_source`); it exports the
-C ABI of ``csrc/cuda/gemm_api.h`` and depends on the ABI of no torch or Python build.
+all_to_all's builds from ``gemm_sm90_blocks_scaled.cu``, fp8 allgather's from
+``gemm_sm90_ex_scaled.cu``: :func:`gemm_source`); it exports the C ABI of
+``csrc/cuda/gemm_api.h`` and depends on the ABI of no torch or Python build.
 The device-side waits, counter resets, post-reorders, the prepared calls and NCCL's entry points
 live in the runtime, a Python extension module (pybind11) linked from its translation units
 (``RUNTIME_SOURCES``, one per call kind) and ``runtime_binding.cpp``, the one file that lists
@@ -77,6 +78,9 @@ class GemmConfig:
     # FP8FastAccum), or (False) promote into fp32 registers every 4 MMAs ("splitacc")
     block_scaled: bool = False  # e4m3 with block-wise scales (1x128 groups of a, 128x128 blocks
     # of b) applied in the main loop, promoted every 128 k (FO_FP8_BLOCK; cooperative 128x128x128)
+    gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
+    # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
+    # the source alone tells it apart, so every other build keeps its name and cached object)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -138,6 +142,9 @@ class GemmConfig:
             out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
             if self.block_scaled:
                 out.append("block_scaled applies to e4m3 builds")
+            if self.gather:
+                out.append("gather applies to e4m3 builds (a 16-bit allgather runs "
+                           "fo_gemm_run_ex, which every build has)")
             if self.dtype in DTYPES and self.out_dtype != self.dtype:
                 out.append(f"a {self.dtype} build writes {self.dtype}, got out_dtype "
                            f"{self.out_dtype!r} (out_dtype is for e4m3 builds)")
@@ -157,6 +164,9 @@ class GemmConfig:
                        "group of 128 k per K tile, one 128-column block of b per tile) and "
                        f"fast_accum (its main loop promotes per group), got {self.schedule} "
                        f"{self.tile_m}x{self.tile_n}x{self.tile_k}, fast_accum={self.fast_accum}")
+        if self.gather and self.blocks:
+            out.append("gather (allgather's fo_gemm_run_ex_scaled) and blocks (all_to_all's "
+                       "fo_gemm_run_blocks_scaled) are builds of their own: not both")
         return out
 
     @property
@@ -181,7 +191,7 @@ def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True,
 def config_name(config: GemmConfig) -> str:
     """A file-name-safe name that identifies the configuration, e.g.
     ``sm90_bf16_bcol_128x256x64_c2x1_cooperative``, ``sm90_e4m3_bf16_bcol_...`` (e4m3 a and b,
-    bf16 out; ``_splitacc`` without fast accumulation)."""
+    bf16 out; ``_splitacc`` without fast accumulation; ``_gather``: fp8 allgather's)."""
     layout = "bcol" if config.b_col_major else "brow"
     dtypes = config.dtype + (f"_{config.out_dtype}" if config.dtype in FP8_DTYPES else "")
     name = (f"sm{config.arch}_{dtypes}_{layout}_{config.tile_m}x{config.tile_n}x{config.tile_k}"
@@ -196,6 +206,8 @@ def config_name(config: GemmConfig) -> str:
         name += f"_e{config.epilogue}{config.epi_slots or ''}"
     if config.blocks:
         name += "_blocks"
+    if config.gather:
+        name += "_gather"
     return name
 
 
@@ -349,12 +361,16 @@ class Job:
 
 
 def gemm_source(config: GemmConfig) -> str:
-    """The source file (csrc/cuda) of a configuration: gemm_sm90.cu or gemm_sm80.cu, and for
-    e4m3 builds with unequal destination blocks (fp8 all_to_all's) gemm_sm90_blocks_scaled.cu,
-    which is gemm_sm90.cu plus fo_gemm_run_blocks_scaled (gemm_blocks_scaled.h): a source of its
-    own, so that every other configuration's source, and so its cached object, stays as it is."""
+    """The source file (csrc/cuda) of a configuration: gemm_sm90.cu or gemm_sm80.cu; for e4m3
+    builds with unequal destination blocks (fp8 all_to_all's) gemm_sm90_blocks_scaled.cu, which
+    is gemm_sm90.cu plus fo_gemm_run_blocks_scaled (gemm_blocks_scaled.h), and for fp8
+    allgather's (gather=True) gemm_sm90_ex_scaled.cu, gemm_sm90.cu plus fo_gemm_run_ex_scaled
+    (gemm_ex_scaled.h): sources of their own, so that every other configuration's source, and so
+    its cached object, stays as it is."""
     if config.arch != 90:
         return "gemm_sm80.cu"
+    if config.dtype in FP8_DTYPES and config.gather:
+        return "gemm_sm90_ex_scaled.cu"
     return "gemm_sm90_blocks_scaled.cu" if config.blocks and config.dtype in FP8_DTYPES \
         else "gemm_sm90.cu"
 
@@ -520,6 +536,8 @@ CHECK_CONFIGS = (
                block_scaled=True, blocks=True),
     GemmConfig(tile_n=128, tile_k=128, cluster_m=1, dtype="e4m3", out_dtype="fp16",
                schedule="pingpong", epilogue="tma", blocks=True),
+    # fp8 allgather's (gemm_sm90_ex_scaled.cu): row-wise cooperative (not in CI's list)
+    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4, gather=True),
 )
 # ... and the compile check's default (CI's): one sm90 16-bit, one sm90 e4m3 scaled and one sm80
 # build, each a configuration that plans use (the tma and staged epilogues), and fp8

@@ -95,7 +95,9 @@ class PlanTables:
     cluster_fits: dict = field(default_factory=dict)  # cluster shape -> bool
 
 
-NCCL_DTYPES = {"bfloat16": 9, "float16": 6, "float32": 7}
+# ncclDataType_t of what a call moves; e4m3 (allgather's fp8 rows) as its bytes (ncclUint8),
+# which every NCCL has (ncclFloat8e4m3 only 2.24 and later) and which moves them unchanged
+NCCL_DTYPES = {"bfloat16": 9, "float16": 6, "float32": 7, "float8_e4m3fn": 1}
 
 
 def _current_stream_getter():

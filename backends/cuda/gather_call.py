@@ -19,6 +19,19 @@
 
 At world size 1 the op is the plain GEMM on ``a`` (no copy, no flags), written in place.
 
+fp8 (e4m3 a and b, sm90; issue 32): ``run_scaled`` with this rank's scales. The rows move as
+their e4m3 bytes (``gathered`` holds e4m3, its rows 16-byte aligned, NCCL moves bytes), never
+dequantized; rank r's rows take rank r's ``scale_a``, so the scales travel with them: each call
+copies this rank's ``scale_a`` into its rows of ``gathered_scales`` (float32, a row per gathered
+row: [W·m, 1], or block-wise [W·m, ceil(K/128)]; a 0-dim ``scale_a`` is repeated on each own row,
+so a tensor-wise call runs as a row-wise one whose rows take their rank's scale, and every kind
+of call moves alike) and gathers the peers' in one NCCL group before the chunks, which the GEMM
+waits for (gather_call.cu says why it cannot wait for the flags instead). The GEMM is an e4m3
+build for allgather (``fo_gemm_run_ex_scaled``: ``fo_gemm_run_ex`` with scales) that scales each
+row by its row of ``gathered_scales`` and each column by ``scale_b`` (the same on every rank:
+the weight's), and writes ``out_dtype``. At world size 1 the plain GEMM runs on ``a`` with the
+scales as they are.
+
 Deadlock freedom rests on the GEMM leaving SMs to the transfer (gather_call.cuh says why): its
 grid is capped at SMs - ``reserve`` CTAs (:func:`gather_grid`), ``reserve`` = max(the backend's
 reserved SMs, :data:`MIN_FREE_SMS`, at W > 1 the NCCL CTA bound), and the NCCL communicator of
@@ -45,7 +58,8 @@ from flashoverlap_core.backend import OverlapCall, PreparedCall
 
 from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
-from .device_state import NCCL_DTYPES, PlanTables, _current_device, reserved_sms
+from .device_state import (ALIGN_BYTES, NCCL_DTYPES, SCALE_BLOCKS, PlanTables, _current_device,
+                           gemm_scales, kernel_scale, reserved_sms)
 from .gemm import Gemms, a_operand, b_operand, padded_k, workspace
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
@@ -55,7 +69,7 @@ ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS"
 LOOPBACK_OFF, LOOPBACK_CHUNKS, LOOPBACK_OWN_COPY = 0, 1, 2
 DEFAULT_NCCL_CTAS = 4  # the SMs the default reserve leaves free on an H200 (132 - 128)
 MIN_FREE_SMS = 2  # SMs a waiting GEMM never takes, whatever FLASHOVERLAP_CUDA_RESERVED_SMS says
-ROW_ALIGN = 8  # elements: gathered's row stride, as the kernels' 16-byte loads want it
+FP8_SCALE_GROUP = 128  # block-wise scale_a: one scale per row and group of 128 k (fp8.BLOCK)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -158,11 +172,30 @@ def round_up(x: int, step: int) -> int:
     return -(-x // step) * step
 
 
+def row_align(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: gathered's row stride is a multiple of it, as the kernels' TMA
+    and 16-byte loads want it (8 for 16-bit rows, 16 for e4m3)."""
+    return ALIGN_BYTES // dtype.itemsize
+
+
+def scale_groups(k: int, blockwise: bool) -> int:
+    """Columns of gathered_scales: 1 (a scale per row), block-wise ceil(K/128)."""
+    return -(-k // FP8_SCALE_GROUP) if blockwise else 1
+
+
+def scale_strides(scale_a: torch.Tensor, scale_b: torch.Tensor, blockwise: bool) -> tuple:
+    """(a0, a1, b0, b1): the element strides through which the native call reads this rank's
+    scale_a (a 0-dim one (0, 0): repeated on every row) and, block-wise, scale_b (else (0, 0):
+    the GEMM reads a row-wise scale_b as consecutive floats, kernel_scale)."""
+    a = tuple(scale_a.stride()) if scale_a.dim() == 2 else (0, 0)
+    return a + (tuple(scale_b.stride()) if blockwise else (0, 0))
+
+
 # ---- the prepared call -------------------------------------------------------------------------
 
 class GatherState(CallState):
-    """The state of one compute stream (:class:`CallState`): the gathered rows and the arrival
-    flags."""
+    """The state of one compute stream (:class:`CallState`): the gathered rows, the arrival
+    flags, and (fp8) every gathered row's scale_a."""
 
     def __init__(self, call: "CudaGatherCall"):
         plan, device = call.template.plan, call.device
@@ -172,7 +205,10 @@ class GatherState(CallState):
         flags = plan.world_size * plan.num_groups
         self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
         self.wait_flags = torch.ones_like(self.flags) if call.options.no_wait else self.flags
-        self.keep_for_comm((self.gathered, self.flags, self.wait_flags))
+        # fp8: [W·m, G] row-major, written whole by every call (its own rows, then the peers')
+        self.scales = (torch.empty(plan.m, call.scale_groups, dtype=torch.float32, device=device)
+                       if call.scaled else None)
+        self.keep_for_comm((self.gathered, self.flags, self.wait_flags, self.scales))
         self.handle = self.runtime.gather_create(call.description(self))
 
     def destroy(self) -> None:
@@ -180,7 +216,8 @@ class GatherState(CallState):
 
 
 class CudaGatherCall(NativeCall, PreparedCall):
-    """The prepared allgather calls of one key on the cuda backend (module doc)."""
+    """The prepared allgather calls of one key on the cuda backend (module doc):
+    ``run(a, b, out, op)``; an fp8 key's ``run_scaled(a, b, scale_a, scale_b, out, op)``."""
 
     def __init__(self, backend, call: OverlapCall, gemms: Gemms, warm_ups: WarmUps,
                  options: GatherOptions | None = None, stream: int | None = None):
@@ -199,9 +236,21 @@ class CudaGatherCall(NativeCall, PreparedCall):
                                  torch.zeros(items.shape[0], dtype=torch.int32, device=device),
                                  counters=None)
         self.item_wait = self.item_wait_host.to(device)
-        self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b)
+        # fp8: the e4m3 build for allgather (fo_gemm_run_ex_scaled); the scales' modes are the
+        # key's (their kind), their pointers each call's own
+        self.scaled = call.scale_a is not None
+        self.blockwise = plan.scaling == "blockwise"
+        self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b, gather=True)
+        if self.scaled and not self.gemm.run_ex_scaled_address:
+            raise RuntimeError(f"{self.gemm.path} has no fo_gemm_run_ex_scaled (fp8 allgather's "
+                               "GEMM): rebuild it (flashoverlap build)")
+        self.scale_groups = scale_groups(plan.k, self.blockwise)
+        # scale_b's mode (fo_gemm_scales); the gathered scale_a is per row (or block-wise)
+        self.scale_b_mode = (SCALE_BLOCKS if self.blockwise
+                             else int(self.scaled and call.scale_b.dim() == 2))
         self.k = padded_k(self.arch, plan.k)
-        self.ldg = round_up(plan.k, ROW_ALIGN)
+        self.row_align = row_align(plan.torch_dtype)
+        self.ldg = round_up(plan.k, self.row_align)
         self.workspace = workspace(self.gemm, plan, self.k, device)
         self.runtime = kernels.runtime_library()
         self.ctas = plan.wave_size
@@ -224,6 +273,11 @@ class CudaGatherCall(NativeCall, PreparedCall):
         """The runtime's GatherDescription of this key's calls on ``state``'s stream."""
         plan, d = self.template.plan, new_description(self.runtime.GatherDescription)
         d.gemm_run_ex = self.gemm.run_ex_address
+        if self.scaled:  # fp8 (gather_call.cu): the scaled GEMM, the gathered scale_a's rows
+            d.gemm_run_ex_scaled, d.scaled = self.gemm.run_ex_scaled_address, 1
+            d.scale_a_per_row = SCALE_BLOCKS if self.blockwise else 1
+            d.scale_b_per_col = self.scale_b_mode
+            d.gathered_scales = state.scales.data_ptr()
         d.world, d.rank, d.block_rows = self.world, self.rank, plan.shard_rows
         d.N, d.K, d.copy_cols = plan.n, self.k, plan.k
         d.items, d.item_group = self.tables.items.data_ptr(), self.tables.item_group.data_ptr()
@@ -232,7 +286,7 @@ class CudaGatherCall(NativeCall, PreparedCall):
         d.gathered, d.ldg = state.gathered.data_ptr(), self.ldg
         d.arrive_flags, d.wait_flags = state.flags.data_ptr(), state.wait_flags.data_ptr()
         d.num_chunks, d.chunk_rows = plan.num_groups, self.chunks
-        d.elem_size = state.gathered.element_size()
+        d.elem_size = state.gathered.element_size()  # fp8: 1, moved as bytes (NCCL_DTYPES)
         d.nccl_comm, d.nccl_dtype = self.comm, NCCL_DTYPES[plan.dtype]
         d.own_chunks = int(self.own_chunks)
         d.delay_us = self.options.delay_us if self.own_chunks else 0
@@ -258,37 +312,62 @@ class CudaGatherCall(NativeCall, PreparedCall):
 
     # ---- the call ----------------------------------------------------------------------------
     def run(self, a, b, out, op):
+        return self._run(a, b, out, None)
+
+    def run_scaled(self, a, b, scale_a, scale_b, out, op):
+        """An fp8 call (checked by the caller): ``run`` with this call's scales, this rank's
+        ``scale_a`` (its rows': the native call gathers it with them) and ``scale_b``."""
+        return self._run(a, b, out, (scale_a, scale_b))
+
+    def _run(self, a, b, out, scales):
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
-                return self.run(a, b, out, op)
+                return self._run(a, b, out, scales)
         stream = self.current_stream(self.index)
         if not self.gathers:
-            return self.run_plain(a, b, out, stream)
+            return self.run_plain(a, b, out, stream, scales)
         state = self._states.get(stream) or self.state(stream)
         warm = self.needs_warm_up()
         a_rows = self.a_rows(a)
         lda = a_rows.stride(0) if a_rows.shape[0] > 1 else a_rows.shape[1]
         b_ptr, ldb, _keep = self.b_operand(b)
-        err = self.runtime.gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
-                                      out.data_ptr(), out.stride(0), stream, int(warm))
+        if scales is None:
+            err = self.runtime.gather_run(state.handle, a_rows.data_ptr(), lda, b_ptr, ldb,
+                                          out.data_ptr(), out.stride(0), stream, int(warm))
+            what = "fo_gather_run"
+        else:
+            # scale_a is read through its strides (the own scales' copy, gather_call.cu);
+            # scale_b as the GEMM reads it (a copy, if one, is queued before the call, and the
+            # caching allocator orders its reuse after it)
+            scale_a, scale_b = scales[0], kernel_scale(scales[1], self.blockwise)
+            err = self.runtime.gather_run_scaled(
+                state.handle, a_rows.data_ptr(), lda, b_ptr, ldb, scale_a.data_ptr(),
+                scale_b.data_ptr(), scale_strides(scale_a, scale_b, self.blockwise),
+                out.data_ptr(), out.stride(0), stream, int(warm))
+            what = "fo_gather_run_scaled"
         if err:
-            self.raise_error(err, "fo_gather_run")
+            self.raise_error(err, what)
         return out
 
-    def run_plain(self, a, b, out, stream: int):
-        """World size 1: the GEMM on a, written in place, nothing to wait for."""
+    def run_plain(self, a, b, out, stream: int, scales=None):
+        """World size 1: the GEMM on a, written in place, nothing to wait for (fp8: with the
+        scales as they are)."""
         plan = self.template.plan
         a_op = a_operand(a, self.k)
         # One row: its stride means nothing (a [1, K] view may have any); the kernel wants one
-        # >= K and a multiple of 8, and reads no second row.
+        # >= K and a multiple of 16 bytes, and reads no second row.
         lda = a_op.stride(0)
         if a_op.shape[0] == 1 and lda < self.k:
-            lda = round_up(self.k, ROW_ALIGN)
+            lda = round_up(self.k, self.row_align)
         b_ptr, ldb, _keep = self.b_operand(b)
-        self.gemm.run_ex(a_op.data_ptr(), b_ptr, out.data_ptr(), 1, plan.m, plan.n, self.k,
-                         lda, ldb, out.stride(0),
-                         self.tables.items.data_ptr(), self.tables.item_group.data_ptr(), None,
-                         None, 0, plan.num_tiles, None, self.ctas, None,
-                         self.workspace.data_ptr() if self.workspace is not None else None,
-                         stream)
+        args = (out.data_ptr(), 1, plan.m, plan.n, self.k, lda, ldb, out.stride(0),
+                self.tables.items.data_ptr(), self.tables.item_group.data_ptr(), None, None, 0,
+                plan.num_tiles, None, self.ctas, None,
+                self.workspace.data_ptr() if self.workspace is not None else None, stream)
+        if scales is None:
+            self.gemm.run_ex(a_op.data_ptr(), b_ptr, *args)
+        else:
+            scale_a, scale_b = (kernel_scale(t, self.blockwise) for t in scales)
+            self.gemm.run_ex_scaled(a_op.data_ptr(), b_ptr,
+                                    gemm_scales(scale_a, scale_b, self.blockwise), *args)
         return out

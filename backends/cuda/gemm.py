@@ -151,8 +151,9 @@ class Gemms:
             return tables
 
     @staticmethod
-    def gemm_for(plan, tables: PlanTables, b: torch.Tensor):
-        """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b."""
+    def gemm_for(plan, tables: PlanTables, b: torch.Tensor, gather: bool = False):
+        """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b;
+        ``gather``: allgather's (an fp8 plan's has fo_gemm_run_ex_scaled: kernels.gemm_config)."""
         gpu = arch()
         col = takes_col_major(gpu, b)
         cluster = kernels.preferred_cluster(gpu, plan.tile)
@@ -162,7 +163,7 @@ class Gemms:
         if not fits:
             cluster = (1, 1)
         config = kernels.gemm_config(gpu, plan.tile, plan.dtype, col, cluster,
-                                    out_dtype=plan.out_dtype, scaling=plan.scaling)
+                                    out_dtype=plan.out_dtype, scaling=plan.scaling, gather=gather)
         return kernels.gemm_library(config), col, gpu
 
     def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,

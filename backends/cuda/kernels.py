@@ -162,11 +162,13 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                 blocks: bool = False, out_dtype: str | None = None,
-                scaling: str | None = None) -> build.GemmConfig:
+                scaling: str | None = None, gather: bool = False) -> build.GemmConfig:
     """The build of ``tile`` on ``arch`` for a and b in ``dtype``; fp8 (FP8_DTYPES) with the
     result in ``out_dtype``, block-scaled for ``scaling`` "blockwise". ``blocks``: one that
     also takes destination blocks of unequal rows (all_to_all's per-call layout; other calls
-    keep the plain build, whose producer warps do not pay for that branch)."""
+    keep the plain build, whose producer warps do not pay for that branch). ``gather``:
+    allgather's; fp8 then has a build of its own (fo_gemm_run_ex_scaled: the waiting GEMM with
+    scales), 16-bit dtypes the plain one (fo_gemm_run_ex)."""
     block_scaled = dtype in FP8_DTYPES and scaling == "blockwise"
     table = FP8_BLOCK_CONFIGS if block_scaled else FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
     kernel = table[arch][tuple(tile)]
@@ -176,14 +178,16 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                             b_col_major=b_col_major, schedule=kernel.schedule,
                             epilogue=epilogue, epi_slots=slots, blocks=blocks,
-                            out_dtype=out_dtype or "", block_scaled=block_scaled)
+                            out_dtype=out_dtype or "", block_scaled=block_scaled,
+                            gather=gather and dtype in FP8_DTYPES)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
     """Every configuration a default plan can select on ``archs``: the tiles default_tile picks
     (sm90: both), both dtypes, both layouts of b, the preferred and the 1x1 cluster;
     all_to_all's (either tile, 1x1, unequal blocks); on sm90 also fp8 (b column-major)
-    with either output dtype, tensor-/row-wise and block-wise scales, all_to_all's too."""
+    with either output dtype, tensor-/row-wise and block-wise scales, all_to_all's and
+    allgather's too (allgather's: both clusters, as its 16-bit calls take the plain builds)."""
     out = []
     for arch in archs:
         for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
@@ -199,14 +203,21 @@ def all_configs(archs) -> list[build.GemmConfig]:
                             for c in clusters]
                     # fp8 all_to_all's (1x1, unequal blocks, fo_gemm_run_blocks_scaled)
                     out.append(gemm_config(arch, tile, dtype, True, blocks=True, out_dtype=result))
+                    # fp8 allgather's (fo_gemm_run_ex_scaled)
+                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result, gather=True)
+                            for c in clusters]
         for tile in FP8_BLOCK_CONFIGS.get(arch, {}):  # block-wise fp8
             for dtype in FP8_DTYPES:
                 for result in DTYPES:
+                    clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
                                         scaling="blockwise")
-                            for c in dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])]
+                            for c in clusters]
                     out.append(gemm_config(arch, tile, dtype, True, blocks=True, out_dtype=result,
                                            scaling="blockwise"))  # all_to_all's
+                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
+                                        scaling="blockwise", gather=True)
+                            for c in clusters]  # allgather's
     return out
 
 

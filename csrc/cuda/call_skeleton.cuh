@@ -29,11 +29,17 @@ using GemmRunBlocksScaled = cudaError_t (*)(const void*, const void*, const fo_g
                                             int64_t, int, int, int, int64_t, int64_t, int64_t,
                                             const int32_t*, int, const int64_t*, const int32_t*,
                                             int, int32_t*, int, cudaStream_t);
+// fo_gemm_run_ex_scaled: fp8 allgather's (gemm_ex_scaled.h).
+using GemmRunExScaled = cudaError_t (*)(const void*, const void*, const fo_gemm_scales*, void*, int,
+                                        int, int, int, int64_t, int64_t, int64_t, const int64_t*,
+                                        const int32_t*, const int32_t*, const uint32_t*, int, int,
+                                        int32_t*, int, uint64_t*, void*, cudaStream_t);
 static_assert(std::is_same_v<GemmLaunch, decltype(&fo_gemm_launch)>);
 static_assert(std::is_same_v<GemmSetNodeParams, decltype(&fo_gemm_set_node_params)>);
 static_assert(std::is_same_v<GemmRunEx, decltype(&fo_gemm_run_ex)>);
 static_assert(std::is_same_v<GemmRunBlocks, decltype(&fo_gemm_run_blocks)>);
 static_assert(std::is_same_v<GemmRunBlocksScaled, decltype(&fo_gemm_run_blocks_scaled)>);
+static_assert(std::is_same_v<GemmRunExScaled, decltype(&fo_gemm_run_ex_scaled)>);
 
 // A GEMM library's launch failed: its own fo_last_error has the details.
 inline cudaError_t gemm_failed(cudaError_t err, const char* what) {

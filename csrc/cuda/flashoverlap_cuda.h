@@ -1,11 +1,12 @@
 // C API of FlashOverlap's CUDA runtime: every function the runtime object exports is declared
 // here, and every function of the GEMM libraries (one shared object per GEMM configuration) in
 // gemm_api.h, which this includes (with the work items, clusters and alignment they take), but
-// fp8 all_to_all's fo_gemm_run_blocks_scaled, in gemm_blocks_scaled.h (included too). The
-// runtime is one object made of one translation unit per call kind (runtime.cu: wait, counter
-// reset, post-reorder, fo_load_kernels and fo_last_error; nccl.cu; overlap_call.cu;
-// add_rmsnorm.cu; gather_call.cu; all_to_all_call.cu). The GEMM libraries include gemm_api.h
-// (and gemm_blocks_scaled.h) only, so an edit here leaves their cached objects valid
+// fp8 all_to_all's fo_gemm_run_blocks_scaled, in gemm_blocks_scaled.h, and fp8 allgather's
+// fo_gemm_run_ex_scaled, in gemm_ex_scaled.h (both included too). The runtime is one object
+// made of one translation unit per call kind (runtime.cu: wait, counter reset, post-reorder,
+// fo_load_kernels and fo_last_error; nccl.cu; overlap_call.cu; add_rmsnorm.cu; gather_call.cu;
+// all_to_all_call.cu). The GEMM libraries include gemm_api.h (and gemm_blocks_scaled.h or
+// gemm_ex_scaled.h) only, so an edit here leaves their cached objects valid
 // (backends/cuda/build.py hashes what each object includes).
 #pragma once
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 
 #include "gemm_api.h"
 #include "gemm_blocks_scaled.h"  // fo_gemm_run_blocks_scaled: fp8 all_to_all's GEMM libraries
+#include "gemm_ex_scaled.h"      // fo_gemm_run_ex_scaled: fp8 allgather's GEMM libraries
 
 #ifdef __cplusplus
 extern "C" {
@@ -235,6 +237,19 @@ FO_API int fo_call_add_rmsnorm_graph_state(const fo_call* call);
 // negative-control test (flags read as already set). `delay_us` > 0 (tests, with own_chunks)
 // spins that long on the communication stream before each own-chunk copy. With
 // nccl_comm == nullptr, world must be 1 (a loopback of the own rows, no NCCL).
+// fp8 (issue 32): scaled = 1 for e4m3 a and b, whose rows move as their bytes (elem_size 1,
+// nccl_dtype a byte type), whose GEMM is `gemm_run_ex_scaled` (the fo_gemm_run_ex_scaled of an
+// e4m3 library built for allgather; gemm_ex_scaled.h) and whose calls go through
+// fo_gather_run_scaled with their scales. Rank s's scale_a scales rank s's rows, so it travels
+// with them: `gathered_scales` is float32 [world * block_rows, G] row-major (row r: the scale_a
+// of gathered row r; G = 1, or ceil(copy_cols / 128) block-wise), into which each call copies
+// this rank's scale_a on the compute stream (a 0-dim one repeated on each of its rows: tensor-wise
+// scales run as row-wise ones, so every kind moves alike) and, at world > 1, receives every
+// peer's in one NCCL group on the communication stream before the chunks, which the GEMM waits
+// for: the kernel reads an item's scales without waiting for its flag (gemm_ex_scaled.h).
+// scale_a_per_row: the GEMM's mode of the gathered scale_a, 1 (per row) or FO_SCALE_BLOCKS
+// (block-wise); scale_b_per_col: scale_b's (0 one float, 1 per column of the result, or
+// FO_SCALE_BLOCKS with a block-wise scale_a), as fo_gemm_scales takes them.
 typedef struct fo_gather fo_gather;
 typedef struct {
   int abi_version;  // FO_CUDA_ABI_VERSION
@@ -258,6 +273,11 @@ typedef struct {
   int delay_us;
   int own_chunks;
   cudaStream_t comm_stream;
+  // Appended (issue 32): fp8 (see above); gemm_run_ex may then be null
+  void* gemm_run_ex_scaled;
+  int scaled;
+  int scale_a_per_row, scale_b_per_col;
+  float* gathered_scales;
 } fo_gather_desc;
 
 FO_API cudaError_t fo_gather_create(const fo_gather_desc* desc, fo_gather** gather);
@@ -265,8 +285,19 @@ FO_API cudaError_t fo_gather_create(const fo_gather_desc* desc, fo_gather** gath
 // synchronisation after each (the first call: every kernel it uses is loaded on an idle device).
 FO_API cudaError_t fo_gather_run(fo_gather* gather, const void* a, int64_t lda, const void* b,
                                  int64_t ldb, void* out, int64_t ldo, cudaStream_t stream, int warm);
+// fo_gather_run of a call made with scaled = 1 (fp8): scale_a and scale_b are this call's float32
+// device pointers. scale_a is this rank's, read through its element strides scale_strides[0]
+// (rows) and scale_strides[1] (groups of 128 k, block-wise): a 0-dim one {0, 0}, row-wise
+// [block_rows, 1], block-wise [block_rows, ceil(K/128)] in any layout (torch's outer-dim-major
+// too); scale_b is the same on every rank, laid out as scale_b_per_col says (block-wise
+// [ceil(K/128), ceil(N/128)] through scale_strides[2] and [3]).
+FO_API cudaError_t fo_gather_run_scaled(fo_gather* gather, const void* a, int64_t lda,
+                                        const void* b, int64_t ldb, const float* scale_a,
+                                        const float* scale_b, const int64_t* scale_strides,
+                                        void* out, int64_t ldo, cudaStream_t stream, int warm);
 FO_API void fo_gather_destroy(fo_gather* gather);
-// Force-loads the kernels only fo_gather_run launches (the tests' delay kernel).
+// Force-loads the kernels only fo_gather_run launches (the tests' delay kernel, and
+// fo_gather_run_scaled's copy of this rank's scales).
 FO_API cudaError_t fo_gather_load_kernels(void);
 
 // ---- all_to_all with each call's rows and splits (runtime object, all_to_all_call.cu) --------

@@ -9,7 +9,7 @@
 // vectors owned here and checked against their counts before a call is made.
 //
 // Per-call entry points (call_run, call_run_scaled, call_run_add_rmsnorm, a2a_run,
-// a2a_run_scaled, gather_run)
+// a2a_run_scaled, gather_run, gather_run_scaled)
 // take plain ints (pointers as integers) and the call's handle, and return the cudaError code:
 // the caller raises (check) only when it is not 0. Every entry point lets other Python threads
 // run while it is in native code, as ctypes did. Built by backends/cuda/build.py; needs no
@@ -137,19 +137,24 @@ class GemmLibrary {
     // fp8 all_to_all's builds only (gemm_blocks_scaled.h): optional
     run_blocks_scaled_ = reinterpret_cast<decltype(&fo_gemm_run_blocks_scaled)>(
         dlsym(handle_, "fo_gemm_run_blocks_scaled"));
+    // fp8 allgather's builds only (gemm_ex_scaled.h): optional
+    run_ex_scaled_ = reinterpret_cast<decltype(&fo_gemm_run_ex_scaled)>(
+        dlsym(handle_, "fo_gemm_run_ex_scaled"));
   }
 
   const std::string& path() const { return path_; }
   const fo_gemm_config& description() const { return description_; }
   bool fp8() const { return description_.dtype == FO_DTYPE_E4M3; }
   // What the descriptions take: fo_call_desc.gemm_launch and gemm_set_node, fo_gather_desc
-  // gemm_run_ex, fo_a2a_desc gemm_run_blocks and gemm_run_blocks_scaled (0: a library without
-  // it, any but an e4m3 build with unequal blocks).
+  // gemm_run_ex and gemm_run_ex_scaled (0: a library without it, any but fp8 allgather's e4m3
+  // build), fo_a2a_desc gemm_run_blocks and gemm_run_blocks_scaled (0: a library without it, any
+  // but an e4m3 build with unequal blocks).
   uintptr_t launch_address() const { return address(launch_); }
   uintptr_t set_node_address() const { return address(set_node_params_); }
   uintptr_t run_ex_address() const { return address(run_ex_); }
   uintptr_t run_blocks_address() const { return address(run_blocks_); }
   uintptr_t run_blocks_scaled_address() const { return address(run_blocks_scaled_); }
+  uintptr_t run_ex_scaled_address() const { return address(run_ex_scaled_); }
 
   std::string last_error() const {
     const char* text = last_error_();
@@ -207,6 +212,29 @@ class GemmLibrary {
           }),
           "fo_gemm_run_ex");
   }
+  // fo_gemm_run_ex with scales: fp8 allgather's builds only (an error without the symbol)
+  void run_ex_scaled(Ptr a, Ptr b, const fo_gemm_scales& scales, Ptr out, int blocks,
+                     int block_rows, int n, int k, int64_t lda, int64_t ldb, int64_t ldo,
+                     Ptr items, Ptr item_group, Ptr item_wait, Ptr flags, int num_flags,
+                     int num_items, Ptr counters, int ctas, Ptr monitor, Ptr workspace,
+                     Ptr stream) const {
+    if (!run_ex_scaled_) {
+      const std::string text = path_ + " has no fo_gemm_run_ex_scaled (fp8 allgather's GEMM, "
+                                       "in its e4m3 builds for allgather only)";
+      PyErr_SetString(kernel_error_type.ptr(), text.c_str());
+      throw py::error_already_set();
+    }
+    check(unlocked([&] {
+            return run_ex_scaled_(a.as<const void*>(), b.as<const void*>(), &scales,
+                                  out.as<void*>(), blocks, block_rows, n, k, lda, ldb, ldo,
+                                  items.as<const int64_t*>(), item_group.as<const int32_t*>(),
+                                  item_wait.as<const int32_t*>(), flags.as<const uint32_t*>(),
+                                  num_flags, num_items, counters.as<int32_t*>(), ctas,
+                                  monitor.as<uint64_t*>(), workspace.as<void*>(),
+                                  stream.as<cudaStream_t>());
+          }),
+          "fo_gemm_run_ex_scaled");
+  }
   void launch(const fo_gemm_params& params, Ptr stream) const {
     check(unlocked([&] { return launch_(&params, stream.as<cudaStream_t>()); }),
           "fo_gemm_launch");
@@ -242,6 +270,7 @@ class GemmLibrary {
   decltype(&fo_gemm_set_node_params) set_node_params_ = nullptr;
   decltype(&fo_gemm_run_blocks) run_blocks_ = nullptr;
   decltype(&fo_gemm_run_blocks_scaled) run_blocks_scaled_ = nullptr;  // optional
+  decltype(&fo_gemm_run_ex_scaled) run_ex_scaled_ = nullptr;          // optional
 };
 
 // The runtime's check, with the GEMM library's own last error in `what` when it has one.
@@ -574,7 +603,8 @@ PYBIND11_MODULE(fo_runtime, m) {
         FO_FIELD(num_items) FO_FIELD(num_ctas) FO_FIELD(workspace) FO_FIELD(gathered) FO_FIELD(ldg)
         FO_FIELD(arrive_flags) FO_FIELD(wait_flags) FO_FIELD(num_chunks) FO_FIELD(elem_size)
         FO_FIELD(nccl_comm) FO_FIELD(nccl_dtype) FO_FIELD(delay_us) FO_FIELD(own_chunks)
-        FO_FIELD(comm_stream);
+        FO_FIELD(comm_stream) FO_FIELD(gemm_run_ex_scaled) FO_FIELD(scaled)
+        FO_FIELD(scale_a_per_row) FO_FIELD(scale_b_per_col) FO_FIELD(gathered_scales);
   }
   gather.def_readwrite("chunk_rows", &GatherDescription::chunk_rows);
 
@@ -611,6 +641,7 @@ PYBIND11_MODULE(fo_runtime, m) {
       .def_property_readonly("run_ex_address", &GemmLibrary::run_ex_address)
       .def_property_readonly("run_blocks_address", &GemmLibrary::run_blocks_address)
       .def_property_readonly("run_blocks_scaled_address", &GemmLibrary::run_blocks_scaled_address)
+      .def_property_readonly("run_ex_scaled_address", &GemmLibrary::run_ex_scaled_address)
       .def("last_error", &GemmLibrary::last_error)
       .def("check", &GemmLibrary::check)
       .def("load_kernels", &GemmLibrary::load_kernels)
@@ -625,6 +656,15 @@ PYBIND11_MODULE(fo_runtime, m) {
                      num_items, counters, ctas, monitor, workspace, stream);
       })
       .def("run_ex", &GemmLibrary::run_ex)
+      .def("run_ex_scaled",
+           [](const GemmLibrary& g, Ptr a, Ptr b, const GemmScales& s, Ptr out, int blocks,
+              int block_rows, int n, int k, int64_t lda, int64_t ldb, int64_t ldo, Ptr items,
+              Ptr item_group, Ptr item_wait, Ptr flags, int num_flags, int num_items,
+              Ptr counters, int ctas, Ptr monitor, Ptr workspace, Ptr stream) {
+             g.run_ex_scaled(a, b, s.c, out, blocks, block_rows, n, k, lda, ldb, ldo, items,
+                             item_group, item_wait, flags, num_flags, num_items, counters, ctas,
+                             monitor, workspace, stream);
+           })
       .def("launch", [](const GemmLibrary& g, const GemmParams& p, Ptr stream) {
         fo_gemm_params c = p.c;
         c.scales = p.scales ? &*p.scales : nullptr;
@@ -839,6 +879,18 @@ PYBIND11_MODULE(fo_runtime, m) {
     return int(unlocked([&] {
       return fo_gather_run(g.p, a.as<const void*>(), lda, b.as<const void*>(), ldb,
                            out.as<void*>(), ldo, stream.as<cudaStream_t>(), warm);
+    }));
+  });
+  // an fp8 call: its scales, and their element strides (a0, a1, b0, b1): scale_a's always (a
+  // 0-dim one (0, 0)), scale_b's where block-wise
+  m.def("gather_run_scaled", [](Gather& g, Ptr a, int64_t lda, Ptr b, int64_t ldb, Ptr scale_a,
+                                Ptr scale_b, std::array<int64_t, 4> strides, Ptr out,
+                                int64_t ldo, Ptr stream, int warm) {
+    return int(unlocked([&] {
+      return fo_gather_run_scaled(g.p, a.as<const void*>(), lda, b.as<const void*>(), ldb,
+                                  scale_a.as<const float*>(), scale_b.as<const float*>(),
+                                  strides.data(), out.as<void*>(), ldo,
+                                  stream.as<cudaStream_t>(), warm);
     }));
   });
 }

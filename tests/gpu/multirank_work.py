@@ -216,6 +216,87 @@ def fp8_moe_sequence(seed: int, calls: int, scaling: str) -> dict:
             "runners": sorted({c["runner"] for c in calls_seen})}
 
 
+def fp8_allgather_sequence(seed: int, calls: int, scaling: str) -> dict:
+    """fp8 allgather (issue 32): every rank's e4m3 shard with its own scale_a ("tensorwise":
+    a 0-dim one that differs by rank; "rowwise": [m, 1] of its own rows and a [1, N] scale_b;
+    "rowwise-a": [m, 1] with a 0-dim scale_b; "blockwise": [m, ceil(K/128)] outer-dim-major
+    and [ceil(K/128), ceil(N/128)]), fresh inputs and scales every call (new tensors, or new
+    values in the same ones), out poisoned on some calls, one plan of a chunk per band (a flag
+    per band: tiles wait); each result (bf16) against float64 of every rank's dequantized rows,
+    each by its own rank's scale_a, times this rank's dequantized b. One prepared key, which
+    cuda runs (CudaGatherCall: the e4m3 rows and the scales gathered, the waiting GEMM with
+    scales)."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    m, n, k = 200, 1000, 264  # ragged against the tiles and the 128 blocks
+    kb, nb = -(-k // 128), -(-n // 128)
+    f8 = torch.float8_e4m3fn
+    device = torch.device("cuda", torch.cuda.current_device())
+    blockwise = scaling == "blockwise"
+
+    def inputs(r: int, call: int):  # rank r's a, b and scales, on the host
+        g = torch.Generator().manual_seed((seed * 7919 + r * 131 + call) & 0x7FFFFFFF)
+        a = (torch.randn(m, k, generator=g) * 2).to(f8)
+        b = (torch.randn(n, k, generator=g) * 2).to(f8).t()
+        if scaling == "tensorwise":  # far apart on each rank: a rank's scale on another's rows
+            return a, b, torch.rand((), generator=g) + 0.25 + 2.0 * r, torch.rand((), generator=g) + 0.25
+        if scaling in ("rowwise", "rowwise-a"):
+            sb = (torch.rand(1, n, generator=g) + 0.25 if scaling == "rowwise"
+                  else torch.rand((), generator=g) + 0.25)
+            return a, b, torch.rand(m, 1, generator=g) + 0.25 + 2.0 * r, sb
+        return (a, b, (torch.rand(kb, m, generator=g) + 0.25 + 2.0 * r).t(),
+                torch.rand(kb, nb, generator=g) + 0.25)
+
+    def dequantized_a(a, sa):
+        if blockwise:
+            sa = sa.repeat_interleave(128, 1)[:, :k]
+        return a.double() * sa.double()
+
+    def dequantized_b(b, sb):
+        if blockwise:
+            sb = sb.repeat_interleave(128, 0)[:k].repeat_interleave(128, 1)[:, :n]
+        return b.double() * sb.double()
+
+    base = fo.plan(m * world, n, k, op="allgather", world_size=world, dtype=f8, out_dtype=DTYPE,
+                   backend="cuda", scaling="blockwise" if blockwise else None)
+    unit = world * -(-n // base.tile[1])  # a band of every shard: one chunk, a flag per shard
+    plan = fo.plan(m * world, n, k, op="allgather", world_size=world, dtype=f8, out_dtype=DTYPE,
+                   backend="cuda", scaling="blockwise" if blockwise else None, tile=base.tile,
+                   group_sizes=[unit] * (base.num_tiles // unit))
+    problems = []
+    previous = os.environ.get("FLASHOVERLAP_CUDA_FP8_BLOCK")
+    os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = "1"
+    held = None
+    try:
+        for call in range(calls):
+            mine = [t.to(device) for t in inputs(rank, call)]
+            if held is not None and call % 2:  # the same tensors, new values
+                for t, new in zip(held, mine):
+                    t.copy_(new)
+                mine = held
+            held = mine
+            a, b, sa, sb = mine
+            every = [inputs(r, call) for r in range(world)]  # (a, b, scale_a, scale_b) each
+            want = (torch.cat([dequantized_a(x[0], x[2]) for x in every])
+                    @ dequantized_b(every[rank][1], every[rank][3]))
+            guard, out = poisoned(m * world, n) if call % 3 == 0 else (None, None)
+            got = fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out_dtype=DTYPE,
+                             out=out, plan=plan)
+            if got.dtype != DTYPE:
+                problems.append(f"fp8 allgather call {call}: result is {got.dtype}")
+            problems += check(got, want.to(got.device), f"fp8 {scaling} allgather call {call}",
+                              guard)
+    finally:
+        if previous is None:
+            os.environ.pop("FLASHOVERLAP_CUDA_FP8_BLOCK", None)
+        else:
+            os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = previous
+    calls_seen = fo.prepared_calls()
+    return {"problems": problems, "keys": len(calls_seen), "chunks": plan.num_groups,
+            "backends": sorted({c["backend"] for c in calls_seen}),
+            "runners": sorted({c["runner"] for c in calls_seen})}
+
+
 def back_to_back(seed: int, calls: int, backend) -> dict:
     """``calls`` mixed calls in a row (op, shape and layout change every call; fresh inputs),
     each checked against float64."""

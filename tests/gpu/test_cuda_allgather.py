@@ -9,6 +9,12 @@ run by ``python -c`` with the knobs in the environment. Ragged shapes, both dtyp
 of b, out= poisoned and not, back-to-back calls with fresh inputs, CUDA-graph replays, two
 streams, and the stress test with a slow transfer, plus its negative control: a GEMM that does
 not wait (FLASHOVERLAP_CUDA_GATHER_NO_WAIT=1) must be caught reading rows before they arrive.
+
+fp8 (issue 32, sm90): e4m3 a and b with float32 scales of every kind (tensor-wise, row-wise,
+row-wise a with a 0-dim scale_b, block-wise in torch's layouts) on the same three paths: the
+e4m3 rows and this rank's scale_a go through the gathered buffers (gather_call.cu), the GEMM
+with scales waits for its rows; ragged shapes, fresh inputs and scales every call, graph replays
+with new scale values, two streams, and the slow-transfer stress.
 """
 from __future__ import annotations
 
@@ -57,6 +63,69 @@ def chunked_plan(m, n, k, dtype, bands_per_chunk=1):
     sizes = [unit * min(bands_per_chunk, bands - s) for s in range(0, bands, bands_per_chunk)]
     return fo.plan(m, n, k, op="allgather", dtype=dtype, backend="cuda", tile=base.tile,
                    group_sizes=sizes)
+
+
+# ---- fp8 (issue 32) -------------------------------------------------------------------------
+F8 = getattr(torch, "float8_e4m3fn", None)
+FP8_SCALINGS = ("tensorwise", "rowwise", "mixed", "blockwise")  # mixed: [m, 1] a, 0-dim b
+FP8_SHAPES = [(1, 1, 1), (7, 127, 33), (130, 257, 8), (1000, 1000, 1000), (4097, 384, 72),
+              (300, 4099, 136), (640, 512, 300)]
+
+
+def fp8_inputs(m, n, k, scaling, seed=None):
+    """e4m3 a [m, k], b = w.t() of an e4m3 [n, k] w, and scales of ``scaling`` (block-wise:
+    scale_a [m, ceil(k/128)] outer-dim-major, as torch keeps it, scale_b [ceil(k/128),
+    ceil(n/128)])."""
+    g = torch.Generator(device="cuda")
+    if seed is not None:
+        g.manual_seed(seed)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 2).to(F8)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 2).to(F8).t()
+    if scaling == "blockwise":
+        kb, nb = -(-k // 128), -(-n // 128)
+        sa = (torch.rand(kb, m, device="cuda", generator=g) + 0.25).t()
+        sb = torch.rand(kb, nb, device="cuda", generator=g) + 0.25
+        return a, b, sa, sb
+    sa = torch.rand((m, 1) if scaling != "tensorwise" else (), device="cuda", generator=g) + 0.25
+    sb = torch.rand((1, n) if scaling == "rowwise" else (), device="cuda", generator=g) + 0.25
+    return a, b, sa, sb
+
+
+def fp8_dequantized(a, b, sa, sb, blockwise):
+    """a * scale_a and b * scale_b in float64 (block-wise scales repeated over their blocks)."""
+    (m, k), n = a.shape, b.shape[1]
+    if blockwise:
+        sa = sa.double().repeat_interleave(128, 1)[:, :k]
+        sb = sb.double().repeat_interleave(128, 0)[:k].repeat_interleave(128, 1)[:, :n]
+    return a.double() * sa.double(), b.double() * sb.double()
+
+
+def fp8_check(out, a, b, sa, sb, scaling, what=""):
+    """Against float64 of the dequantized inputs: every element within the output's rounding
+    plus 2^-9 of its sum of |products| (e4m3 tensor-core accumulation), the whole normwise
+    (test_cuda_fp8.py's bounds); nothing unwritten."""
+    x, y = fp8_dequantized(a, b, sa, sb, scaling == "blockwise")
+    ref, mass = x @ y, x.abs() @ y.abs()
+    assert not torch.isnan(out).any(), f"{what}: elements never written (NaN)"
+    err = (out.double() - ref).abs()
+    over = err > torch.finfo(out.dtype).eps * ref.abs() + 2.0 ** -9 * mass + 1e-6
+    assert not over.any(), f"{what}: {int(over.sum())} elements outside the bound, max err " \
+                           f"{err.max().item():.4g}"
+    rel = (err.norm() / ref.norm().clamp(min=1e-30)).item()
+    assert rel < (1.5e-2 if out.dtype == torch.bfloat16 else 5e-3), f"{what}: normwise {rel:.3g}"
+
+
+def fp8_plan(m, n, k, scaling, out_dtype, bands_per_chunk=None):
+    """An fp8 allgather plan, its chunks ``bands_per_chunk`` bands each (many flags) if given."""
+    kw = dict(op="allgather", dtype=F8, out_dtype=out_dtype, backend="cuda",
+              scaling="blockwise" if scaling == "blockwise" else None)
+    base = fo.plan(m, n, k, **kw)
+    if bands_per_chunk is None:
+        return base
+    unit = -(-n // base.tile[1])
+    bands = base.num_tiles // unit
+    sizes = [unit * min(bands_per_chunk, bands - s) for s in range(0, bands, bands_per_chunk)]
+    return fo.plan(m, n, k, tile=base.tile, group_sizes=sizes, **kw)
 
 
 # ---- cases, run in child processes -------------------------------------------------------------
@@ -198,6 +267,105 @@ def case_stress(calls: int):
             "max_error": max(errors)}
 
 
+def case_fp8_shapes(scaling: str, out_name: str):
+    """fp8: every shape, the default plan and a chunked one, out= poisoned and not, three calls
+    each with fresh inputs and scales; the key's runner is cuda's allgather call."""
+    out_dtype = DTYPES[out_name]
+    for m, n, k in FP8_SHAPES:
+        for plan in (None, fp8_plan(m, n, k, scaling, out_dtype, 1)):
+            for i in range(3):
+                a, b, sa, sb = fp8_inputs(m, n, k, scaling)
+                kw = dict(scale_a=sa, scale_b=sb, out_dtype=out_dtype, plan=plan, backend="cuda")
+                if i % 2:
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+                    assert fo.overlap(a, b, "allgather", out=out, **kw) is out
+                else:
+                    out = fo.overlap(a, b, "allgather", **kw)
+                torch.cuda.synchronize()
+                assert out.dtype == out_dtype
+                fp8_check(out, a, b, sa, sb, scaling, f"fp8 {scaling} {m}x{n}x{k} "
+                          f"plan={plan is not None} call {i}")
+            runners = {(c["backend"], c["runner"]) for c in fo.prepared_calls()}
+            assert runners == {("cuda", "CudaGatherCall")}, runners
+    return {"ok": True}
+
+
+def case_fp8_graph(scaling: str, replays: int):
+    """fp8: a call captured after one eager call; each replay after new a, b and scale values
+    are copied into the captured tensors gives their product."""
+    m, n, k = 1100, 777, 300
+    plan = fp8_plan(m, n, k, scaling, torch.bfloat16, 2)
+    a, b, sa, sb = fp8_inputs(m, n, k, scaling)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    kw = dict(scale_a=sa, scale_b=sb, plan=plan, out=out)
+    fo.overlap(a, b, "allgather", **kw)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fo.overlap(a, b, "allgather", **kw)  # this stream's state, made eagerly
+    stream.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        fo.overlap(a, b, "allgather", **kw)
+    for i in range(replays):
+        for t, new in zip((a, b, sa, sb), fp8_inputs(m, n, k, scaling)):
+            t.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        fp8_check(out, a, b, sa, sb, scaling, f"fp8 {scaling} replay {i}")
+    return {"ok": True}
+
+
+def case_fp8_two_streams(rounds: int):
+    """fp8: two calls of one key in flight on two streams (each its own gathered rows, scales
+    and flags), with scales of their own: every round's results are the eager ones."""
+    m, n, k = 1024, 2048, 512
+    plan = fp8_plan(m, n, k, "rowwise", torch.bfloat16, 2)
+    sets = [fp8_inputs(m, n, k, "rowwise", seed=s) for s in (1, 2)]
+    expected = [fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, plan=plan)
+                for a, b, sa, sb in sets]
+    torch.cuda.synchronize()
+    for want, (a, b, sa, sb) in zip(expected, sets):
+        fp8_check(want, a, b, sa, sb, "rowwise", "eager")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for i in range(rounds):
+        for (a, b, sa, sb), out, s in zip(sets, outs, streams):
+            with torch.cuda.stream(s):
+                fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, plan=plan, out=out)
+        if i % 50 == 49 or i == rounds - 1:
+            torch.cuda.synchronize()
+            for out, want in zip(outs, expected):
+                assert torch.equal(out, want), f"round {i}: a call was disturbed by the other stream"
+            for out in outs:
+                out.fill_(float("nan"))
+    return {"ok": True}
+
+
+def case_fp8_stress(calls: int):
+    """case_stress for fp8: fresh e4m3 inputs and scales every call into one chunked plan, the
+    transfer slowed per chunk; the count of wrong results."""
+    m, n, k = 2048, 1024, 512
+    plan = fp8_plan(m, n, k, "rowwise", torch.bfloat16, 1)
+    block_plan = fp8_plan(m, n, k, "blockwise", torch.bfloat16, 1)  # a plan of their own
+    wrong = 0
+    for i in range(calls):
+        scaling = ("rowwise", "tensorwise", "blockwise")[i % 3]
+        a, b, sa, sb = fp8_inputs(m, n, k, scaling)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out=out,
+                   plan=block_plan if scaling == "blockwise" else plan)
+        torch.cuda.synchronize()
+        try:
+            fp8_check(out, a, b, sa, sb, scaling)
+        except AssertionError:
+            wrong += 1
+    return {"ok": True, "wrong": wrong, "calls": calls, "chunks": plan.num_groups}
+
+
 # ---- the tests: each case in a fresh process -----------------------------------------------------
 
 def run_case(case: str, *args, env: dict | None = None, timeout: int = 300) -> dict:
@@ -288,3 +456,41 @@ def test_stress_catches_a_gemm_that_does_not_wait(arch):
     result = run_case("case_stress", 10, env=env)
     # the first call runs phase by phase (the warm-up), so it is right; the others must not be
     assert result["wrong"] >= 5, result
+
+
+# ---- fp8 (issue 32) ---------------------------------------------------------------------------
+needs_sm90 = pytest.mark.skipif(
+    F8 is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="fp8 allgather's GEMM (e4m3) needs sm_90 (Hopper)")
+
+
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize("path", EAGER_PATHS)
+@pytest.mark.parametrize("out_name", sorted(DTYPES))
+@pytest.mark.parametrize("scaling", FP8_SCALINGS)
+def test_fp8_ragged_shapes_match_float64(scaling, out_name, path):
+    assert run_case("case_fp8_shapes", scaling, out_name, env=PATHS[path], timeout=600)["ok"]
+
+
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize("path", EAGER_PATHS)
+@pytest.mark.parametrize("scaling", FP8_SCALINGS)
+def test_fp8_graph_replays_follow_new_inputs_and_scales(scaling, path):
+    assert run_case("case_fp8_graph", scaling, 10, env=PATHS[path])["ok"]
+
+
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize("path", EAGER_PATHS)
+def test_fp8_two_streams_share_nothing(path):
+    assert run_case("case_fp8_two_streams", 100, env=PATHS[path])["ok"]
+
+
+@needs_cuda
+@needs_sm90
+def test_fp8_stress_slow_transfer_results_exact():
+    env = dict(LOOPBACK, FLASHOVERLAP_CUDA_GATHER_DELAY_US=STRESS_DELAY_US)
+    result = run_case("case_fp8_stress", int(os.environ.get("FO_STRESS_RUNS", "30")), env=env)
+    assert result["wrong"] == 0, result

@@ -7,8 +7,11 @@ ragged shapes (partial tiles, K not a multiple of the 128-element K tile, K not 
 and fp16 out, allreduce and reduce_scatter on a NCCL group of one rank, callable ops, graph
 replays with moving operands and scales, torch.compile, all_to_all with each call's own rows
 and scales (issue 32: ragged rows, none at times, every kind of scales, alone and on the NCCL
-group of one rank; world sizes 2-4 in test_multirank.py), and what cuda declines (allgather,
-sm_80 kernels) running dequantized on 'decomposition'. Block-wise scales (1x128
+group of one rank; world sizes 2-4 in test_multirank.py), allgather (issue 32: the e4m3 rows and
+every rank's scales gathered, its waiting GEMM with scales; every kind of scales, alone and on
+the NCCL group of one rank; the gathered path itself, whose tiles wait, at world size 1 in
+test_cuda_allgather.py, world sizes 2-4 in test_multirank.py), and what cuda declines (sm_80
+kernels) running dequantized on 'decomposition'. Block-wise scales (1x128
 groups of a, 128x128 blocks of b; issue 32): every element's error at most that of torch's
 block-wise scaled_mm on the same inputs plus 2 ulps of the output dtype (where torch lacks it,
 the float32 dequantized product, and the failure message says which), their scale layouts,
@@ -215,20 +218,53 @@ def test_fp8_compiles_on_cuda():
     _check(got, a, b, sa, sb, torch.float16, "compiled")
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
-@pytest.mark.parametrize("op", ["allgather"])
-def test_fp8_ops_cuda_declines_run_dequantized(op, scaling):
-    blockwise = scaling == "blockwise"
-    seed = random.randrange(2**31)
-    a, b, sa, sb = (_block_inputs(512, 384, 300, seed) if blockwise
-                    else _inputs(512, 384, 256, scaling, seed))
-    with pytest.raises(fo.BackendError, match=f"fp8 {op}|float32"):
-        fo.overlap(a, b, op, scale_a=sa, scale_b=sb, backend="cuda")
-    got = fo.overlap(a, b, op, scale_a=sa, scale_b=sb)  # the automatic choice
-    torch.cuda.synchronize()
-    (_block_check if blockwise else _check)(got, a, b, sa, sb, torch.bfloat16,
-                                            f"{op} {scaling} dequantized")
-    assert fo.prepared_calls()[-1]["backend"] == "decomposition"
+# ---- allgather (issue 32): the e4m3 rows and every rank's scales, never dequantized rows -------
+ALLGATHER_SCALINGS = ("tensorwise", "rowwise", "mixed", "blockwise")
+ALLGATHER_SHAPES = [(1, 1, 1), (7, 127, 33), (130, 300, 300), (1000, 1000, 1000),
+                    (4097, 384, 72)]
+
+
+@pytest.mark.parametrize("group", ["none", "nccl"])
+@pytest.mark.parametrize("out_name", sorted(OUT))
+@pytest.mark.parametrize("scaling", ALLGATHER_SCALINGS)
+def test_fp8_allgather_runs_natively(scaling, out_name, group, request, monkeypatch):
+    """fp8 allgather on cuda's own path (CudaGatherCall: at world size 1 the GEMM with scales
+    on a, in place), alone and on the NCCL group of one rank, every kind of scales (this rank's
+    scale_a, tensor-wise too), ragged shapes, three calls of a key with fresh inputs each,
+    against float64 of the dequantized inputs (block-wise: _block_check)."""
+    monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "overlap")  # (world size 1 would run plain)
+    nccl_group = request.getfixturevalue("nccl_group") if group == "nccl" else None
+    for shape in ALLGATHER_SHAPES:
+        for _ in range(3):  # the first call, then the prepared key's
+            _call(*shape, scaling, out_name, op="allgather", group=nccl_group)
+        call = fo.prepared_calls()[-1]
+        assert call["backend"] == "cuda"
+        assert (call["runner"], call["op"], call["out_dtype"]) == (
+            "CudaGatherCall", "allgather", out_name), call
+
+
+def test_fp8_allgather_follows_moving_and_changing_scales(monkeypatch):
+    """One key's calls with new scale tensors (new addresses) and new values in the same
+    tensors: each call's result is its own scales' (the native call reads them per call)."""
+    monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "overlap")
+    m, n, k = 1536, 1280, 768
+    for scaling in ("rowwise", "tensorwise", "blockwise"):
+        blockwise = scaling == "blockwise"
+        inputs = ((lambda seed: _block_inputs(m, n, k, seed)) if blockwise
+                  else (lambda seed: _inputs(m, n, k, scaling, seed)))
+        a, b, sa, sb = inputs(random.randrange(2**31))
+        for i in range(6):
+            if i % 2:
+                a, b, sa, sb = inputs(random.randrange(2**31))
+            else:
+                sa.uniform_(0.25, 1.25)
+                sb.uniform_(0.25, 1.25)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out=out, backend="cuda")
+            torch.cuda.synchronize()
+            (_block_check if blockwise else _check)(out, a, b, sa, sb, torch.bfloat16,
+                                                    f"allgather {scaling} call {i}")
+        assert fo.prepared_calls()[-1]["runner"] == "CudaGatherCall"
 
 
 # ---- all_to_all (issue 32): each call's rows, splits and scales ------------------------------

@@ -99,6 +99,19 @@ def test_fp8_moe_sequence_on_the_scaled_gemm(pools, world, scaling):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise-a", "blockwise"])
+def test_fp8_allgather_with_each_ranks_scales(pools, world, scaling):
+    """fp8 allgather (issue 32): every rank's shard with its own scale_a (tensor-wise ones that
+    differ by rank), a flag per band, on cuda's waiting GEMM with scales: the e4m3 rows and the
+    scales gathered (multirank_work.fp8_allgather_sequence)."""
+    results = run(pools, world, work.fp8_allgather_sequence, 47 + world, 12, scaling)
+    no_problems(results, f"fp8 {scaling} allgather")
+    for r in results:
+        assert (r["backends"], r["runners"], r["keys"]) == (["cuda"], ["CudaGatherCall"], 1), results
+        assert r["chunks"] > 1, results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_200_back_to_back_mixed_calls(pools, world):
     results = run(pools, world, work.back_to_back, 5, 200, "cuda")
     no_problems(results, "back-to-back")

@@ -1,11 +1,16 @@
 // A GEMM kernel library with no kernels (host compiler, no GPU): the C ABI of
 // gemm_api.h, so that tests/test_cuda_binding_cpu.py can load it through the runtime's
 // GemmLibrary. Its description is FAKE_ABI's, its max_ctas 132, its workspace L * N bytes; a
-// run fails with a message naming its arguments; a launch succeeds only with scales.
+// run fails with a message naming its arguments; a launch succeeds only with scales. With
+// FAKE_EX_SCALED it also exports fp8 allgather's fo_gemm_run_ex_scaled (gemm_ex_scaled.h), which
+// fails naming its scales' modes and strides.
 #include <cstdio>
 #include <string>
 
 #include "gemm_api.h"
+#ifdef FAKE_EX_SCALED
+#include "gemm_ex_scaled.h"
+#endif
 
 #ifndef FAKE_ABI
 #define FAKE_ABI FO_CUDA_ABI_VERSION
@@ -64,6 +69,19 @@ FO_API cudaError_t fo_gemm_run_scaled(const void*, const void*, const fo_gemm_sc
   return fail("fake run_scaled a_per_row=" + std::to_string(scales->a_per_row) +
               " b_per_col=" + std::to_string(scales->b_per_col));
 }
+
+#ifdef FAKE_EX_SCALED
+FO_API cudaError_t fo_gemm_run_ex_scaled(const void*, const void*, const fo_gemm_scales* scales,
+                                         void*, int, int, int, int, int64_t, int64_t,
+                                         int64_t ldo, const int64_t*, const int32_t*,
+                                         const int32_t*, const uint32_t*, int num_flags, int,
+                                         int32_t*, int, uint64_t*, void*, cudaStream_t) {
+  return fail("fake run_ex_scaled ldo=" + std::to_string(ldo) + " flags=" +
+              std::to_string(num_flags) + " a_per_row=" + std::to_string(scales->a_per_row) +
+              " b_per_col=" + std::to_string(scales->b_per_col) + " a_stride=" +
+              std::to_string(scales->a_stride[0]) + "," + std::to_string(scales->a_stride[1]));
+}
+#endif
 
 FO_API cudaError_t fo_gemm_run_blocks(const void*, const void*, void*, int64_t, int, int, int,
                                       int64_t, int64_t, int64_t, const int32_t*, int,
