@@ -29,6 +29,7 @@ import torch
 from test_cuda import _inputs, needs_cuda  # the cuda tests' inputs and availability skip
 
 import flashoverlap_core as fo
+from flashoverlap_core import fp8
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -272,7 +273,12 @@ def case_fp8_shapes(scaling: str, out_name: str):
     each with fresh inputs and scales; the key's runner is cuda's allgather call."""
     out_dtype = DTYPES[out_name]
     for m, n, k in FP8_SHAPES:
-        for plan in (None, fp8_plan(m, n, k, scaling, out_dtype, 1)):
+        # a shape whose block-wise scales have row-wise shapes (one group of 128 k and one
+        # block of 128 columns, say) is a row-wise call: a block-wise plan does not fit it
+        a, b, sa, sb = fp8_inputs(m, n, k, scaling)
+        kind = fp8.scaling_kind(m, n, k, sa, sb)
+        chunked = fp8_plan(m, n, k, kind if scaling == "blockwise" else scaling, out_dtype, 1)
+        for plan in (None, chunked):
             for i in range(3):
                 a, b, sa, sb = fp8_inputs(m, n, k, scaling)
                 kw = dict(scale_a=sa, scale_b=sb, out_dtype=out_dtype, plan=plan, backend="cuda")
