@@ -185,31 +185,23 @@ def fp8_moe_sequence(seed: int, calls: int, scaling: str) -> dict:
         return (a.double() * sa.double()) @ (b.double() * sb.double())
 
     problems = []
-    previous = os.environ.get("FLASHOVERLAP_CUDA_FP8_BLOCK")
-    os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = "1"  # (block-wise: the kernel's verification)
-    try:
-        for call in range(calls):
-            splits = splits_for(seed, world, call, False, 1 + 97 * (call % 7) + 13 * call)
-            offsets = [[sum(s[:d]) for d in range(world + 1)] for s in splits]
-            want = torch.cat([dequantized(*inputs(src, sum(splits[src]), call))[
-                offsets[src][rank]:offsets[src][rank + 1]] for src in range(world)])
-            a, b, sa, sb = (t.to(device) for t in inputs(rank, sum(splits[rank]), call))
-            given = call % 2 == 0
-            out = None
-            if given and call % 4 == 0:  # poisoned, in the result dtype
-                out = torch.full(tuple(want.shape), float("nan"), dtype=DTYPE, device=device)
-            got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, out_dtype=DTYPE,
-                             out=out, send_splits=splits[rank],
-                             recv_splits=[s[rank] for s in splits] if given else None)
-            if got.dtype != DTYPE:
-                problems.append(f"fp8 MoE call {call}: result is {got.dtype}")
-            problems += check(got, want.to(got.device), f"fp8 {scaling} MoE call {call} "
-                              f"(splits {splits})")
-    finally:
-        if previous is None:
-            os.environ.pop("FLASHOVERLAP_CUDA_FP8_BLOCK", None)
-        else:
-            os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = previous
+    for call in range(calls):
+        splits = splits_for(seed, world, call, False, 1 + 97 * (call % 7) + 13 * call)
+        offsets = [[sum(s[:d]) for d in range(world + 1)] for s in splits]
+        want = torch.cat([dequantized(*inputs(src, sum(splits[src]), call))[
+            offsets[src][rank]:offsets[src][rank + 1]] for src in range(world)])
+        a, b, sa, sb = (t.to(device) for t in inputs(rank, sum(splits[rank]), call))
+        given = call % 2 == 0
+        out = None
+        if given and call % 4 == 0:  # poisoned, in the result dtype
+            out = torch.full(tuple(want.shape), float("nan"), dtype=DTYPE, device=device)
+        got = fo.overlap(a, b, "all_to_all", scale_a=sa, scale_b=sb, out_dtype=DTYPE,
+                         out=out, send_splits=splits[rank],
+                         recv_splits=[s[rank] for s in splits] if given else None)
+        if got.dtype != DTYPE:
+            problems.append(f"fp8 MoE call {call}: result is {got.dtype}")
+        problems += check(got, want.to(got.device), f"fp8 {scaling} MoE call {call} "
+                          f"(splits {splits})")
     calls_seen = fo.prepared_calls()
     return {"problems": problems, "keys": len(calls_seen),
             "backends": sorted({c["backend"] for c in calls_seen}),
@@ -264,33 +256,25 @@ def fp8_allgather_sequence(seed: int, calls: int, scaling: str) -> dict:
                    backend="cuda", scaling="blockwise" if blockwise else None, tile=base.tile,
                    group_sizes=[unit] * (base.num_tiles // unit))
     problems = []
-    previous = os.environ.get("FLASHOVERLAP_CUDA_FP8_BLOCK")
-    os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = "1"
     held = None
-    try:
-        for call in range(calls):
-            mine = [t.to(device) for t in inputs(rank, call)]
-            if held is not None and call % 2:  # the same tensors, new values
-                for t, new in zip(held, mine):
-                    t.copy_(new)
-                mine = held
-            held = mine
-            a, b, sa, sb = mine
-            every = [inputs(r, call) for r in range(world)]  # (a, b, scale_a, scale_b) each
-            want = (torch.cat([dequantized_a(x[0], x[2]) for x in every])
-                    @ dequantized_b(every[rank][1], every[rank][3]))
-            guard, out = poisoned(m * world, n) if call % 3 == 0 else (None, None)
-            got = fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out_dtype=DTYPE,
-                             out=out, plan=plan)
-            if got.dtype != DTYPE:
-                problems.append(f"fp8 allgather call {call}: result is {got.dtype}")
-            problems += check(got, want.to(got.device), f"fp8 {scaling} allgather call {call}",
-                              guard)
-    finally:
-        if previous is None:
-            os.environ.pop("FLASHOVERLAP_CUDA_FP8_BLOCK", None)
-        else:
-            os.environ["FLASHOVERLAP_CUDA_FP8_BLOCK"] = previous
+    for call in range(calls):
+        mine = [t.to(device) for t in inputs(rank, call)]
+        if held is not None and call % 2:  # the same tensors, new values
+            for t, new in zip(held, mine):
+                t.copy_(new)
+            mine = held
+        held = mine
+        a, b, sa, sb = mine
+        every = [inputs(r, call) for r in range(world)]  # (a, b, scale_a, scale_b) each
+        want = (torch.cat([dequantized_a(x[0], x[2]) for x in every])
+                @ dequantized_b(every[rank][1], every[rank][3]))
+        guard, out = poisoned(m * world, n) if call % 3 == 0 else (None, None)
+        got = fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out_dtype=DTYPE,
+                         out=out, plan=plan)
+        if got.dtype != DTYPE:
+            problems.append(f"fp8 allgather call {call}: result is {got.dtype}")
+        problems += check(got, want.to(got.device), f"fp8 {scaling} allgather call {call}",
+                          guard)
     calls_seen = fo.prepared_calls()
     return {"problems": problems, "keys": len(calls_seen), "chunks": plan.num_groups,
             "backends": sorted({c["backend"] for c in calls_seen}),
