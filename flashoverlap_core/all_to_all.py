@@ -115,13 +115,20 @@ class AllToAllCall:
             return self._sequential(a, b, out, send, recv, scales)
         if out is None and rows is not None:
             out = torch.empty((rows, self.n), dtype=self.result_dtype, device=a.device)
-        if scales is not None and self.dequantize:  # the float32 call, rounded into out
-            a32, b32 = fp8.dequantized(a, b, *scales)
-            into = None if out is None else torch.empty(out.shape, dtype=torch.float32,
-                                                        device=out.device)
-            result = self._overlapped(a32, b32, into, op, plan, recv, None)
-            return result.to(self.result_dtype) if out is None else out.copy_(result)
+        if scales is not None and self.dequantize:
+            return self._dequantized(a, b, scales, out, lambda a32, b32, into: self._overlapped(
+                a32, b32, into, op, plan, recv, None))
         return self._overlapped(a, b, out, op, plan, recv, scales)
+
+    def _dequantized(self, a, b, scales, out, run):
+        """An fp8 call on a backend without native fp8: ``run(a32, b32, into)``, the float32
+        call of the dequantized inputs (into a float32 twin of ``out``, None without one),
+        rounded to the result dtype, into ``out`` where given."""
+        a32, b32 = fp8.dequantized(a, b, *scales)
+        into = None if out is None else torch.empty(out.shape, dtype=torch.float32,
+                                                    device=out.device)
+        result = run(a32, b32, into)
+        return result.to(self.result_dtype) if out is None else out.copy_(result)
 
     def _overlapped(self, a, b, out, op, plan, recv, scales):
         """The call on the plan of its rows: the backend's run, or its preparation of the plan."""
@@ -246,9 +253,8 @@ class AllToAllCall:
         if scales is None:
             return self.native.run(a, b, out, send, recv)
         if self.dequantize:
-            a32, b32 = fp8.dequantized(a, b, *scales)
-            into = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-            return out.copy_(self.native.run(a32, b32, into, send, recv))
+            return self._dequantized(a, b, scales, out, lambda a32, b32, into: self.native.run(
+                a32, b32, into, send, recv))
         return self.native.run_scaled(a, b, scales[0], scales[1], out, send, recv)
 
     def _received(self, send, device) -> list[int]:

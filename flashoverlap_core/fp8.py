@@ -93,19 +93,15 @@ def scaling_kind(m: int, n: int, k: int, scale_a, scale_b) -> str | None:
     return None
 
 
-def _shapes(m: int, n: int, k: int) -> str:
+def expected_shapes(m: int, n: int, k: int) -> str:
+    """The scales' shapes an fp8 call of a [m, k] @ [k, n] takes, of each kind, as text (what
+    the checks' messages say)."""
     kb, nb = blocks(k), blocks(n)
     padded = f" (or [{padded_blocks(k)}, {nb}])" if padded_blocks(k) != kb else ""
     return (f"tensor-wise: both 0-dim; row-wise: scale_a 0-dim or [{m}, 1] and scale_b 0-dim or "
             f"[1, {n}]; block-wise: scale_a [{m}, {kb}] (1x{BLOCK} groups of a along K: "
             f"ceil({k}/{BLOCK}) = {kb}) and scale_b [{kb}, {nb}]{padded} ({BLOCK}x{BLOCK} "
             f"blocks of b: ceil({k}/{BLOCK}) x ceil({n}/{BLOCK}))")
-
-
-def expected_shapes(m: int, n: int, k: int) -> str:
-    """The scales' shapes an fp8 call of a [m, k] @ [k, n] takes, of each kind, as text (what
-    the checks' messages say)."""
-    return _shapes(m, n, k)
 
 
 def _why_not(name: str, scale, m: int, n: int, k: int, other) -> str:
@@ -135,7 +131,8 @@ def check_scales(m: int, n: int, k: int, device, scale_a, scale_b) -> str:
     kind (:func:`scaling_kind`)."""
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         if scale is None:
-            raise TypeError(f"an fp8 call needs {name}, a float32 tensor: {_shapes(m, n, k)}")
+            raise TypeError(f"an fp8 call needs {name}, a float32 tensor: "
+                            f"{expected_shapes(m, n, k)}")
         if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
             raise TypeError(f"{name} must be a float32 tensor, got "
                             f"{getattr(scale, 'dtype', type(scale).__name__)}")
@@ -155,7 +152,7 @@ def check_scales(m: int, n: int, k: int, device, scale_a, scale_b) -> str:
                 scale_b.shape[0] in (blocks(k), padded_blocks(k)):
             mixed = (f" (block-wise scale_b goes with block-wise scale_a [{m}, {blocks(k)}])")
         raise ValueError(f"{_why_not(culprit[0], culprit[1], m, n, k, culprit[2])}{mixed}; "
-                         f"the scales must be one of: {_shapes(m, n, k)}")
+                         f"the scales must be one of: {expected_shapes(m, n, k)}")
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         if _readable(scale) and scale.numel() and not bool(torch.isfinite(scale).all()):
             raise ValueError(f"{name} has non-finite values (inf or NaN): every scale must be "
@@ -302,9 +299,10 @@ class ScaledSequentialCall:
         return scaled_mm_takes(dev, call.a.dtype, call.a.shape[1], call.b.shape[1], rowwise,
                                call.plan.result_dtype)
 
-    def _product(self, a, b, scale_a, scale_b, out_dtype, out=None):
-        """The scaled product; into ``out`` (contiguous) where given, as the plain path's
-        in-place collectives take it (no copy of the result into the call's output)."""
+    def product(self, a, b, scale_a, scale_b, out_dtype, out=None):
+        """The scaled product in ``out_dtype``; into ``out`` (contiguous) where given, as the
+        plain path's in-place collectives take it (no copy of the result into the call's
+        output). all_to_all's plain path takes it alone, then the all_to_all of the result."""
         if self.blockwise and not self.dequantize:
             try:
                 return blockwise_mm(a, b, scale_a, scale_b, out_dtype)
@@ -326,32 +324,27 @@ class ScaledSequentialCall:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                                 use_fast_accum=self.fast, **extra)
 
-    def product(self, a, b, scale_a, scale_b, out_dtype) -> torch.Tensor:
-        """The scaled product alone, in ``out_dtype`` (all_to_all's plain path: each call's
-        rows, then the all_to_all of the result)."""
-        return self._product(a, b, scale_a, scale_b, out_dtype)
-
     def run_scaled(self, a, b, scale_a, scale_b, out, op) -> torch.Tensor:
         plain = self.plain
         if plain.collective == "all_gather":
             m = a.shape[0]
             a = plain.gathered(a)
             if scale_a.dim() or plain.group is None:  # row-wise or block-wise: rows of their own
-                return out.copy_(self._product(a, b, plain.gathered(scale_a), scale_b, out.dtype))
+                return out.copy_(self.product(a, b, plain.gathered(scale_a), scale_b, out.dtype))
             scales = plain.gathered(scale_a.reshape(1, 1))  # [W, 1]: every rank's own scale
             if self.rowwise_gather:
-                return out.copy_(self._product(a, b, scales.repeat_interleave(m, 0), scale_b,
+                return out.copy_(self.product(a, b, scales.repeat_interleave(m, 0), scale_b,
                                                out.dtype))
             for r in range(plain.world):  # one GEMM per rank's rows, with its 0-dim scale
                 rows = slice(r * m, (r + 1) * m)
                 into = out[rows] if out.is_contiguous() else None
-                product = self._product(a[rows], b, scales[r, 0], scale_b, out.dtype, into)
+                product = self.product(a[rows], b, scales[r, 0], scale_b, out.dtype, into)
                 if product is not into:
                     out[rows].copy_(product)
             return out
         in_place = plain.collective in ("all_reduce", None) or plain.group is None
         into = out if in_place and out.is_contiguous() else None
-        product = self._product(a, b, scale_a, scale_b, out.dtype, into)
+        product = self.product(a, b, scale_a, scale_b, out.dtype, into)
         return plain.collect(product, out, op)
 
 

@@ -188,6 +188,20 @@ class NativeFp8(ReferenceBackend):
         return call.out.copy_(a32 @ b32)
 
 
+class TripwireFp8(NativeFp8):
+    """A native fp8 backend under its own name that fails the test if it runs a call while
+    armed: checks of a call's arguments must come before any device work."""
+
+    def __init__(self, name: str, armed: bool = False):
+        super().__init__()
+        self.name, self.armed = name, armed
+
+    def run(self, call):
+        if self.armed:
+            raise AssertionError("the backend ran a call whose arguments are invalid")
+        return super().run(call)
+
+
 def _want(a, b, sa, sb):
     return (a.double() * sa.double()) @ (b.double() * sb.double())
 
@@ -332,16 +346,7 @@ def test_fp8_all_to_all_checks_each_calls_scales_before_any_device_work(register
     """A later call of an fp8 all_to_all key (its hot path) checks its scales against its own
     rows and their dtype and device, and its out against the result dtype, before the backend
     runs anything."""
-    class TripwireFp8(NativeFp8):
-        name = "fake-tripwire-a2a"
-        armed = False
-
-        def run(self, call):
-            if self.armed:
-                raise AssertionError("the backend ran a call whose arguments are invalid")
-            return super().run(call)
-
-    tripwire = registered(TripwireFp8())
+    tripwire = registered(TripwireFp8("fake-tripwire-a2a"))
     api.forget_prepared()
     n, k = 9, 300
     b = torch.randn(n, k).to(F8).t()
@@ -510,13 +515,7 @@ def test_fp8_backward_says_fp8_is_for_inference():
     (dict(scale_a=torch.rand(8, 3, device="meta")), ValueError, "scale_a must be on cpu like a"),
 ])
 def test_bad_blockwise_scales_are_refused_before_any_device_work(change, error, match, registered):
-    class TripwireFp8(NativeFp8):
-        name = "fake-tripwire-fp8"
-
-        def run(self, call):
-            raise AssertionError("the backend ran a call whose arguments are invalid")
-
-    registered(TripwireFp8())
+    registered(TripwireFp8("fake-tripwire-fp8", armed=True))
     api.forget_prepared()
     a, b, sa, sb = _block_call()
     kw = {"scale_a": sa, "scale_b": sb, **change}
@@ -570,16 +569,7 @@ def test_fp8_allgather_checks_this_ranks_scales_before_any_device_work(change, e
                                                                        registered):
     """A call of a prepared fp8 allgather key whose scales are not this shard's (scale_a's rows
     are this rank's m), not float32 or on another device: refused before the backend runs."""
-    class TripwireFp8(NativeFp8):
-        name = "fake-tripwire-gather"
-        armed = False
-
-        def run(self, call):
-            if self.armed:
-                raise AssertionError("the backend ran a call whose arguments are invalid")
-            return super().run(call)
-
-    tripwire = registered(TripwireFp8())
+    tripwire = registered(TripwireFp8("fake-tripwire-gather"))
     api.forget_prepared()
     m, n, k = 8, 9, 300
     a, b = torch.randn(m, k).to(F8), torch.randn(n, k).to(F8).t()

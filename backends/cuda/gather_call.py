@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashoverlap_core import fp8
 from flashoverlap_core.backend import OverlapCall, PreparedCall
 
 from . import kernels, nccl
@@ -69,7 +70,6 @@ ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS"
 LOOPBACK_OFF, LOOPBACK_CHUNKS, LOOPBACK_OWN_COPY = 0, 1, 2
 DEFAULT_NCCL_CTAS = 4  # the SMs the default reserve leaves free on an H200 (132 - 128)
 MIN_FREE_SMS = 2  # SMs a waiting GEMM never takes, whatever FLASHOVERLAP_CUDA_RESERVED_SMS says
-FP8_SCALE_GROUP = 128  # block-wise scale_a: one scale per row and group of 128 k (fp8.BLOCK)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
@@ -180,7 +180,7 @@ def row_align(dtype: torch.dtype) -> int:
 
 def scale_groups(k: int, blockwise: bool) -> int:
     """Columns of gathered_scales: 1 (a scale per row), block-wise ceil(K/128)."""
-    return -(-k // FP8_SCALE_GROUP) if blockwise else 1
+    return fp8.blocks(k) if blockwise else 1
 
 
 def scale_strides(scale_a: torch.Tensor, scale_b: torch.Tensor, blockwise: bool) -> tuple:

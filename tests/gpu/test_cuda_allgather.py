@@ -223,6 +223,27 @@ def case_first_call_in_capture():
     return {"ok": "outside the capture" in message, "message": message}
 
 
+def on_two_streams(call, expected, rounds: int) -> dict:
+    """``call(i, out)`` on stream i of two, ``rounds`` times, both in flight at once, into an
+    out per stream like ``expected[i]``: every 50 rounds and at the end each out must equal
+    ``expected[i]`` (then poisoned again)."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [torch.empty_like(want) for want in expected]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for r in range(rounds):
+        for i, (out, s) in enumerate(zip(outs, streams)):
+            with torch.cuda.stream(s):
+                call(i, out)
+        if r % 50 == 49 or r == rounds - 1:
+            torch.cuda.synchronize()
+            for out, want in zip(outs, expected):
+                assert torch.equal(out, want), f"round {r}: a call was disturbed by the other stream"
+            for out in outs:
+                out.fill_(float("nan"))
+    return {"ok": True}
+
+
 def case_two_streams(rounds: int):
     """Two calls of one key in flight on two streams, each with its own buffer and flags."""
     m, n, k = 1024, 2048, 512
@@ -232,21 +253,11 @@ def case_two_streams(rounds: int):
     torch.cuda.synchronize()
     for want, (a, b) in zip(expected, pairs):
         check(want, a, b, "eager")
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in streams]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for i in range(rounds):
-        for (a, b), out, s in zip(pairs, outs, streams):
-            with torch.cuda.stream(s):
-                fo.overlap(a, b, "allgather", plan=plan, out=out)
-        if i % 50 == 49 or i == rounds - 1:
-            torch.cuda.synchronize()
-            for out, want in zip(outs, expected):
-                assert torch.equal(out, want), f"round {i}: a call was disturbed by the other stream"
-            for out in outs:
-                out.fill_(float("nan"))
-    return {"ok": True}
+    def call(i, out):
+        a, b = pairs[i]
+        fo.overlap(a, b, "allgather", plan=plan, out=out)
+
+    return on_two_streams(call, expected, rounds)
 
 
 def case_stress(calls: int):
@@ -334,21 +345,11 @@ def case_fp8_two_streams(rounds: int):
     torch.cuda.synchronize()
     for want, (a, b, sa, sb) in zip(expected, sets):
         fp8_check(want, a, b, sa, sb, "rowwise", "eager")
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in streams]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for i in range(rounds):
-        for (a, b, sa, sb), out, s in zip(sets, outs, streams):
-            with torch.cuda.stream(s):
-                fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, plan=plan, out=out)
-        if i % 50 == 49 or i == rounds - 1:
-            torch.cuda.synchronize()
-            for out, want in zip(outs, expected):
-                assert torch.equal(out, want), f"round {i}: a call was disturbed by the other stream"
-            for out in outs:
-                out.fill_(float("nan"))
-    return {"ok": True}
+    def call(i, out):
+        a, b, sa, sb = sets[i]
+        fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, plan=plan, out=out)
+
+    return on_two_streams(call, expected, rounds)
 
 
 def case_fp8_stress(calls: int):

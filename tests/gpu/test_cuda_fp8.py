@@ -158,22 +158,28 @@ def test_fp8_replays_follow_moving_operands_and_scales(scaling):
     """A key's calls replay one captured graph: new a, b and scales (new addresses, and new
     values at the same addresses) must each be what the next call computes (block-wise: the
     scales are read per K tile in the main loop)."""
-    m, n, k = 1536, 1280, 768
+    _calls_with_moving_scales("allreduce", scaling)
+
+
+def _calls_with_moving_scales(op: str, scaling: str, m=1536, n=1280, k=768):
+    """Six calls of one key: new a, b and scales (new addresses) every other call, new values
+    in the same tensors between them (the kernel reads the scales at run time); each result
+    against float64, into a poisoned out."""
     blockwise = scaling == "blockwise"
     inputs = ((lambda seed: _block_inputs(m, n, k, seed)) if blockwise
               else (lambda seed: _inputs(m, n, k, scaling, seed)))
     a, b, sa, sb = inputs(random.randrange(2**31))
     for i in range(6):
-        if i % 2:  # new tensors: the graph's GEMM node is re-pointed
+        if i % 2:  # new tensors: a replayed graph's GEMM node is re-pointed
             a, b, sa, sb = inputs(random.randrange(2**31))
-        else:  # same tensors, new values: the kernel reads the scales at run time
+        else:  # same tensors, new values
             sa.uniform_(0.25, 1.25)
             sb.uniform_(0.25, 1.25)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, out=out, backend="cuda")
+        fo.overlap(a, b, op, scale_a=sa, scale_b=sb, out=out, backend="cuda")
         torch.cuda.synchronize()
         (_block_check if blockwise else _check)(out, a, b, sa, sb, torch.bfloat16,
-                                                f"{scaling} call {i}")
+                                                f"{op} {scaling} call {i}")
 
 
 def test_fp8_strided_scales_and_unaligned_rows():
@@ -247,23 +253,8 @@ def test_fp8_allgather_follows_moving_and_changing_scales(monkeypatch):
     """One key's calls with new scale tensors (new addresses) and new values in the same
     tensors: each call's result is its own scales' (the native call reads them per call)."""
     monkeypatch.setenv("FLASHOVERLAP_STRATEGY", "overlap")
-    m, n, k = 1536, 1280, 768
     for scaling in ("rowwise", "tensorwise", "blockwise"):
-        blockwise = scaling == "blockwise"
-        inputs = ((lambda seed: _block_inputs(m, n, k, seed)) if blockwise
-                  else (lambda seed: _inputs(m, n, k, scaling, seed)))
-        a, b, sa, sb = inputs(random.randrange(2**31))
-        for i in range(6):
-            if i % 2:
-                a, b, sa, sb = inputs(random.randrange(2**31))
-            else:
-                sa.uniform_(0.25, 1.25)
-                sb.uniform_(0.25, 1.25)
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            fo.overlap(a, b, "allgather", scale_a=sa, scale_b=sb, out=out, backend="cuda")
-            torch.cuda.synchronize()
-            (_block_check if blockwise else _check)(out, a, b, sa, sb, torch.bfloat16,
-                                                    f"allgather {scaling} call {i}")
+        _calls_with_moving_scales("allgather", scaling)
         assert fo.prepared_calls()[-1]["runner"] == "CudaGatherCall"
 
 
