@@ -22,7 +22,7 @@ Kernels: "product" is what the cuda backend launches for a default plan (the ker
 backends/cuda/kernels.py; FLASHOVERLAP_CUDA_EPILOGUE changes its epilogue), "plain" the same
 with null counters (signaling's cost). --variants adds builds: {coop|pp|sm80}-{epilogue}[slots],
 e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (pingpong
-128x128), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
+128x128), coop128-tma (cooperative 128x128), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters.
 
 fp8 (--fp8, its own run and JSON, gemm-fp8-<device>-<date>.json): the same shapes with float8
@@ -71,7 +71,9 @@ RAGGED_SHAPES = [(5120, 5120, 4096), (3072, 7168, 4096), (6144, 3584, 2048), (25
 KSWEEP = [(8192, 8192, k) for k in (256, 512, 1024, 2048, 4096, 8192)]
 QUICK_SHAPES = [(4096, 4096, 4096), (8192, 8192, 2048), (16384, 8192, 1024), (4096, 8192, 8192)]
 SETS = {"facts": FACTS_SHAPES, "llm": LLM_SHAPES, "ragged": RAGGED_SHAPES, "ksweep": KSWEEP}
-TILES = {"coop": (90, (128, 256)), "pp": (90, (128, 128)), "sm80": (80, (128, 128))}
+TILES = {"coop": (90, (128, 256)), "pp": (90, (128, 128)), "sm80": (80, (128, 128)),
+         "coop128": (90, (128, 128))}
+SCHEDULES = {"coop128": "cooperative"}  # a kind whose schedule is not the kernel table's
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -104,7 +106,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     if epi.startswith("tma") and epi[3:].isdigit():  # tma4: the tma epilogue with 4 slots
         epi, slots = "tma", int(epi[3:])
     arch, tile = TILES[kind]
-    return Variant(name, arch, tile, epi, slots, signal)
+    return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind))
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
