@@ -10,7 +10,8 @@ experts took) and splits change every step, skewed and with zeros at times. Rank
 as Mixtral's and DeepSeek-V3's experts) and sends each token's row back to its owner.
 
 Per shape (the slowest rank's median over steps): ``fo`` = fo.overlap(..., "all_to_all") with
-default arguments and recv_splits given; ``sequential`` = a @ b, then all_to_all_single;
+default arguments and recv_splits given; ``sequential`` = a @ b, then all_to_all_single (at
+world size 1 too, on the NCCL group of one: the plain form as a user writes it);
 ``decomposition`` = the same call on backend="decomposition"; ``host_us``, the host time per fo
 call in steady state (rows and splits of a new step every call, every table laid out anew);
 at world size 1 also ``matmul`` = a @ b alone. Each row names the backend fo ran on, and fo's error against float64.
@@ -71,9 +72,12 @@ def step_inputs(tokens, hidden, seed, rank, world, device, dtype):
     return a, send, recv
 
 
-def sequential(a, b, send, recv):
+def sequential(a, b, send, recv, at_one: bool = True):
+    """The plain form: a @ b, then all_to_all_single on the group, at world size 1 too (an
+    NCCL group of one copies the rows: what the user's own code pays there; ``matmul`` is the
+    GEMM alone). ``at_one`` False: no collective at world size 1 (the reference)."""
     c = a @ b
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and (at_one or dist.get_world_size() > 1):
         out = c.new_empty((sum(recv), c.shape[1]))
         dist.all_to_all_single(out, c, output_split_sizes=recv, input_split_sizes=send)
         return out
@@ -136,7 +140,7 @@ def rank_rows(shapes, dtype_name: str, device_type: str, iters: int) -> list[dic
 
         a0, send0, recv0 = steps[0]
         got = fo_call(0)
-        want = sequential(a0.double(), b.double(), send0, recv0)
+        want = sequential(a0.double(), b.double(), send0, recv0, at_one=False)
         scale = float(want.abs().max()) if want.numel() else 1.0
         row = {"tokens": tokens, "hidden": hidden, "K": k, "W": world,
                "rows_min": min(s[0].shape[0] for s in steps),
