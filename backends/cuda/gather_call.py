@@ -60,7 +60,7 @@ from flashoverlap_core.backend import OverlapCall, PreparedCall
 from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, SCALE_BLOCKS, PlanTables, _current_device,
-                           gemm_scales, kernel_scale, reserved_sms)
+                           gemm_scales, kernel_scale, reserved_sms, scale_modes)
 from .gemm import Gemms, a_operand, b_operand, padded_k, workspace
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
@@ -246,8 +246,8 @@ class CudaGatherCall(NativeCall, PreparedCall):
                                "GEMM): rebuild it (flashoverlap build)")
         self.scale_groups = scale_groups(plan.k, self.blockwise)
         # scale_b's mode (fo_gemm_scales); the gathered scale_a is per row (or block-wise)
-        self.scale_b_mode = (SCALE_BLOCKS if self.blockwise
-                             else int(self.scaled and call.scale_b.dim() == 2))
+        self.scale_b_mode = (scale_modes(call.scale_a, call.scale_b, self.blockwise)[1]
+                             if self.scaled else 0)
         self.k = padded_k(self.arch, plan.k)
         self.row_align = row_align(plan.torch_dtype)
         self.ldg = round_up(plan.k, self.row_align)

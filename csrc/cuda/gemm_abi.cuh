@@ -102,6 +102,80 @@ inline cudaError_t checked_launch(const Args& args, cudaError_t err, cudaStream_
   return err == cudaSuccess ? launch(args, stream) : err;
 }
 
+// The checks run_ex and run_blocks share: check_gemm_args of a [L * block_rows, K] a, then
+// (scaled) the scales, then the output's row stride ldo (0: packed). `name` opens the messages.
+inline cudaError_t check_run_args(const char* name, bool scaled, const void* a, const void* b,
+                                  const fo_gemm_scales* scales, const void* out, int L,
+                                  int block_rows, int N, int K, int64_t lda, int64_t ldb,
+                                  int64_t ldo, const int64_t* items, const int32_t* item_group,
+                                  int num_items, int num_ctas) {
+  const fo_gemm_config& c = config();
+  cudaError_t err = check_gemm_args(a, b, out, L, block_rows, N, K, lda, ldb, c.b_col_major,
+                                    items, item_group, num_items, num_ctas, c.cta_multiple,
+                                    input_bytes());
+  if (err == cudaSuccess && scaled && !scales)
+    err = fail(cudaErrorInvalidValue, "%s: scales is null", name);
+  if (err == cudaSuccess && ldo != 0 && ldo < N)
+    err = fail(cudaErrorInvalidValue, "%s: ldo=%lld must be 0 (packed) or >= N=%d", name,
+               (long long)ldo, N);
+  return err;
+}
+
+// fo_gemm_run_ex (scaled false), fo_gemm_run_scaled and fp8 allgather's fo_gemm_run_ex_scaled
+// (gemm_sm90_ex_scaled.cu; scaled true, `scales` required): the checks, then the launch.
+// `name` opens the messages.
+inline cudaError_t run_ex(const char* name, bool scaled, const void* a, const void* b,
+                          const fo_gemm_scales* scales, void* out, int L, int block_rows, int N,
+                          int K, int64_t lda, int64_t ldb, int64_t ldo, const int64_t* items,
+                          const int32_t* item_group, const int32_t* item_wait,
+                          const uint32_t* arrive_flags, int num_flags, int num_items,
+                          int32_t* counters, int num_ctas, uint64_t* monitor,
+                          cudaStream_t stream) {
+  cudaError_t err = check_run_args(name, scaled, a, b, scales, out, L, block_rows, N, K, lda,
+                                   ldb, ldo, items, item_group, num_items, num_ctas);
+  if (err == cudaSuccess && (!item_wait != !arrive_flags || (item_wait && num_flags < 1)))
+    err = fail(cudaErrorInvalidValue,
+               "%s: item_wait and arrive_flags go together, with num_flags >= 1 (got "
+               "item_wait=%p, arrive_flags=%p, num_flags=%d)", name, item_wait, arrive_flags,
+               num_flags);
+  Args args{a, b, out, L, block_rows, N, K, lda, ldb, items, item_group, num_items, counters,
+            num_ctas, monitor, ldo, item_wait, arrive_flags, num_flags};
+  args.scales = scales;
+  return checked_launch(args, err, stream);
+}
+
+// fo_gemm_run_blocks (scaled false) and fp8 all_to_all's fo_gemm_run_blocks_scaled
+// (gemm_sm90_blocks_scaled.cu: scaled true, `scales` required): destination blocks of unequal
+// rows, written packed or, with ldo, as rows of a row-major buffer. `name` opens the messages.
+inline cudaError_t run_blocks(const char* name, bool scaled, const void* a, const void* b,
+                              const fo_gemm_scales* scales, void* packed, int64_t packed_numel,
+                              int M, int N, int K, int64_t lda, int64_t ldb, int64_t ldo,
+                              const int32_t* block_starts, int L, const int64_t* items,
+                              const int32_t* item_group, int num_items, int32_t* counters,
+                              int num_ctas, cudaStream_t stream) {
+  if (num_items < 0 || M < 0 || L < 1 || !block_starts)
+    return fail(cudaErrorInvalidValue,
+                "%s: need num_items >= 0, M >= 0, L >= 1 blocks and their block_starts (got "
+                "num_items=%d, M=%d, L=%d, block_starts=%p)", name, num_items, M, L,
+                block_starts);
+  if (num_items == 0) return cudaSuccess;
+  if (!kBlocks)
+    return fail(cudaErrorInvalidValue,
+                "%s: this library was built for equal destination blocks only; unequal ones "
+                "need a build with FO_BLOCKS=1", name);
+  cudaError_t err = check_run_args(name, scaled, a, b, scales, packed, 1, M, N, K, lda, ldb,
+                                   ldo, items, item_group, num_items, num_ctas);
+  const int64_t row = ldo ? ldo : N;  // elements per row of the output
+  if (err == cudaSuccess && packed_numel < int64_t(M) * row)
+    err = fail(cudaErrorInvalidValue, "%s: packed_numel=%lld < M * %s = %lld", name,
+               (long long)packed_numel, ldo ? "ldo" : "N", (long long)M * row);
+  Args args{a, b, packed, L, 0, N, K, lda, ldb, items, item_group, num_items, counters,
+            num_ctas, nullptr, ldo, nullptr, nullptr, 0};
+  args.block_starts = block_starts, args.rows = M, args.packed_numel = packed_numel;
+  args.scales = scales;
+  return checked_launch(args, err, stream);
+}
+
 }  // namespace fo::gemm
 
 extern "C" {
@@ -130,22 +204,9 @@ FO_API cudaError_t fo_gemm_run_ex(const void* a, const void* b, void* out, int L
                                   int num_flags, int num_items, int32_t* counters, int num_ctas,
                                   uint64_t* monitor, void* workspace, cudaStream_t stream) {
   (void)workspace;
-  const fo_gemm_config& c = fo::gemm::config();
-  cudaError_t err = fo::check_gemm_args(a, b, out, L, block_rows, N, K, lda, ldb, c.b_col_major,
-                                        items, item_group, num_items, num_ctas,
-                                        c.cta_multiple, fo::gemm::input_bytes());
-  if (err == cudaSuccess && ldo != 0 && ldo < N)
-    err = fo::fail(cudaErrorInvalidValue, "fo_gemm_run_ex: ldo=%lld must be 0 (packed) or >= N=%d",
-                   (long long)ldo, N);
-  if (err == cudaSuccess && (!item_wait != !arrive_flags || (item_wait && num_flags < 1)))
-    err = fo::fail(cudaErrorInvalidValue,
-                   "fo_gemm_run_ex: item_wait and arrive_flags go together, with num_flags >= 1 "
-                   "(got item_wait=%p, arrive_flags=%p, num_flags=%d)", item_wait, arrive_flags,
-                   num_flags);
-  const fo::gemm::Args args{a, b, out, L, block_rows, N, K, lda, ldb,
-                            items, item_group, num_items, counters, num_ctas, monitor,
-                            ldo, item_wait, arrive_flags, num_flags};
-  return fo::gemm::checked_launch(args, err, stream);
+  return fo::gemm::run_ex("fo_gemm_run_ex", false, a, b, nullptr, out, L, block_rows, N, K, lda,
+                          ldb, ldo, items, item_group, item_wait, arrive_flags, num_flags,
+                          num_items, counters, num_ctas, monitor, stream);
 }
 
 FO_API cudaError_t fo_gemm_run(const void* a, const void* b, void* packed, int L, int block_rows,
@@ -165,16 +226,9 @@ FO_API cudaError_t fo_gemm_run_scaled(const void* a, const void* b, const fo_gem
                                       int num_ctas, uint64_t* monitor, void* workspace,
                                       cudaStream_t stream) {
   (void)workspace;
-  const fo_gemm_config& c = fo::gemm::config();
-  cudaError_t err = fo::check_gemm_args(a, b, packed, L, block_rows, N, K, lda, ldb, c.b_col_major,
-                                        items, item_group, num_items, num_ctas, c.cta_multiple,
-                                        fo::gemm::input_bytes());
-  if (err == cudaSuccess && !scales)
-    err = fo::fail(cudaErrorInvalidValue, "fo_gemm_run_scaled: scales is null");
-  fo::gemm::Args args{a, b, packed, L, block_rows, N, K, lda, ldb, items, item_group, num_items,
-                      counters, num_ctas, monitor, 0, nullptr, nullptr, 0};
-  args.scales = scales;
-  return fo::gemm::checked_launch(args, err, stream);
+  return fo::gemm::run_ex("fo_gemm_run_scaled", true, a, b, scales, packed, L, block_rows, N, K,
+                          lda, ldb, 0, items, item_group, nullptr, nullptr, 0, num_items,
+                          counters, num_ctas, monitor, stream);
 }
 
 // Destination blocks of unequal rows (all_to_all's; flashoverlap_cuda.h), written packed or, with
@@ -185,32 +239,9 @@ FO_API cudaError_t fo_gemm_run_blocks(const void* a, const void* b, void* packed
                                       const int64_t* items, const int32_t* item_group,
                                       int num_items, int32_t* counters, int num_ctas,
                                       cudaStream_t stream) {
-  if (num_items < 0 || M < 0 || L < 1 || !block_starts)
-    return fo::fail(cudaErrorInvalidValue,
-                    "fo_gemm_run_blocks: need num_items >= 0, M >= 0, L >= 1 blocks and their "
-                    "block_starts (got num_items=%d, M=%d, L=%d, block_starts=%p)", num_items, M,
-                    L, block_starts);
-  if (num_items == 0) return cudaSuccess;
-  if (!fo::gemm::kBlocks)
-    return fo::fail(cudaErrorInvalidValue,
-                    "fo_gemm_run_blocks: this library was built for equal destination blocks "
-                    "only; unequal ones need a build with FO_BLOCKS=1");
-  const fo_gemm_config& c = fo::gemm::config();
-  cudaError_t err = fo::check_gemm_args(a, b, packed, 1, M, N, K, lda, ldb, c.b_col_major, items,
-                                        item_group, num_items, num_ctas, c.cta_multiple,
-                                        fo::gemm::input_bytes());
-  if (err == cudaSuccess && ldo != 0 && ldo < N)
-    err = fo::fail(cudaErrorInvalidValue,
-                   "fo_gemm_run_blocks: ldo=%lld must be 0 (packed) or >= N=%d", (long long)ldo, N);
-  const int64_t row = ldo ? ldo : N;  // elements per row of the output
-  if (err == cudaSuccess && packed_numel < int64_t(M) * row)
-    err = fo::fail(cudaErrorInvalidValue,
-                   "fo_gemm_run_blocks: packed_numel=%lld < M * %s = %lld", (long long)packed_numel,
-                   ldo ? "ldo" : "N", (long long)M * row);
-  fo::gemm::Args args{a, b, packed, L, 0, N, K, lda, ldb, items, item_group, num_items, counters,
-                      num_ctas, nullptr, ldo, nullptr, nullptr, 0};
-  args.block_starts = block_starts, args.rows = M, args.packed_numel = packed_numel;
-  return fo::gemm::checked_launch(args, err, stream);
+  return fo::gemm::run_blocks("fo_gemm_run_blocks", false, a, b, nullptr, packed, packed_numel, M,
+                              N, K, lda, ldb, ldo, block_starts, L, items, item_group, num_items,
+                              counters, num_ctas, stream);
 }
 
 // A graph's captured launch re-pointed (flashoverlap_cuda.h): a prepared call replays its

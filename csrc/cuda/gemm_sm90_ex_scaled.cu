@@ -10,9 +10,9 @@
 // threads' cp.async before the item's main loop; block-wise: producer warp kScaleLoaderWarp,
 // which does not wait) or without (tensor-wise: at the kernel's start) its flag, so the caller
 // has them in place before the launch.
-// A translation unit of its own, so that gemm_sm90.cu and gemm_abi.cuh, and with them the cached
-// objects of every other configuration, stay as they are (build.py compiles this file for e4m3
-// builds with gather=True only: gemm_source).
+// A translation unit of its own, so that only these builds export the function (build.py
+// compiles this file for e4m3 builds with gather=True only: gemm_source); its checks and
+// launch are fo_gemm_run_ex's (fo::gemm::run_ex, gemm_abi.cuh).
 #include "gemm_sm90.cu"
 
 #include "gemm_ex_scaled.h"
@@ -28,26 +28,9 @@ FO_API cudaError_t fo_gemm_run_ex_scaled(const void* a, const void* b,
                                          int num_items, int32_t* counters, int num_ctas,
                                          uint64_t* monitor, void* workspace, cudaStream_t stream) {
   (void)workspace;
-  const fo_gemm_config& c = fo::gemm::config();
-  cudaError_t err = fo::check_gemm_args(a, b, out, L, block_rows, N, K, lda, ldb, c.b_col_major,
-                                        items, item_group, num_items, num_ctas, c.cta_multiple,
-                                        fo::gemm::input_bytes());
-  if (err == cudaSuccess && !scales)
-    err = fo::fail(cudaErrorInvalidValue, "fo_gemm_run_ex_scaled: scales is null");
-  if (err == cudaSuccess && ldo != 0 && ldo < N)
-    err = fo::fail(cudaErrorInvalidValue,
-                   "fo_gemm_run_ex_scaled: ldo=%lld must be 0 (packed) or >= N=%d",
-                   (long long)ldo, N);
-  if (err == cudaSuccess && (!item_wait != !arrive_flags || (item_wait && num_flags < 1)))
-    err = fo::fail(cudaErrorInvalidValue,
-                   "fo_gemm_run_ex_scaled: item_wait and arrive_flags go together, with "
-                   "num_flags >= 1 (got item_wait=%p, arrive_flags=%p, num_flags=%d)",
-                   item_wait, arrive_flags, num_flags);
-  fo::gemm::Args args{a, b, out, L, block_rows, N, K, lda, ldb,
-                      items, item_group, num_items, counters, num_ctas, monitor,
-                      ldo, item_wait, arrive_flags, num_flags};
-  args.scales = scales;
-  return fo::gemm::checked_launch(args, err, stream);
+  return fo::gemm::run_ex("fo_gemm_run_ex_scaled", true, a, b, scales, out, L, block_rows, N, K,
+                          lda, ldb, ldo, items, item_group, item_wait, arrive_flags, num_flags,
+                          num_items, counters, num_ctas, monitor, stream);
 }
 
 }  // extern "C"
