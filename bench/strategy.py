@@ -24,6 +24,21 @@ check the fixed rule the same way.
     python bench/strategy.py [--shapes MxNxK,...] [--rounds 5]
 
 Writes bench/results/strategy-<device>-<date>.json (summary: worst loss, rows met).
+
+``--world-size W`` (W >= 2, one GPU per rank: never ranks sharing a GPU, whose times mean
+nothing) is the decision on a real collective: W ranks in one NCCL group, each on its own GPU.
+Per row (tokens x (N, K) x op, bf16; each rank's operands its own) every rank makes the default
+call (``fo.overlap`` with default arguments: its strategy predicted on the call's first use,
+read back from ``fo.prepared_calls()`` with both predicted durations), then the same default
+plan forced to overlap and forced plain are timed in alternating rounds, the slowest rank's
+time counting. The row says which was faster, whether the default call picked it, what it lost
+when it did not, and the model's error on each strategy. allgather's tokens are the gathered
+rows (each rank holds tokens / W); all_to_all sends tokens / W rows to every rank (its default
+is a fixed rule at W > 1: overlapped, measured the same way).
+
+    python bench/strategy.py --world-size 2 [--tokens 16,...] [--nk 8192x1024,...] [--ops ...]
+
+Writes bench/results/strategy-w<W>-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -39,7 +54,7 @@ import flashoverlap_core as fo
 from flashoverlap_core import api
 from flashoverlap_core.transfers import HostOffload
 from flashoverlap_core.tuning import strategy
-from flashoverlap_core.tuning.measure import measure_curve
+from flashoverlap_core.tuning.measure import measure_curve, median_time
 from common import device_tag, median_ms, nccl_group_of_one, table, write_result
 
 # (M, N, K): the host link (~50 GB/s) against the GEMM: from transfer-bound (small K, where the
@@ -50,6 +65,12 @@ OFFLOAD_SHAPES = ((16, 8192, 4096), (256, 8192, 4096), (1024, 8192, 1024), (1024
 COLLECTIVE_SHAPES = ((16, 8192, 1024), (4096, 8192, 1024), (16384, 8192, 3584))
 TARGET_LOSS = 0.03
 DTYPE = torch.bfloat16
+# --world-size: the overhead benchmark's (N, K) and ops, decode to prefill tokens
+MULTI_NK = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
+MULTI_TOKENS = (16, 64, 256, 1024, 4096, 16384)
+MULTI_OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def offload_curve(device: torch.device):
@@ -118,6 +139,125 @@ def collective_row(m, n, k, rounds) -> dict:
     return r
 
 
+def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: str) -> dict:
+    """One row on every rank (W >= 2): the default call's choice, then both strategies timed
+    (the slowest rank's time). Rank 0's answer is the row."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "cuda"
+              else torch.device("cpu"))
+    gen = torch.Generator(device=device).manual_seed(7919 * rank + 31 * m + n + k)
+    rows = m // world if op == "allgather" else m
+    a = torch.randn(rows, k, device=device, dtype=DTYPE, generator=gen)
+    w = torch.randn(n, k, device=device, dtype=DTYPE, generator=gen) / k ** 0.5
+    splits = [m // world] * world if op == "all_to_all" else None
+    kw = {"send_splits": splits, "recv_splits": splits} if splits else {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    api.forget_prepared()
+    sync()
+    dist.barrier()
+    began = time.perf_counter()
+    fo.overlap(a, w.t(), op, **kw)  # the default call: its choice, from fo.prepared_calls()
+    sync()
+    first_ms = (time.perf_counter() - began) * 1e3
+    entry = fo.prepared_calls()[-1]
+    overlap = fo.plan(m, n, k, op=op, world_size=world, dtype=DTYPE, backend=backend,
+                      send_splits=splits)
+    overlap = replace(overlap, strategy=strategy.OVERLAP)
+    plain = replace(overlap, strategy=strategy.PLAIN)
+    fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), op, plan=overlap, **kw),
+           strategy.PLAIN: lambda: fo.overlap(a, w.t(), op, plan=plain, **kw)}
+    inner = 3
+
+    def repeated(fn):
+        def run():
+            for _ in range(inner):
+                fn()
+        return run
+
+    samples = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            samples[name].append(median_time(repeated(fns[name]), device, dist.group.WORLD,
+                                             iters=5, warmup=2) * 1e3 / inner)
+    times = {name: statistics.median(s) for name, s in samples.items()}
+    out = row(f"{op} W={world}", m, n, k, entry["strategy"], times, overlap)
+    pred = {strategy.OVERLAP: entry.get("predicted_overlap_s"),
+            strategy.PLAIN: entry.get("predicted_plain_s")}
+    out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2),
+               reason=entry.get("strategy_reason"),
+               speedup_overlap=round(times[strategy.PLAIN] / times[strategy.OVERLAP], 4))
+    for name, key in ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain")):
+        if pred[name] is not None:
+            out[f"predicted_{key}_ms"] = round(pred[name] * 1e3, 4)
+            out[f"model_error_{key}"] = round(pred[name] * 1e3 / times[name] - 1.0, 4)
+    return out
+
+
+def multi_gpu(args) -> None:
+    """--world-size W: the rows on W ranks, one GPU each."""
+    from flashoverlap_core.tools.ranks import RankError, Ranks, RankTimeout
+
+    world, backend = args.world_size, args.backend
+    device_type = "cuda" if backend == "cuda" else "cpu"
+    if backend == "cuda" and torch.cuda.device_count() < world:
+        raise SystemExit(f"--world-size {world} needs {world} GPUs, {torch.cuda.device_count()} "
+                         "visible (ranks sharing a GPU measure no speed)")
+    nks = parse_shapes(args.nk, MULTI_NK)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(MULTI_TOKENS)
+    ops = args.ops.split(",") if args.ops else list(MULTI_OPS)
+    for op in ops:
+        if op not in MULTI_OPS:
+            raise SystemExit(f"--ops: {op!r} is not one of {', '.join(MULTI_OPS)}")
+    rows, began = [], time.perf_counter()
+    name = f"strategy-w{world}-{device_tag() if backend == 'cuda' else 'dryrun-' + backend}"
+    ranks = Ranks(world, device_type, env=MULTICAST_OFF, timeout=args.timeout,
+                  shared_devices=False)
+    try:
+        for n, k in nks:
+            for m in tokens:
+                for op in ops:
+                    if m % world:
+                        continue  # every op here splits or gathers rows by rank
+                    try:
+                        rows.append(ranks.run(multi_case_on_rank, m, n, k, op, args.rounds,
+                                              backend)[0])
+                    except (RankError, RankTimeout) as e:
+                        rows.append({"kind": f"{op} W={world}", "M": m, "N": n, "K": k,
+                                     "op": op, "error": str(e)[-2000:], "met": False,
+                                     "right": False, "loss": None})
+                    r = rows[-1]
+                    print(f"{m}x{n}x{k} {op}: predicted {r.get('predicted')} overlap "
+                          f"{r.get('T_overlap_ms')} plain {r.get('T_plain_ms')} ms "
+                          f"loss {r.get('loss')}", flush=True)
+    finally:
+        ranks.close()
+    measured = [r for r in rows if r.get("loss") is not None]
+    print(table(measured, ["kind", "M", "N", "K", "predicted", "T_overlap_ms", "T_plain_ms",
+                           "faster", "loss", "met", "predicted_overlap_ms",
+                           "predicted_plain_ms"]))
+    errors = [abs(r[f"model_error_{s}"]) for r in measured for s in ("overlap", "plain")
+              if f"model_error_{s}" in r]
+    summary = {"rows": len(rows), "errors": len(rows) - len(measured),
+               "rows_met": sum(bool(r["met"]) for r in rows),
+               "right": sum(bool(r["right"]) for r in rows),
+               "max_loss": max((r["loss"] for r in measured), default=None),
+               "overlap_chosen": sum(r.get("predicted") == strategy.OVERLAP for r in measured),
+               "overlap_faster": sum(r.get("faster") == strategy.OVERLAP for r in measured),
+               "best_speedup_overlap": max((r["speedup_overlap"] for r in measured),
+                                           default=None),
+               "model_abs_error_median": (round(statistics.median(errors), 4) if errors
+                                          else None),
+               "target": f"the predicted choice at most {TARGET_LOSS:.0%} slower than the better",
+               "met": bool(rows) and all(r["met"] for r in rows),
+               "default_run": not (args.nk or args.tokens or args.ops) and args.rounds == 5,
+               "seconds": round(time.perf_counter() - began, 1)}
+    print(summary)
+    write_result(name, rows, {"summary": summary, "world_size": world, "backend": backend,
+                              "topology": ranks.topology(), "multicast_off": MULTICAST_OFF},
+                 device_type=device_type)
+
+
 def parse_shapes(text: str | None, default):
     if not text:
         return default
@@ -129,9 +269,23 @@ def main():
     p.add_argument("--shapes", help="offload rows, MxNxK comma-separated (default: the table)")
     p.add_argument("--collective-shapes", help="world-size-1 allreduce rows, MxNxK")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--world-size", type=int, default=1,
+                   help="W >= 2: the collective rows on W ranks, one GPU each")
+    p.add_argument("--nk", help="--world-size rows: (N, K) pairs, NxK comma-separated")
+    p.add_argument("--tokens", help="--world-size rows: tokens (M), comma-separated")
+    p.add_argument("--ops", help=f"--world-size rows: ops (default {','.join(MULTI_OPS)})")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="--world-size rows: seconds per row on the ranks")
+    p.add_argument("--backend", default="cuda",
+                   help="--world-size rows: 'cuda', or a CPU backend (reference, decomposition) "
+                        "for a dry run of the harness on gloo, whose times mean nothing")
     args = p.parse_args()
+    if args.world_size > 1 and args.backend != "cuda":
+        return multi_gpu(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench/strategy.py needs a CUDA device (the host link is its subject)")
+    if args.world_size > 1:
+        return multi_gpu(args)
     device = torch.device("cuda", torch.cuda.current_device())
     nccl_group_of_one("strategy")
     try:

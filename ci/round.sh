@@ -48,6 +48,11 @@ run_one() {
             stage faults-tests ${FO_FAULTS_SECONDS:-420} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short \
               --durations=10 -n ${FO_FAULTS_WORKERS:-4} tests/gpu/test_faults.py
             wait ;;
+    # two or more GPUs, one per rank (never ranks sharing a GPU): the strategy decision against
+    # both strategies measured, the conformance suite on real links, the multi-GPU benchmark
+    strategy-mg) stage strategy-w${FO_MG_WORLD:-2} ${FO_STRATEGY_SECONDS:-300} $PY bench/strategy.py --world-size ${FO_MG_WORLD:-2} ${FO_STRATEGY_ARGS:-} ;;
+    conf-mg) stage conformance-w${FO_MG_WORLD:-2} ${FO_CONF_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-world-sizes ${FO_MG_WORLD:-2} --junitxml "$OUT/conformance-w${FO_MG_WORLD:-2}.xml" ;;
+    multigpu) stage multigpu-w${FO_MG_WORLD:-2} ${FO_MULTIGPU_SECONDS:-300} $PY bench/multigpu.py --world-size ${FO_MG_WORLD:-2} --backend cuda --json "$OUT/multigpu-w${FO_MG_WORLD:-2}.json" ${FO_MULTIGPU_ARGS:---quick} ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
     gather) stage gather-tests ${FO_GATHER_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
     # Nsight Compute on the fp8 kernels (bench/fp8_ncu.py): the report and its details as CSV
