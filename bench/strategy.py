@@ -43,6 +43,7 @@ Writes bench/results/strategy-w<W>-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -166,25 +167,27 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     plain = replace(overlap, strategy=strategy.PLAIN)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), op, plan=overlap, **kw),
            strategy.PLAIN: lambda: fo.overlap(a, w.t(), op, plan=plain, **kw)}
-    inner = 3
-
-    def repeated(fn):
+    def repeated(fn, inner):
         def run():
             for _ in range(inner):
                 fn()
         return run
 
+    # calls per timed iteration: about a millisecond of them (3 to 20), so that a decode-sized
+    # call's device time, not the host's launch and the ranks' line-up, is what is timed
+    once = median_time(fns[strategy.PLAIN], device, dist.group.WORLD, iters=3, warmup=2) * 1e3
+    inner = int(min(20, max(3, round(1.0 / max(once, 1e-3)))))
     samples = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            samples[name].append(median_time(repeated(fns[name]), device, dist.group.WORLD,
+            samples[name].append(median_time(repeated(fns[name], inner), device, dist.group.WORLD,
                                              iters=5, warmup=2) * 1e3 / inner)
     times = {name: statistics.median(s) for name, s in samples.items()}
     out = row(f"{op} W={world}", m, n, k, entry["strategy"], times, overlap)
     pred = {strategy.OVERLAP: entry.get("predicted_overlap_s"),
             strategy.PLAIN: entry.get("predicted_plain_s")}
-    out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2),
+    out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2), inner=inner,
                reason=entry.get("strategy_reason"),
                speedup_overlap=round(times[strategy.PLAIN] / times[strategy.OVERLAP], 4))
     for name, key in ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain")):
@@ -253,7 +256,10 @@ def multi_gpu(args) -> None:
                "default_run": not (args.nk or args.tokens or args.ops) and args.rounds == 5,
                "seconds": round(time.perf_counter() - began, 1)}
     print(summary)
+    settings = {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("FLASHOVERLAP_", "NCCL_"))}
     write_result(name, rows, {"summary": summary, "world_size": world, "backend": backend,
+                              "environment": settings,
                               "topology": ranks.topology(), "multicast_off": MULTICAST_OFF},
                  device_type=device_type)
 

@@ -39,7 +39,7 @@ from flashoverlap_core.tiles import RASTERS
 from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import (NCCL_DTYPES, _current_device, kernel_scale, outside_graph_pools,
-                           scale_modes, wait_mode)
+                           overlap_nccl_ctas, scale_modes, wait_mode)
 from .gemm import Operands, arch, takes_col_major
 from .runtime import WAIT_MODES
 
@@ -155,7 +155,7 @@ class CudaAllToAllCall(NativeCall):
         # a's rows are each call's own: its strides are checked per call (Operands.of_rows)
         self.operands = Operands(self.arch, template.a, b, self.col)
         self.k = self.operands.k
-        self.comm = (nccl.communicator(template.group, device)
+        self.comm = (nccl.communicator(template.group, device, max_ctas=overlap_nccl_ctas())
                      if template.group is not None and self.world > 1 else None)
         self.runtime = kernels.runtime_library()
         self.run_native = self.runtime.a2a_run

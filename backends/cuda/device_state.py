@@ -19,6 +19,10 @@ ENV_WAIT = "FLASHOVERLAP_CUDA_WAIT"
 ENV_ARCH = "FLASHOVERLAP_CUDA_ARCH"
 ENV_GRAPH = "FLASHOVERLAP_CUDA_GRAPH"
 ENV_FP8_BLOCK = "FLASHOVERLAP_CUDA_FP8_BLOCK"  # 0: decline block-wise fp8 (it runs dequantized)
+# The CTAs of the overlapped calls' NCCL kernels (a communicator of their own): "auto" = the SMs
+# the signaling GEMM leaves free, "0" = NCCL's own choice
+ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_NCCL_CTAS"
+DEFAULT_NCCL_CTAS = "0"
 DEFAULT_RESERVED_SMS = 4  # 128 CTAs: measured faster than 132 for the cluster-2 kernels (csrc/cuda/NOTES.md)
 DEFAULT_WAIT = "stream_wait_value"
 ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned
@@ -29,6 +33,18 @@ def reserved_sms() -> int:
     if not value.isdigit():
         raise ValueError(f"{ENV_RESERVED_SMS} must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def overlap_nccl_ctas() -> int | None:
+    """The most CTAs an overlapped call's collective kernels take (None: NCCL's own choice).
+    The signaling GEMM is persistent: its CTAs hold their SMs until it ends, so a collective
+    kernel launched beside it runs only on the SMs it leaves free (``reserved_sms``)."""
+    value = os.environ.get(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS).strip().lower()
+    if value == "auto":
+        return max(1, reserved_sms())
+    if not value.isdigit():
+        raise ValueError(f"{ENV_NCCL_CTAS} must be 'auto' or a non-negative int, got {value!r}")
+    return int(value) or None
 
 
 def replay_graphs() -> bool:

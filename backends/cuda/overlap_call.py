@@ -19,8 +19,8 @@ from flashoverlap_core.reorder import add_rmsnorm
 from . import kernels, nccl
 from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_operand
 from .call_base import CallState, NativeCall, WarmUps, new_description
-from .device_state import (NCCL_DTYPES, _current_device, kernel_scale, replay_graphs, scale_modes,
-                           wait_mode)
+from .device_state import (NCCL_DTYPES, _current_device, kernel_scale, overlap_nccl_ctas,
+                           replay_graphs, scale_modes, wait_mode)
 from .gemm import Gemms, Operands, bases_aligned, workspace
 from .runtime import WAIT_MODES
 
@@ -82,7 +82,7 @@ class CudaCall(NativeCall, PreparedCall):
         self.python_path = python_path or self.kind == CUSTOM_OP or (
             group is not None and not nccl.uses_nccl(group)) or (
             self.op.splits and call.world_size > 1 and call.recv_splits is None)
-        self.comm = nccl.communicator(group, device) if group is not None and not self.python_path else None
+        self.comm = nccl.communicator(group, device, max_ctas=overlap_nccl_ctas()) if group is not None and not self.python_path else None
         self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
                          plan.dtype)
         # fp8: per call, scale_a and scale_b go to fo_call_run_scaled as they are when the key's
