@@ -152,6 +152,20 @@ def test_reserve(monkeypatch):
     assert gather_call.gather_reserve(2, options) == 9
 
 
+def test_default_reserve_and_nccl_bound_follow_the_world_size(monkeypatch):
+    """Unset: 4 SMs free at world size 1, 24 above, where the collective's kernels run on them;
+    the communicator's CTA bound is the reserve unless FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS says."""
+    monkeypatch.delenv(ENV_RESERVED_SMS, raising=False)
+    default = gather_call.GatherOptions()
+    assert gather_call.gather_reserve(2, default) == 24
+    assert gather_call.gather_nccl_ctas(2, default) == 24
+    assert gather_call.gather_reserve(1, gather_call.GatherOptions(loopback=1)) == 4
+    assert gather_call.gather_nccl_ctas(4, gather_call.GatherOptions(nccl_ctas=6)) == 6
+    assert gather_call.gather_reserve(4, gather_call.GatherOptions(nccl_ctas=30)) == 30
+    monkeypatch.setenv(ENV_RESERVED_SMS, "10")
+    assert gather_call.gather_nccl_ctas(2, default) == 10
+
+
 def test_loopback_modes():
     off, chunks, own = (gather_call.GatherOptions(loopback=v) for v in (0, 1, 2))
     assert [o.gathers(1) for o in (off, chunks, own)] == [False, True, True]

@@ -554,3 +554,28 @@ def test_nccl_switches_are_checked(monkeypatch, variable, reader):
     monkeypatch.setenv(variable, "yes")
     with pytest.raises(ValueError, match=variable):
         read()
+
+
+# ---- the SMs left to the collectives ---------------------------------------------------------
+
+def test_reserved_sms_and_nccl_ctas_defaults(monkeypatch):
+    """The persistent signaling GEMM leaves 4 SMs free at world size 1 and 24 above; the
+    overlapped calls' NCCL kernels take at most that many CTAs ("auto"), or NCCL's own choice
+    ("0"), or a number; bad values name the variable."""
+    from flashoverlap_backends.cuda import device_state as ds
+
+    monkeypatch.delenv(ds.ENV_RESERVED_SMS, raising=False)
+    monkeypatch.delenv(ds.ENV_NCCL_CTAS, raising=False)
+    assert (ds.reserved_sms(1), ds.reserved_sms(2), ds.reserved_sms(8)) == (4, 24, 24)
+    assert ds.overlap_nccl_ctas(2) == 24
+    monkeypatch.setenv(ds.ENV_RESERVED_SMS, "16")
+    assert (ds.reserved_sms(1), ds.reserved_sms(4), ds.overlap_nccl_ctas(4)) == (16, 16, 16)
+    monkeypatch.setenv(ds.ENV_NCCL_CTAS, "0")
+    assert ds.overlap_nccl_ctas(2) is None
+    monkeypatch.setenv(ds.ENV_NCCL_CTAS, "12")
+    assert ds.overlap_nccl_ctas(2) == 12
+    for name, value in ((ds.ENV_NCCL_CTAS, "many"), (ds.ENV_RESERVED_SMS, "-1")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            ds.overlap_nccl_ctas(2)
+        monkeypatch.delenv(name)

@@ -155,7 +155,7 @@ class CudaAllToAllCall(NativeCall):
         # a's rows are each call's own: its strides are checked per call (Operands.of_rows)
         self.operands = Operands(self.arch, template.a, b, self.col)
         self.k = self.operands.k
-        self.comm = (nccl.communicator(template.group, device, max_ctas=overlap_nccl_ctas())
+        self.comm = (nccl.communicator(template.group, device, max_ctas=overlap_nccl_ctas(self.world))
                      if template.group is not None and self.world > 1 else None)
         self.runtime = kernels.runtime_library()
         self.run_native = self.runtime.a2a_run

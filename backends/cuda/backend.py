@@ -156,7 +156,7 @@ class CudaBackend(Backend):
     def wave_size(self, spec: OverlapSpec, tile: tuple[int, int]) -> int:
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         multiple = kernels.CTA_MULTIPLE
-        return max(multiple, (sms - reserved_sms()) // multiple * multiple)
+        return max(multiple, (sms - reserved_sms(spec.world_size)) // multiple * multiple)
 
     def schedule(self, spec: OverlapSpec) -> Schedule:
         # Chunks of 8 bands, column by column: a wave reads a few bands of A and sweeps B.

@@ -20,28 +20,37 @@ ENV_ARCH = "FLASHOVERLAP_CUDA_ARCH"
 ENV_GRAPH = "FLASHOVERLAP_CUDA_GRAPH"
 ENV_FP8_BLOCK = "FLASHOVERLAP_CUDA_FP8_BLOCK"  # 0: decline block-wise fp8 (it runs dequantized)
 # The CTAs of the overlapped calls' NCCL kernels (a communicator of their own): "auto" = the SMs
-# the signaling GEMM leaves free, "0" = NCCL's own choice
+# the signaling GEMM leaves free (the default), "0" = NCCL's own choice
 ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_NCCL_CTAS"
-DEFAULT_NCCL_CTAS = "0"
+DEFAULT_NCCL_CTAS = "auto"
 DEFAULT_RESERVED_SMS = 4  # 128 CTAs: measured faster than 132 for the cluster-2 kernels (csrc/cuda/NOTES.md)
+# At world size > 1 the collectives run beside the persistent signaling GEMM on the SMs it leaves
+# free: 24 measured best of 4-32 on two H200s over NVLink (docs/results.md, "Two GPUs")
+DEFAULT_RESERVED_SMS_MULTI = 24
 DEFAULT_WAIT = "stream_wait_value"
 ALIGN_BYTES = 16  # TMA: global strides and base addresses 16-byte aligned
 
 
-def reserved_sms() -> int:
-    value = os.environ.get(ENV_RESERVED_SMS, str(DEFAULT_RESERVED_SMS))
+def reserved_sms(world_size: int = 1) -> int:
+    """The SMs the signaling GEMM leaves free: ``$FLASHOVERLAP_CUDA_RESERVED_SMS``, else 4 at
+    world size 1 (nothing runs beside it) and 24 above (its collectives' kernels run there)."""
+    value = os.environ.get(ENV_RESERVED_SMS, "").strip()
+    if value == "":
+        return DEFAULT_RESERVED_SMS if world_size <= 1 else DEFAULT_RESERVED_SMS_MULTI
     if not value.isdigit():
         raise ValueError(f"{ENV_RESERVED_SMS} must be a non-negative int, got {value!r}")
     return int(value)
 
 
-def overlap_nccl_ctas() -> int | None:
+def overlap_nccl_ctas(world_size: int) -> int | None:
     """The most CTAs an overlapped call's collective kernels take (None: NCCL's own choice).
     The signaling GEMM is persistent: its CTAs hold their SMs until it ends, so a collective
-    kernel launched beside it runs only on the SMs it leaves free (``reserved_sms``)."""
+    kernel launched beside it runs only on the SMs it leaves free (:func:`reserved_sms`); with
+    more CTAs than that, the rest start only when the GEMM ends, and their channels' data with
+    them."""
     value = os.environ.get(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS).strip().lower()
     if value == "auto":
-        return max(1, reserved_sms())
+        return max(1, reserved_sms(world_size))
     if not value.isdigit():
         raise ValueError(f"{ENV_NCCL_CTAS} must be 'auto' or a non-negative int, got {value!r}")
     return int(value) or None

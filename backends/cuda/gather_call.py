@@ -35,7 +35,8 @@ scales as they are.
 Deadlock freedom rests on the GEMM leaving SMs to the transfer (gather_call.cuh says why): its
 grid is capped at SMs - ``reserve`` CTAs (:func:`gather_grid`), ``reserve`` = max(the backend's
 reserved SMs, :data:`MIN_FREE_SMS`, at W > 1 the NCCL CTA bound), and the NCCL communicator of
-this op is made with at most that many CTAs. Copy engines (peer ``cudaMemcpyAsync``) would need
+this op is made with at most that many CTAs (``FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS``, else the
+reserve: :func:`gather_nccl_ctas`). Copy engines (peer ``cudaMemcpyAsync``) would need
 no SM at all; they were not built because W > 1 cannot be measured here (csrc/cuda/NOTES.md).
 
 Test knobs (environment, read when a key is prepared): ``FLASHOVERLAP_CUDA_GATHER_LOOPBACK=1``
@@ -68,7 +69,6 @@ ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
 ENV_NO_WAIT = "FLASHOVERLAP_CUDA_GATHER_NO_WAIT"
 ENV_NCCL_CTAS = "FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS"
 LOOPBACK_OFF, LOOPBACK_CHUNKS, LOOPBACK_OWN_COPY = 0, 1, 2
-DEFAULT_NCCL_CTAS = 4  # the SMs the default reserve leaves free on an H200 (132 - 128)
 MIN_FREE_SMS = 2  # SMs a waiting GEMM never takes, whatever FLASHOVERLAP_CUDA_RESERVED_SMS says
 
 
@@ -85,7 +85,7 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 class GatherOptions:
     """How an allgather call runs: the NCCL CTA bound, and the test knobs (module doc)."""
 
-    nccl_ctas: int = DEFAULT_NCCL_CTAS
+    nccl_ctas: int | None = None  # None: the SMs the GEMM leaves free (reserved_sms)
     loopback: int = 0  # LOOPBACK_OFF, LOOPBACK_CHUNKS or LOOPBACK_OWN_COPY
     delay_us: int = 0
     no_wait: bool = False
@@ -95,7 +95,8 @@ class GatherOptions:
         loopback = _env_int(ENV_LOOPBACK, LOOPBACK_OFF, 0)
         if loopback not in (LOOPBACK_OFF, LOOPBACK_CHUNKS, LOOPBACK_OWN_COPY):
             raise ValueError(f"{ENV_LOOPBACK} must be 0, 1 or 2, got {loopback}")
-        return cls(nccl_ctas=_env_int(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS, 1), loopback=loopback,
+        ctas = _env_int(ENV_NCCL_CTAS, 0, 1) or None
+        return cls(nccl_ctas=ctas, loopback=loopback,
                    delay_us=_env_int(ENV_DELAY, 0, 0), no_wait=_env_int(ENV_NO_WAIT, 0, 0) != 0)
 
     def own_chunks(self, world_size: int) -> bool:
@@ -152,8 +153,13 @@ def chunk_table(plan) -> list[int]:
 def gather_reserve(world_size: int, options: GatherOptions) -> int:
     """SMs the waiting GEMM leaves free (0 when nothing waits)."""
     if world_size > 1:
-        return max(reserved_sms(), MIN_FREE_SMS, options.nccl_ctas)
-    return max(reserved_sms(), MIN_FREE_SMS) if options.own_chunks(world_size) else 0
+        return max(reserved_sms(world_size), MIN_FREE_SMS, options.nccl_ctas or 0)
+    return max(reserved_sms(world_size), MIN_FREE_SMS) if options.own_chunks(world_size) else 0
+
+
+def gather_nccl_ctas(world_size: int, options: GatherOptions) -> int:
+    """The CTA bound of the allgather's communicator: the option, else the GEMM's reserve."""
+    return options.nccl_ctas or max(reserved_sms(world_size), MIN_FREE_SMS)
 
 
 def gather_grid(wave_size: int, sms: int, max_ctas: int, reserve: int, multiple: int) -> int:
@@ -261,7 +267,8 @@ class CudaGatherCall(NativeCall, PreparedCall):
         self.ctas = gather_grid(plan.wave_size, sms, self.gemm.max_ctas(self.index), reserve,
                                 self.gemm.description.cta_multiple)
         self.runtime.gather_load_kernels()
-        self.comm = (nccl.communicator(call.group, device, max_ctas=self.options.nccl_ctas)
+        self.comm = (nccl.communicator(call.group, device,
+                                       max_ctas=gather_nccl_ctas(self.world, self.options))
                      if self.world > 1 else None)
         self.chunks = chunk_table(plan)
         self.warm_key = (self.gemm.path, call.group, "allgather", plan.dtype, self.options)
