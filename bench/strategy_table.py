@@ -1,6 +1,7 @@
-"""What the strategy model predicts on several H200s, on paper (issue 31): no multi-GPU machine
-has been lent, so every figure here is a PREDICTION of the model in
-``flashoverlap_core/tuning/strategy.py``, never a measurement.
+"""What the strategy model predicts on several H200s, on paper (issue 31): every figure here is
+a PREDICTION of the model in ``flashoverlap_core/tuning/strategy.py``, never a measurement (the
+one measurement on several GPUs, two H200s over NVLink, is ``bench/strategy.py --world-size 2``
+in docs/results.md).
 
 For the overhead benchmark's shapes (tokens 1..16384 x (N, K)) and ops, at world sizes 2, 4 and
 8, over NVLink and over PCIe, it prints and writes the chosen strategy and the predicted speedup
@@ -13,8 +14,9 @@ of the chosen strategy over the plain path (plain / chosen). Inputs, all stated 
   latency + S * 2(W-1)/W / busbw, a reduce_scatter or allgather latency + S * (W-1)/W / busbw):
   NVLink 4 (H200 SXM, 900 GB/s per GPU both ways): 15 us and 360 GB/s, 80% of one direction;
   PCIe Gen5 x16 (64 GB/s a direction): 25 us and 40 GB/s. Assumptions, not measurements;
-* the plans are the reference backend's with the cuda kernel's tile (128 x 256) and wave (132
-  CTAs, the H200's SMs), the default grouping; the assumed contention of the model.
+* the plans are the reference backend's with the cuda kernel's tile (128 x 256) and its wave at
+  world size > 1 (108 CTAs: the H200's 132 SMs less the 24 it leaves to the collectives), the
+  default grouping; the assumed contention of the model.
 
     python bench/strategy_table.py [--markdown]
 """
@@ -37,7 +39,7 @@ TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 OPS = ("allreduce", "reduce_scatter", "allgather")
 LINKS = {"NVLink": (15e-6, 360e9), "PCIe": (25e-6, 40e9)}
 WORLDS = (2, 4, 8)
-TILE, WAVE = (128, 256), 132
+TILE, WAVE = (128, 256), 108  # 132 SMs - 24 left free at W > 1 (cuda device_state)
 
 
 def curve(op: str, world: int, latency: float, busbw: float) -> CostCurve:
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
                        "fixed_s": args.fixed},
               "links": {k: {"latency_s": v[0], "bus_bytes_per_s": v[1]} for k, v in LINKS.items()},
               "tile": TILE, "wave_size": WAVE, "contention": st.ASSUMED_CONTENTION.to_dict(),
-              "note": "PREDICTED by the strategy model; no multi-GPU measurement"}
+              "note": "PREDICTED by the strategy model, not measured"}
     inputs["prediction_ms"] = {"median": statistics.median(r["prediction_ms"] for r in rows),
                                "max": max(r["prediction_ms"] for r in rows)}
     if args.json:
