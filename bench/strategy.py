@@ -164,6 +164,11 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     overlap = fo.plan(m, n, k, op=op, world_size=world, dtype=DTYPE, backend=backend,
                       send_splits=splits)
     overlap = replace(overlap, strategy=strategy.OVERLAP)
+    # what the model predicted from (this process's memo; all_to_all, chosen by a fixed rule,
+    # measures here, on every rank alike), to refit it offline
+    chosen, group = fo.registry.get(backend), dist.group.WORLD
+    rates, curve = strategy.group_facts(overlap, chosen, group, device)
+    contention = strategy._contention(chosen, device, group, strategy.TuningCache())
     plain = replace(overlap, strategy=strategy.PLAIN)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), op, plan=overlap, **kw),
            strategy.PLAIN: lambda: fo.overlap(a, w.t(), op, plan=plain, **kw)}
@@ -188,6 +193,9 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     pred = {strategy.OVERLAP: entry.get("predicted_overlap_s"),
             strategy.PLAIN: entry.get("predicted_plain_s")}
     out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2), inner=inner,
+               wave_size=overlap.wave_size, group_sizes=list(overlap.group_sizes),
+               facts={"gemm_rates": rates.to_dict(), "curve": curve.to_dict(),
+                      "contention": contention.to_dict()},
                reason=entry.get("strategy_reason"),
                speedup_overlap=round(times[strategy.PLAIN] / times[strategy.OVERLAP], 4))
     for name, key in ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain")):
