@@ -47,7 +47,7 @@ from . import all_to_all_call, gemm, kernels, nccl
 from .add_rmsnorm import add_rmsnorm_rows
 from .call_base import WarmUps
 from .device_state import (ENV_ARCH, ENV_FP8_BLOCK, ENV_RESERVED_SMS, PlanTables,
-                           outside_graph_pools, reserved_sms)
+                           outside_graph_pools, overlap_nccl_ctas, reserved_sms)
 from .gather_call import CudaGatherCall
 from .overlap_call import CudaCall
 
@@ -98,6 +98,12 @@ class CudaBackend(Backend):
             except Exception as e:  # noqa: BLE001 - report, don't fail
                 out["nccl"] = f"unknown ({e})"
         out.update(kernels.toolchain_versions())
+        # the SMs a plan's GEMM leaves free (world size 1 / above) and the CTAs its collectives
+        # take: in the tuning cache's context, so a plan or a measurement made under other ones
+        # (another wave size) is not matched
+        ctas = overlap_nccl_ctas(2)
+        out["sm reserve"] = (f"{reserved_sms(1)}/{reserved_sms(2)}, nccl ctas "
+                             f"{ctas if ctas else 'nccl'}")
         return out
 
     # ---- capabilities ------------------------------------------------------------------------
