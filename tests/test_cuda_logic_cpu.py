@@ -560,14 +560,15 @@ def test_nccl_switches_are_checked(monkeypatch, variable, reader):
 
 def test_reserved_sms_and_nccl_ctas_defaults(monkeypatch):
     """The persistent signaling GEMM leaves 4 SMs free at world size 1 and 24 above; the
-    overlapped calls' NCCL kernels take at most that many CTAs ("auto"), or NCCL's own choice
-    ("0"), or a number; bad values name the variable."""
+    overlapped calls' NCCL kernels take at most that many CTAs at world size > 1 ("auto"), or
+    NCCL's own choice ("0"), or a number; bad values name the variable."""
     from flashoverlap_backends.cuda import device_state as ds
 
     monkeypatch.delenv(ds.ENV_RESERVED_SMS, raising=False)
     monkeypatch.delenv(ds.ENV_NCCL_CTAS, raising=False)
     assert (ds.reserved_sms(1), ds.reserved_sms(2), ds.reserved_sms(8)) == (4, 24, 24)
     assert ds.overlap_nccl_ctas(2) == 24
+    assert ds.overlap_nccl_ctas(1) is None  # a group of one: the plain path's communicator
     monkeypatch.setenv(ds.ENV_RESERVED_SMS, "16")
     assert (ds.reserved_sms(1), ds.reserved_sms(4), ds.overlap_nccl_ctas(4)) == (16, 16, 16)
     monkeypatch.setenv(ds.ENV_NCCL_CTAS, "0")

@@ -47,10 +47,11 @@ def overlap_nccl_ctas(world_size: int) -> int | None:
     The signaling GEMM is persistent: its CTAs hold their SMs until it ends, so a collective
     kernel launched beside it runs only on the SMs it leaves free (:func:`reserved_sms`); with
     more CTAs than that, the rest start only when the GEMM ends, and their channels' data with
-    them."""
+    them. "auto" bounds them only at world size > 1: a group of one moves nothing, and its
+    overlapped calls share the plain path's communicator."""
     value = os.environ.get(ENV_NCCL_CTAS, DEFAULT_NCCL_CTAS).strip().lower()
     if value == "auto":
-        return max(1, reserved_sms(world_size))
+        return max(1, reserved_sms(world_size)) if world_size > 1 else None
     if not value.isdigit():
         raise ValueError(f"{ENV_NCCL_CTAS} must be 'auto' or a non-negative int, got {value!r}")
     return int(value) or None
