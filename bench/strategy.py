@@ -211,6 +211,9 @@ def multi_gpu(args) -> None:
 
     world, backend = args.world_size, args.backend
     device_type = "cuda" if backend == "cuda" else "cpu"
+    if os.environ.get(strategy.ENV_STRATEGY, "auto").strip().lower() not in ("", "auto"):
+        raise SystemExit(f"{strategy.ENV_STRATEGY}={os.environ[strategy.ENV_STRATEGY]} forces "
+                         "every default call: unset it, this benchmark measures their own choice")
     if backend == "cuda" and torch.cuda.device_count() < world:
         raise SystemExit(f"--world-size {world} needs {world} GPUs, {torch.cuda.device_count()} "
                          "visible (ranks sharing a GPU measure no speed)")
@@ -231,8 +234,10 @@ def multi_gpu(args) -> None:
                     if m % world:
                         continue  # every op here splits or gathers rows by rank
                     try:
-                        rows.append(ranks.run(multi_case_on_rank, m, n, k, op, args.rounds,
-                                              backend)[0])
+                        per_rank = ranks.run(multi_case_on_rank, m, n, k, op, args.rounds,
+                                             backend)
+                        rows.append(dict(per_rank[0], ranks_agree=all(
+                            r["predicted"] == per_rank[0]["predicted"] for r in per_rank)))
                     except (RankError, RankTimeout) as e:
                         rows.append({"kind": f"{op} W={world}", "M": m, "N": n, "K": k,
                                      "op": op, "error": str(e)[-2000:], "met": False,
@@ -251,6 +256,7 @@ def multi_gpu(args) -> None:
               if f"model_error_{s}" in r]
     summary = {"rows": len(rows), "errors": len(rows) - len(measured),
                "rows_met": sum(bool(r["met"]) for r in rows),
+               "ranks_agree": all(r.get("ranks_agree", False) for r in rows),
                "right": sum(bool(r["right"]) for r in rows),
                "max_loss": max((r["loss"] for r in measured), default=None),
                "overlap_chosen": sum(r.get("predicted") == strategy.OVERLAP for r in measured),
