@@ -38,7 +38,11 @@ is a fixed rule at W > 1: overlapped, measured the same way).
 
     python bench/strategy.py --world-size 2 [--tokens 16,...] [--nk 8192x1024,...] [--ops ...]
 
-Writes bench/results/strategy-w<W>-<device>-<date>.json.
+Writes bench/results/strategy-w<W>-<device>-<date>.json: per row also every rank's agreement on
+the choice (``ranks_agree``) and the facts the model predicted from (GEMM rates, the
+collective's curve, the contention), to refit it offline; the FLASHOVERLAP_/NCCL_ settings.
+``--backend reference`` is a dry run of the harness on CPU ranks (gloo; its times mean
+nothing); a forcing ``FLASHOVERLAP_STRATEGY`` is refused.
 """
 from __future__ import annotations
 
