@@ -40,7 +40,9 @@ is a fixed rule at W > 1: overlapped, measured the same way).
 
 Writes bench/results/strategy-w<W>-<device>-<date>.json: per row also every rank's agreement on
 the choice (``ranks_agree``) and the facts the model predicted from (GEMM rates, the
-collective's curve, the contention), to refit it offline; the FLASHOVERLAP_/NCCL_ settings.
+collective's curve, the contention) and, on cuda, the same collective timed on the overlapped
+calls' bounded communicator (``bounded_curve``), to refit it offline; the FLASHOVERLAP_/NCCL_
+settings.
 ``--backend reference`` is a dry run of the harness on CPU ranks (gloo; its times mean
 nothing); a forcing ``FLASHOVERLAP_STRATEGY`` is refused.
 """
@@ -173,6 +175,7 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     chosen, group = fo.registry.get(backend), dist.group.WORLD
     rates, curve = strategy.group_facts(overlap, chosen, group, device)
     contention = strategy._contention(chosen, device, group, strategy.TuningCache())
+    bounded = bounded_curve(op, backend, group, device, world)
     plain = replace(overlap, strategy=strategy.PLAIN)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), op, plan=overlap, **kw),
            strategy.PLAIN: lambda: fo.overlap(a, w.t(), op, plan=plain, **kw)}
@@ -199,7 +202,7 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2), inner=inner,
                wave_size=overlap.wave_size, group_sizes=list(overlap.group_sizes),
                facts={"gemm_rates": rates.to_dict(), "curve": curve.to_dict(),
-                      "contention": contention.to_dict()},
+                      "contention": contention.to_dict(), "bounded_curve": bounded},
                reason=entry.get("strategy_reason"),
                speedup_overlap=round(times[strategy.PLAIN] / times[strategy.OVERLAP], 4))
     for name, key in ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain")):
@@ -207,6 +210,43 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
             out[f"predicted_{key}_ms"] = round(pred[name] * 1e3, 4)
             out[f"model_error_{key}"] = round(pred[name] * 1e3 / times[name] - 1.0, 4)
     return out
+
+
+_BOUNDED: dict = {}
+
+
+def bounded_curve(op: str, backend: str, group, device, world: int) -> dict | None:
+    """The op's collective timed at the model's curve sizes on the communicator the overlapped
+    calls use (cuda: NCCL kernels of at most FLASHOVERLAP_CUDA_NCCL_CTAS CTAs), where the model
+    times torch's: {"max_ctas", "sizes", "seconds"}, or {"error"}; None off cuda and for
+    all_to_all. Once per op in this process; on every rank alike (collective)."""
+    if backend != "cuda" or op == "all_to_all":
+        return None
+    if op not in _BOUNDED:
+        try:
+            from flashoverlap_backends.cuda import nccl
+            from flashoverlap_backends.cuda.device_state import overlap_nccl_ctas
+
+            ctas = overlap_nccl_ctas(world)
+            coll = nccl.PlainCollectives(group, device, max_ctas=ctas)
+            rank = dist.get_rank(group)
+
+            def send(region):
+                if op == "allreduce":
+                    coll.all_reduce(region)
+                elif op == "reduce_scatter":
+                    coll.reduce_scatter(region.new_empty(region.numel() // world), region)
+                else:  # allgather, in place: this rank's slot of the gathered region
+                    part = region.numel() // world
+                    coll.all_gather(region, region[rank * part:(rank + 1) * part])
+
+            sizes = [max(world * 16, s // (world * 16) * (world * 16))
+                     for s in strategy.CURVE_SIZES]
+            found = measure_curve(send, sizes, DTYPE, device, group, iters=5, warmup=2)
+            _BOUNDED[op] = {"max_ctas": ctas, **found.to_dict()}
+        except Exception as e:  # noqa: BLE001 - a fact for the refit, never the row's failure
+            _BOUNDED[op] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    return _BOUNDED[op]
 
 
 def multi_gpu(args) -> None:

@@ -33,7 +33,8 @@ def test_dry_run_world_size_2(tmp_path):
         assert r["T_overlap_ms"] > 0 and r["T_plain_ms"] > 0, r
         assert r["predicted"] in ("overlap", "sequential") and r["ranks_agree"], r
         assert r["faster"] in ("overlap", "sequential") and r["loss"] >= 0, r
-        assert set(r["facts"]) == {"gemm_rates", "curve", "contention"}, r
+        assert set(r["facts"]) == {"gemm_rates", "curve", "contention", "bounded_curve"}, r
+        assert r["facts"]["bounded_curve"] is None, r  # cuda's bounded communicator only
         assert r["facts"]["curve"]["sizes"] and r["wave_size"] >= 1, r
         if r["op"] == "all_to_all":  # a fixed rule at world size > 1
             assert r["predicted"] == "overlap", r

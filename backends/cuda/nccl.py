@@ -191,11 +191,13 @@ class PlainCollectives:
     of the group: one NCCL call through the runtime (a few microseconds of host time, where
     torch.distributed's path costs tens), on the current stream, so ordered as the caller's own
     work. A tensor NCCL cannot take as it is (not contiguous, another dtype) goes through
-    torch.distributed on the same group."""
+    torch.distributed on the same group. ``max_ctas``: on the communicator whose kernels take at
+    most that many CTAs instead (the overlapped calls' one: what their collectives cost, to
+    measure)."""
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, max_ctas: int | None = None):
         self.group = group
-        self.comm = communicator(group, device)
+        self.comm = communicator(group, device, max_ctas=max_ctas)
         self.runtime = kernels.runtime_library()
         self.world = dist.get_world_size(group)
         self.stream = _current_stream_getter()
