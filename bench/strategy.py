@@ -200,7 +200,8 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     pred = {strategy.OVERLAP: entry.get("predicted_overlap_s"),
             strategy.PLAIN: entry.get("predicted_plain_s")}
     out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2), inner=inner,
-               wave_size=overlap.wave_size, group_sizes=list(overlap.group_sizes),
+               wave_size=overlap.wave_size, tile=list(overlap.tile),
+               group_sizes=list(overlap.group_sizes),
                facts={"gemm_rates": rates.to_dict(), "curve": curve.to_dict(),
                       "contention": contention.to_dict(), "bounded_curve": bounded},
                reason=entry.get("strategy_reason"),

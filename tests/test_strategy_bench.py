@@ -41,3 +41,31 @@ def test_dry_run_world_size_2(tmp_path):
         else:
             assert r["predicted_overlap_ms"] > 0 and r["predicted_plain_ms"] > 0, r
     assert doc["summary"]["rows"] == len(rows) and doc["summary"]["ranks_agree"] is True
+
+
+def test_refit_reads_the_dry_run(tmp_path):
+    """bench/strategy_refit.py predicts the rows again under the model's variants, offline."""
+    env = {**os.environ, "FO_RESULTS_DIR": str(tmp_path)}
+    env.pop("FLASHOVERLAP_STRATEGY", None)
+    subprocess.run([sys.executable, str(SCRIPT), "--world-size", "2", "--backend", "reference",
+                    "--nk", "64x32", "--tokens", "130", "--rounds", "1", "--ops",
+                    "allreduce,allgather,all_to_all"],
+                   capture_output=True, text=True, timeout=240, cwd=ROOT, env=env, check=True)
+    run = next(tmp_path.glob("strategy-w2-dryrun-reference-*.json"))
+    out = tmp_path / "refit.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "strategy_refit.py"), str(run),
+                           "--json", str(out)], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == 2  # all_to_all is a fixed rule: left out
+    assert doc["as_run"] is not None and len(doc["variants"]) == 5 * 5 * 2 * 2
+    for v in doc["variants"]:
+        assert 0 <= v["rows_within_3pct"] <= 2 and v["median_abs_error"] >= 0, v
+    # a run without the facts is refused, not scored
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != "facts"}
+                                         for r in json.loads(run.read_text())["rows"]]}))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "strategy_refit.py"), str(bare)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 1 and "no usable rows" in proc.stderr
