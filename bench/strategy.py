@@ -61,8 +61,9 @@ import flashoverlap_core as fo
 from flashoverlap_core import api
 from flashoverlap_core.transfers import HostOffload
 from flashoverlap_core.tuning import strategy
-from flashoverlap_core.tuning.measure import measure_curve, median_time
+from flashoverlap_core.tuning.measure import measure_curve, median_time, sample_times
 from common import device_tag, median_ms, nccl_group_of_one, table, write_result
+from multigpu import MULTICAST_OFF
 
 # (M, N, K): the host link (~50 GB/s) against the GEMM: from transfer-bound (small K, where the
 # overlap can hide only the GEMM's short time) to GEMM-bound (large K), and decode rows.
@@ -76,8 +77,6 @@ DTYPE = torch.bfloat16
 MULTI_NK = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
 MULTI_TOKENS = (16, 64, 256, 1024, 4096, 16384)
 MULTI_OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def offload_curve(device: torch.device):
@@ -174,28 +173,19 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     # measures here, on every rank alike), to refit it offline
     chosen, group = fo.registry.get(backend), dist.group.WORLD
     rates, curve = strategy.group_facts(overlap, chosen, group, device)
-    contention = strategy._contention(chosen, device, group, strategy.TuningCache())
+    contention = strategy.fitted_contention(chosen, device, group, strategy.TuningCache())
     bounded = bounded_curve(op, backend, group, device, world)
     plain = replace(overlap, strategy=strategy.PLAIN)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), op, plan=overlap, **kw),
            strategy.PLAIN: lambda: fo.overlap(a, w.t(), op, plan=plain, **kw)}
-    def repeated(fn, inner):
-        def run():
-            for _ in range(inner):
-                fn()
-        return run
-
-    # calls per timed iteration: about a millisecond of them (3 to 20), so that a decode-sized
-    # call's device time, not the host's launch and the ranks' line-up, is what is timed
-    once = median_time(fns[strategy.PLAIN], device, dist.group.WORLD, iters=3, warmup=2) * 1e3
+    # calls per sample: about a millisecond of them (3 to 20), so that a decode-sized call's
+    # device time, not the host's launch and the ranks' line-up, is what is timed; the samples
+    # are the tuner's (every strategy once per round, the slowest rank's time)
+    once = median_time(fns[strategy.PLAIN], device, group, iters=3, warmup=2) * 1e3
     inner = int(min(20, max(3, round(1.0 / max(once, 1e-3)))))
-    samples = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            samples[name].append(median_time(repeated(fns[name], inner), device, dist.group.WORLD,
-                                             iters=5, warmup=2) * 1e3 / inner)
-    times = {name: statistics.median(s) for name, s in samples.items()}
+    samples = sample_times(list(fns.values()), device, group, rounds=rounds, calls=inner,
+                           warmup=2)
+    times = {name: float(statistics.median(s)) * 1e3 for name, s in zip(fns, samples)}
     out = row(f"{op} W={world}", m, n, k, entry["strategy"], times, overlap)
     pred = {strategy.OVERLAP: entry.get("predicted_overlap_s"),
             strategy.PLAIN: entry.get("predicted_plain_s")}
@@ -241,9 +231,8 @@ def bounded_curve(op: str, backend: str, group, device, world: int) -> dict | No
                     part = region.numel() // world
                     coll.all_gather(region, region[rank * part:(rank + 1) * part])
 
-            sizes = [max(world * 16, s // (world * 16) * (world * 16))
-                     for s in strategy.CURVE_SIZES]
-            found = measure_curve(send, sizes, DTYPE, device, group, iters=5, warmup=2)
+            found = measure_curve(send, strategy.curve_sizes(device, world), DTYPE, device,
+                                  group, iters=5, warmup=2)
             _BOUNDED[op] = {"max_ctas": ctas, **found.to_dict()}
         except Exception as e:  # noqa: BLE001 - a fact for the refit, never the row's failure
             _BOUNDED[op] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -345,12 +334,10 @@ def main():
                    help="--world-size rows: 'cuda', or a CPU backend (reference, decomposition) "
                         "for a dry run of the harness on gloo, whose times mean nothing")
     args = p.parse_args()
-    if args.world_size > 1 and args.backend != "cuda":
+    if args.world_size > 1:
         return multi_gpu(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench/strategy.py needs a CUDA device (the host link is its subject)")
-    if args.world_size > 1:
-        return multi_gpu(args)
     device = torch.device("cuda", torch.cuda.current_device())
     nccl_group_of_one("strategy")
     try:

@@ -29,3 +29,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 timeout 300 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1 \
   || { echo "install FAILED" | tee -a "$SUMMARY"; tail -20 "$LOG"; exit 1; }
+
+# sweep_stage RESERVED:CTAS NAME SECONDS CMD...: `stage` under one setting of the SMs the
+# signaling GEMM leaves free (FLASHOVERLAP_CUDA_RESERVED_SMS) and the CTAs the overlapped calls'
+# NCCL kernels may take (FLASHOVERLAP_CUDA_NCCL_CTAS; allgather's follows, 4 for NCCL's own: 0)
+sweep_stage() {
+  local rc=$1; shift
+  local ctas=${rc##*:}
+  ( export FLASHOVERLAP_CUDA_RESERVED_SMS=${rc%%:*} FLASHOVERLAP_CUDA_NCCL_CTAS=$ctas
+    export FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS=$([ "$ctas" = 0 ] && echo 4 || echo "$ctas")
+    stage "$@" )
+}

@@ -2,8 +2,8 @@
 # The multi-GPU run (issue 6) in one call on a 2-, 4- or 8-GPU machine: install, build, the
 # conformance suite against `cuda` at every world size in 2,4,8 that fits the machine, the
 # strategy decision per world size (bench/strategy.py --world-size) and a sweep of the SMs left
-# to the collectives at the largest, then bench/multigpu.py per world size (quick pass with the robustness checks, the end-to-end MLP
-# block, then the full shape set). bench/multigpu.py runs every op, allgather included (its rows
+# to the collectives at the largest, then bench/multigpu.py per world size (quick pass with the
+# robustness checks, the end-to-end MLP block, then the full shape set). bench/multigpu.py runs every op, allgather included (its rows
 # run on the backend fo picks for it where `cuda` declines it, and say so; torch's fused
 # all-gather matmul is timed where symmetric memory works). Logs and result JSON go to $OUT;
 # every step runs under `timeout`; multicast stays off.
@@ -43,10 +43,8 @@ done
 # the SMs the signaling GEMM leaves to the collectives (R) and the CTAs they may take (C):
 # the default (24:24) against its neighbours, on the prefill rows
 for rc in ${FO_SWEEP:-4:0 16:16 24:24 32:32}; do
-  ( export FLASHOVERLAP_CUDA_RESERVED_SMS=${rc%%:*} FLASHOVERLAP_CUDA_NCCL_CTAS=${rc##*:}
-    g=${rc##*:}; [ "$g" = 0 ] && g=4; export FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS=$g
-    stage "sweep-w${SIZES[-1]}-$rc" 300 $PY bench/strategy.py --world-size "${SIZES[-1]}" \
-      --tokens 4096,16384 --nk 8192x1024,8192x3584,4096x7168 )
+  sweep_stage "$rc" "sweep-w${SIZES[-1]}-$rc" 300 $PY bench/strategy.py --world-size \
+    "${SIZES[-1]}" --tokens 4096,16384 --nk 8192x1024,8192x3584,4096x7168
 done
 stage conformance 1800 $PY -m pytest -q -p no:cacheprovider --pyargs flashoverlap_core.testing \
   --fo-backend cuda --fo-world-sizes "$LIST" --junitxml "$OUT/conformance.xml" \

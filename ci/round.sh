@@ -54,9 +54,7 @@ run_one() {
     # the same rows under each "RESERVED_SMS:NCCL_CTAS" of FO_SWEEP (the SMs the signaling GEMM
     # leaves free, the CTAs its collectives may take; allgather's bound follows, 4 for 0)
     ctas-sweep) for rc in ${FO_SWEEP:?}; do
-                  ( export FLASHOVERLAP_CUDA_RESERVED_SMS=${rc%%:*} FLASHOVERLAP_CUDA_NCCL_CTAS=${rc##*:}
-                    g=${rc##*:}; [ "$g" = 0 ] && g=4; export FLASHOVERLAP_CUDA_GATHER_NCCL_CTAS=$g
-                    stage "sweep-$rc" ${FO_STRATEGY_SECONDS:-120} $PY bench/strategy.py --world-size ${FO_MG_WORLD:-2} ${FO_STRATEGY_ARGS:-} )
+                  sweep_stage "$rc" "sweep-$rc" ${FO_STRATEGY_SECONDS:-120} $PY bench/strategy.py --world-size ${FO_MG_WORLD:-2} ${FO_STRATEGY_ARGS:-}
                 done ;;
     conf-mg) stage conformance-w${FO_MG_WORLD:-2} ${FO_CONF_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-world-sizes ${FO_MG_WORLD:-2} --junitxml "$OUT/conformance-w${FO_MG_WORLD:-2}.xml" ;;
     multigpu) stage multigpu-w${FO_MG_WORLD:-2} ${FO_MULTIGPU_SECONDS:-300} $PY bench/multigpu.py --world-size ${FO_MG_WORLD:-2} --backend cuda --json "$OUT/multigpu-w${FO_MG_WORLD:-2}.json" ${FO_MULTIGPU_ARGS:---quick} ;;

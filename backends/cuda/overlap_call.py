@@ -82,7 +82,8 @@ class CudaCall(NativeCall, PreparedCall):
         self.python_path = python_path or self.kind == CUSTOM_OP or (
             group is not None and not nccl.uses_nccl(group)) or (
             self.op.splits and call.world_size > 1 and call.recv_splits is None)
-        self.comm = nccl.communicator(group, device, max_ctas=overlap_nccl_ctas(call.world_size)) if group is not None and not self.python_path else None
+        self.comm = (nccl.communicator(group, device, max_ctas=overlap_nccl_ctas(call.world_size))
+                     if group is not None and not self.python_path else None)
         self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
                          plan.dtype)
         # fp8: per call, scale_a and scale_b go to fo_call_run_scaled as they are when the key's

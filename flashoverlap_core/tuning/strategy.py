@@ -169,14 +169,19 @@ def _transfer(op: str, group, world: int):
     return transfer_fn(op, group, world)
 
 
+def curve_sizes(device: torch.device, world: int) -> list[int]:
+    """The byte sizes a collective's cost curve is measured at on ``device``: multiples of 16
+    bytes per rank, so that every op splits each evenly."""
+    align = world * 16
+    sizes = CPU_CURVE_SIZES if device.type == "cpu" else CURVE_SIZES
+    return sorted({max(align, s // align * align) for s in sizes})
+
+
 def measure_collective(op: str, dtype: torch.dtype, device: torch.device, group,
                        world: int) -> CostCurve:
     """The op's collective on ``group`` at a few sizes (well under a second)."""
-    sizes = CPU_CURVE_SIZES if device.type == "cpu" else CURVE_SIZES
-    align = world * 16
-    sizes = [max(align, s // align * align) for s in sizes]
-    return measure_curve(_transfer(op, group, world), sorted(set(sizes)), dtype, device, group,
-                         iters=5, warmup=2)
+    return measure_curve(_transfer(op, group, world), curve_sizes(device, world), dtype, device,
+                         group, iters=5, warmup=2)
 
 
 # ---- the facts of a group, agreed --------------------------------------------------------------
@@ -245,7 +250,7 @@ class Prediction:
         return asdict(self)
 
 
-def _contention(backend, device: torch.device, group, cache: TuningCache) -> Contention:
+def fitted_contention(backend, device: torch.device, group, cache: TuningCache) -> Contention:
     """The contention the tuner fitted on this device and group, else the assumed one."""
     ctx = context_for(backend, device.type, group).key()
     for entry in cache.entries("contention"):
@@ -323,7 +328,7 @@ def choose(plan: Plan, backend, group, device: torch.device,
         cache = cache or TuningCache()
         try:
             rates, curve = group_facts(plan, backend, group, device, cache)
-            fixed = predict(plan, rates, curve, _contention(backend, device, group, cache))
+            fixed = predict(plan, rates, curve, fitted_contention(backend, device, group, cache))
         except (RuntimeError, ValueError, OSError) as e:
             fixed = fallback(plan, e)
         log.debug("flashoverlap: strategy %s in %.2f ms", fixed.strategy,
