@@ -45,31 +45,38 @@ def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda",
     return median_time(repeated, device, None, iters, warmup) * 1e3 / inner
 
 
-def steady_ms(fn, warmup: int = 3, iters: int = 15, inner: int = 1) -> tuple[float, float]:
-    """(median device ms, median host µs) per call of ``fn`` on the current CUDA device, as a call
-    in a running program sees it: each timed iteration queues ``inner`` calls right behind one
-    more untimed call, so the device is still busy with that one while the host queues the
-    timed ones (a layer's call runs behind the layer before it). On an idle device the first
-    timed call's host time (its launch latency) would count as device time, once per
-    iteration; here it counts only where the host cannot keep up (a host-bound call is timed at
-    the host's pace). The host time is the host clock over queuing the ``inner`` calls."""
-    for _ in range(warmup):
-        fn()
-    device_ms, host_us = [], []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        fn()  # the lead: untimed
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        device_ms.append(start.elapsed_time(end) / inner)
-        host_us.append((t1 - t0) * 1e6 / inner)
-    return statistics.median(device_ms), statistics.median(host_us)
+def steady_times(fns: dict, iters: int = 45, inner: int = 1, warmup: int = 3) -> dict:
+    """{name: (median device ms, median host µs) per call} of each function on the current CUDA
+    device, timed as a call in a running program sees it: each timed batch queues ``inner``
+    calls right behind one more untimed call, so the device is still busy with that one while
+    the host queues the batch (a layer's call runs behind the layer before it). On an idle
+    device the first call's host time (its launch latency) would count as device time, once per
+    batch; here it counts only where the host cannot keep up (a host-bound call is timed at the
+    host's pace). The host time is the host clock over queuing the batch. The functions' batches
+    alternate (the order rotated each iteration), so clock drift reaches every function alike."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    device_ms = {name: [] for name in names}
+    host_us = {name: [] for name in names}
+    for it in range(iters):
+        for name in names[it % len(names):] + names[:it % len(names)]:
+            fn = fns[name]
+            torch.cuda.synchronize()
+            fn()  # the lead: untimed
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            t1 = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            device_ms[name].append(start.elapsed_time(end) / inner)
+            host_us[name].append((t1 - t0) * 1e6 / inner)
+    return {name: (statistics.median(device_ms[name]), statistics.median(host_us[name]))
+            for name in names}
 
 
 def nccl_group_of_one(prefix: str) -> None:

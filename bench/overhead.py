@@ -26,9 +26,10 @@ Two kinds of rows (issue 31 added the first):
 
 Each row records the strategy the call ran (``fo.prepared_calls()``).
 
-Timing (``common.steady_ms``): each side is timed as a call in a running program sees it,
+Timing (``common.steady_times``): each side is timed as a call in a running program sees it,
 eager, back to back, each timed batch queued right behind one more untimed call, so the device
-is still busy while the host queues the batch. The device time per call is the row's ``fo_ms``
+is still busy while the host queues the batch; the two sides' batches alternate (45 each, the
+medians kept), so both see the same GPU clocks. The device time per call is the row's ``fo_ms``
 / ``plain_ms``; the host's time to queue one call is its ``fo_host_us`` / ``plain_host_us``.
 Until 2026-12-04 the batch started on an idle device, which counted the first call's host time
 (launch latency) as device time once per batch (3 or 10 calls): fo's longer host time weighed
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 
 import flashoverlap_core as fo
 from flashoverlap_core import api
-from common import (device_tag, nccl_group_of_one, steady_ms, table, time_alternating, trace_events,
+from common import (device_tag, nccl_group_of_one, steady_times, table, time_alternating, trace_events,
                     write_result)
 
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
@@ -62,26 +63,18 @@ STRATEGY_ENV = "FLASHOVERLAP_STRATEGY"
 EPS = 1e-6
 
 
-def timed(fn, inner: int) -> tuple[float, float]:
-    return steady_ms(fn, warmup=3, iters=15, inner=inner)
-
-
-ROUNDS = 3  # pair(): timings of each side, interleaved
+PAIRS = 45  # pair(): batches of each side, alternating
 GEMM_REPS = 30  # gemm_ratio(): alternating graph replays of each GEMM
 
 
 def pair(fo_call, plain, inner: int) -> tuple[float, float, float, float]:
-    """(fo ms, plain ms, fo host µs, plain host µs) per call: each side timed ROUNDS times,
-    interleaved, the lowest device median kept (drift; the fp8 GEMMs' clocks move by 1-2%
-    between timings), the median host time."""
+    """(fo ms, plain ms, fo host µs, plain host µs) per call: the medians of PAIRS batches of
+    each side, alternating (common.steady_times), so that both sides see the same clocks (the
+    GPU's clock moved runs of one side by up to 7% between earlier, separate timings)."""
     fo_call(), plain()  # first calls: prepare, compile, load
     torch.cuda.synchronize()
-    fo_t, plain_t = [], []
-    for _ in range(ROUNDS):
-        fo_t.append(timed(fo_call, inner))
-        plain_t.append(timed(plain, inner))
-    return (min(t[0] for t in fo_t), min(t[0] for t in plain_t),
-            statistics.median(t[1] for t in fo_t), statistics.median(t[1] for t in plain_t))
+    t = steady_times({"fo": fo_call, "plain": plain}, iters=PAIRS, inner=inner)
+    return t["fo"][0], t["plain"][0], t["fo"][1], t["plain"][1]
 
 
 def gemm_ratio(a, b, dtype: str, scales) -> float:
