@@ -20,7 +20,7 @@ from .checks import call_of, spec_of
 from .collectives import exchange_objects, resolve_group
 from .ops import of
 from .plan import Plan
-from .planning import decide_strategy, plan_and_source, strategy_mode
+from .planning import decide_strategy, make_plan, plan_and_source, strategy_mode
 
 
 def agree(c: dict, a, b, op, plan, out, recv_splits, backend
@@ -107,14 +107,31 @@ def agree(c: dict, a, b, op, plan, out, recv_splits, backend
         _raise_errors(views, error)
         _check_same_plan(c["op"], views)
         _check_same_mode(views)
+        return _decided(c, a, b, op, chosen_plan, out, fit[0], mode, group,
+                        _expected_rows_plan(fit[0], hinted, mode))
     return _decided(c, a, b, op, chosen_plan, out, fit[0], mode, group)
 
 
-def _decided(c, a, b, op, plan, out, backend, mode, group):
-    """The call with its plan's strategy chosen (a default plan), the backend, the facts."""
+def _expected_rows_plan(backend, hinted, mode) -> Plan | None:
+    """An all_to_all key's strategy is predicted on the default plan of the ranks' mean rows
+    (``hinted.rows_hint``, the same on every rank), split evenly over the destinations: the
+    key's own plan holds no rows. None when nothing is predicted (or no rows were sent)."""
+    rows, world = hinted.rows_hint, hinted.world_size
+    if mode != "predict" or not rows:
+        return None
+    splits = tuple(rows // world + (r < rows % world) for r in range(world))
+    try:
+        return make_plan(backend, dataclasses.replace(hinted, m=rows, send_splits=splits))
+    except (TypeError, ValueError):
+        return None  # then the key overlaps, as without rows (strategy.fixed_choice)
+
+
+def _decided(c, a, b, op, plan, out, backend, mode, group, predict_on=None):
+    """The call with its plan's strategy chosen (a default plan), the backend, the facts
+    (``predict_on``: an all_to_all key's plan of its expected rows)."""
     facts = None
     if mode is not None:
-        plan, facts = decide_strategy(plan, backend, group, a.device)
+        plan, facts = decide_strategy(plan, backend, group, a.device, predict_on)
     return call_of(c, a, b, op, plan, out), backend, facts
 
 

@@ -42,8 +42,11 @@ class StrategyChoice(Protocol):
         """What this rank would do, the same on every rank that decides alike: a fixed strategy
         ("overlap", "sequential"), or "predict" (collective over the group at its first call)."""
 
-    def decide(self, plan: Plan, backend: Backend, group, device) -> tuple[Plan, dict]:
-        """``plan`` with its strategy, and what ``fo.prepared_calls()`` shows about the choice."""
+    def decide(self, plan: Plan, backend: Backend, group, device,
+               predict_on: Plan | None = None) -> tuple[Plan, dict]:
+        """``plan`` with its strategy, and what ``fo.prepared_calls()`` shows about the choice;
+        ``predict_on``: the plan whose times are predicted instead (all_to_all: its key's plan
+        holds no rows, so the plan of the ranks' mean rows, evenly split)."""
 
 
 _strategy: StrategyChoice | None = None
@@ -63,9 +66,11 @@ def strategy_mode(plan: Plan, source: str) -> str | None:
     return _strategy.mode(plan)
 
 
-def decide_strategy(plan: Plan, backend: Backend, group, device) -> tuple[Plan, dict]:
-    """A default plan with the installed choice's strategy, and the choice's facts."""
-    return _strategy.decide(plan, backend, group, device)
+def decide_strategy(plan: Plan, backend: Backend, group, device,
+                    predict_on: Plan | None = None) -> tuple[Plan, dict]:
+    """A default plan with the installed choice's strategy, and the choice's facts
+    (``predict_on``: see :meth:`StrategyChoice.decide`)."""
+    return _strategy.decide(plan, backend, group, device, predict_on)
 
 
 def plan_for(c: dict, spec: OverlapSpec, chosen: Backend, plan, op) -> Plan:

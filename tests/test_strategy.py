@@ -44,12 +44,36 @@ def test_fixed_rules(monkeypatch):
         st.fixed_choice(plan_of(16384, 8192, 1024))
 
 
-def test_all_to_all_overlaps_at_world_size_above_one_and_is_plain_alone():
+def test_all_to_all_is_predicted_at_world_size_above_one_and_is_plain_alone():
     two = fo.plan(2, 1024, 512, op="all_to_all", world_size=2, send_splits=[1, 1],
                   backend="reference")
     one = fo.plan(64, 1024, 512, op="all_to_all", world_size=1, backend="reference")
-    assert st.fixed_choice(two).strategy == st.OVERLAP
+    assert st.fixed_choice(two) is None  # predicted on the plan of the ranks' mean rows
+    assert st.fixed_choice(two, predicted_rows=False).strategy == st.OVERLAP  # none given
     assert st.fixed_choice(one).strategy == st.PLAIN
+
+
+def test_all_to_all_key_takes_the_choice_predicted_on_its_expected_rows(monkeypatch):
+    """The key's plan (no rows of its own) gets the strategy predicted on the plan of the
+    expected rows, whichever way it goes; without that plan it overlaps."""
+    key = fo.plan(2, 8192, 8192, op="all_to_all", world_size=2, send_splits=[1, 1],
+                  backend="reference")
+    big = fo.plan(16384, 8192, 8192, op="all_to_all", world_size=2, send_splits=[8192, 8192],
+                  backend="reference")
+    few = fo.plan(16, 8192, 8192, op="all_to_all", world_size=2, send_splits=[8, 8],
+                  backend="reference")
+    link = NVLINK
+    assert (st.predict(big, H200_LIKE, link).strategy, st.predict(few, H200_LIKE, link).strategy) \
+        == (st.OVERLAP, st.PLAIN)
+    seen = []
+    monkeypatch.setattr(st, "group_facts", lambda plan, *a, **k: seen.append(plan) or (H200_LIKE, link))
+    for on in (big, few):
+        plan, prediction = st.choose(key, _Backend(), None, torch.device("cpu"), predict_on=on)
+        assert plan.strategy == st.predict(on, H200_LIKE, link).strategy, prediction
+        assert plan.m == key.m and plan.group_sizes == key.group_sizes, plan
+        assert "predicted" in prediction.reason and seen[-1] is on, prediction
+    plan, prediction = st.choose(key, _Backend(), None, torch.device("cpu"))
+    assert plan.strategy == st.OVERLAP and "without the ranks' expected rows" in prediction.reason
 
 
 def test_a_callable_op_always_overlaps(monkeypatch):
@@ -259,6 +283,8 @@ def test_ranks_choose_alike_from_agreed_numbers(tmp_path):
     assert all("error" not in r and r["ok"] for r in first), first
     assert first[0]["strategies"] == first[1]["strategies"], first
     assert "predicted" in first[0]["reasons"][0], first
+    # all_to_all (rows 8 and 13): predicted too, on the plan of the ranks' mean rows
+    assert "predicted" in first[0]["reasons"][1], first
     # rank 1 loses its cached numbers: every rank measures again, and still chooses alike
     (tmp_path / "rank1.json").unlink()
     again = pool.run(_default_strategy_on_ranks, 8, str(tmp_path), ["auto", "auto"], timeout=240)

@@ -26,9 +26,12 @@ tuning cache (section "rates"), keyed so that another device or library version 
 them. Later calls of a key pay nothing: the choice is part of the key's plan.
 
 World size 1 with a collective op is always plain: there is nothing to overlap. A callable op
-is always overlapped: the caller asked for its transfer. all_to_all at world size > 1 is
-overlapped: its key is settled before any call's rows are known, and rows differ by rank and
-call, so no prediction would be shared (not yet: a choice per call from the exchanged counts). ``FLASHOVERLAP_STRATEGY`` (``auto``,
+is always overlapped: the caller asked for its transfer. all_to_all at world size > 1: rows
+differ by rank and by call, and its key holds none, so it is predicted on the plan of the
+ranks' mean rows at the key's first call, split evenly (every rank's rows were exchanged in
+the first call's agreement, so every rank predicts on the same plan); without those rows (a
+caller that gives none) it is overlapped. The choice holds for the key's later calls, whatever
+their rows: deciding per call would take a collective per call. ``FLASHOVERLAP_STRATEGY`` (``auto``,
 ``overlap``, ``plain``) overrides the choice of every default call; a tuned plan in the cache and
 an explicit ``plan=`` are never overridden.
 
@@ -279,16 +282,18 @@ def predict(plan: Plan, rates: GemmRates, curve: CostCurve,
         plain = rates.plain_s(plan.m, plan.n, plan.k, in_size, out_size) + curve(result_bytes)
         if plan.layout != "rows":  # the post-communication reorder: one read and write
             model = replace(model, post_s=2.0 * result_bytes / rates.bytes_per_s)
-    overlap = model.predict(plan.group_sizes)
+    # (an all_to_all plan's destination chunks may hold no tiles at a few rows: they move nothing)
+    overlap = model.predict([g for g in plan.group_sizes if g])
     plain, overlap = float(plain), float(overlap)
     if overlap <= plain * (1.0 - MIN_GAIN):
         return Prediction(OVERLAP, overlap, plain, "overlap predicted faster")
     return Prediction(PLAIN, overlap, plain, "the plain path predicted no slower")
 
 
-def fixed_choice(plan: Plan) -> Prediction | None:
+def fixed_choice(plan: Plan, predicted_rows: bool = True) -> Prediction | None:
     """The choice that needs no prediction: a callable op overlaps, world size 1 is plain, and
-    ``$FLASHOVERLAP_STRATEGY`` when it is not "auto"."""
+    ``$FLASHOVERLAP_STRATEGY`` when it is not "auto"; an all_to_all key overlaps when no plan
+    of expected rows is given to predict on (``predicted_rows`` False)."""
     asked = requested()
     if plan.op == "custom":
         return Prediction(OVERLAP, None, None, "a callable op is always overlapped")
@@ -298,9 +303,9 @@ def fixed_choice(plan: Plan) -> Prediction | None:
         return Prediction(PLAIN, None, None, f"{ENV_STRATEGY}=plain")
     if plan.world_size == 1:
         return Prediction(PLAIN, None, None, "world size 1: nothing to overlap")
-    if plan.kind.splits:  # no rows are shared: the key is settled before any call's rows
-        return Prediction(OVERLAP, None, None, "all_to_all at world size > 1: each call's rows "
-                          "are its own, so no prediction is shared; overlapped")
+    if plan.kind.splits and not predicted_rows:  # the key's plan holds no rows to predict on
+        return Prediction(OVERLAP, None, None, "all_to_all at world size > 1 without the ranks' "
+                          "expected rows: overlapped")
     return None
 
 
@@ -318,19 +323,22 @@ def fallback(plan: Plan, error: BaseException) -> Prediction:
 
 
 def choose(plan: Plan, backend, group, device: torch.device,
-           cache: TuningCache | None = None) -> tuple[Plan, Prediction]:
+           cache: TuningCache | None = None, predict_on: Plan | None = None
+           ) -> tuple[Plan, Prediction]:
     """``plan`` with its predicted strategy, and the prediction. Collective over ``group`` at a
     group's first prediction of an op and dtype (the agreement, and a measurement when some
-    rank has no cached numbers); local afterwards."""
-    fixed = fixed_choice(plan)
+    rank has no cached numbers); local afterwards. ``predict_on``: the plan whose times are
+    predicted (an all_to_all key's: that of the ranks' mean rows), else ``plan``."""
+    fixed = fixed_choice(plan, predict_on is not None or not plan.kind.splits)
     if fixed is None:
         began = time.perf_counter()
         cache = cache or TuningCache()
+        on = predict_on or plan
         try:
-            rates, curve = group_facts(plan, backend, group, device, cache)
-            fixed = predict(plan, rates, curve, fitted_contention(backend, device, group, cache))
+            rates, curve = group_facts(on, backend, group, device, cache)
+            fixed = predict(on, rates, curve, fitted_contention(backend, device, group, cache))
         except (RuntimeError, ValueError, OSError) as e:
-            fixed = fallback(plan, e)
+            fixed = fallback(on, e)
         log.debug("flashoverlap: strategy %s in %.2f ms", fixed.strategy,
                   1e3 * (time.perf_counter() - began))
     if fixed.strategy == PLAIN and requested() != "plain" and not plain_gemm_native(plan, device):
@@ -361,6 +369,7 @@ class StrategyChoice:
         fixed = fixed_choice(plan)
         return fixed.strategy if fixed is not None else "predict"
 
-    def decide(self, plan: Plan, backend, group, device: torch.device) -> tuple[Plan, dict]:
-        chosen, prediction = choose(plan, backend, group, device)
+    def decide(self, plan: Plan, backend, group, device: torch.device,
+               predict_on: Plan | None = None) -> tuple[Plan, dict]:
+        chosen, prediction = choose(plan, backend, group, device, predict_on=predict_on)
         return chosen, prediction.to_dict()
