@@ -34,7 +34,8 @@ plan forced to overlap and forced plain are timed in alternating rounds, the slo
 time counting. The row says which was faster, whether the default call picked it, what it lost
 when it did not, and the model's error on each strategy. allgather's tokens are the gathered
 rows (each rank holds tokens / W); all_to_all sends tokens / W rows to every rank (its default
-is a fixed rule at W > 1: overlapped, measured the same way).
+is predicted on the plan of the ranks' mean rows, here the row's tokens, split evenly; runs
+before 2026-12-04 15:30, tree 94e0b49, had a fixed rule at W > 1: overlapped).
 
     python bench/strategy.py --world-size 2 [--tokens 16,...] [--nk 8192x1024,...] [--ops ...]
 
@@ -169,8 +170,8 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     overlap = fo.plan(m, n, k, op=op, world_size=world, dtype=DTYPE, backend=backend,
                       send_splits=splits)
     overlap = replace(overlap, strategy=strategy.OVERLAP)
-    # what the model predicted from (this process's memo; all_to_all, chosen by a fixed rule,
-    # measures here, on every rank alike), to refit it offline
+    # what the model predicted from (this process's memo, else measured here, on every rank
+    # alike), to refit it offline
     chosen, group = fo.registry.get(backend), dist.group.WORLD
     rates, curve = strategy.group_facts(overlap, chosen, group, device)
     contention = strategy.fitted_contention(chosen, device, group, strategy.TuningCache())

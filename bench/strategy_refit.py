@@ -13,7 +13,8 @@ measured ones:
 * ``curve``: the collective timed on torch's communicator (the model as it is) or on the
   bounded one (where the row has it).
 
-all_to_all rows (a fixed rule at W > 1) are left out. Prints the best variants; ``--json``
+all_to_all rows are left out (this script rebuilds each row's plan without splits; runs before
+tree 94e0b49 chose them by a fixed rule). Prints the best variants; ``--json``
 writes them all.
 
     python bench/strategy_refit.py bench/results/strategy-w2-<device>-<date>.json [...] [--sms 132]
