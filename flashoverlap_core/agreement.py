@@ -18,6 +18,7 @@ from . import registry
 from .backend import Backend, OverlapCall, call_reasons
 from .checks import call_of, spec_of
 from .collectives import exchange_objects, resolve_group
+from .grouping import equal_splits
 from .ops import of
 from .plan import Plan
 from .planning import decide_strategy, make_plan, plan_and_source, strategy_mode
@@ -119,7 +120,7 @@ def _expected_rows_plan(backend, hinted, mode) -> Plan | None:
     rows, world = hinted.rows_hint, hinted.world_size
     if mode != "predict" or not rows:
         return None
-    splits = tuple(rows // world + (r < rows % world) for r in range(world))
+    splits = tuple(equal_splits(rows, world))
     try:
         return make_plan(backend, dataclasses.replace(hinted, m=rows, send_splits=splits))
     except (TypeError, ValueError):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
 
+from flashoverlap_core.grouping import equal_splits
 from flashoverlap_core.ops import of
 
 from . import build, runtime
@@ -131,7 +132,7 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
         if not spec.rows_hint:
             return tile
         rows, world = spec.rows_hint, spec.world_size
-        blocks = [rows // world + (r < rows % world) for r in range(world)]
+        blocks = equal_splits(rows, world)
     elif of(spec.op).blocks == "ranks" and spec.world_size > 1:
         blocks = [spec.m // spec.world_size] * spec.world_size
 
