@@ -18,7 +18,7 @@ run_one() {
     fp8) FO_GEMM_TEST_CONFIGS=e4m3 stage fp8-tests ${FO_FP8_SECONDS:-120} $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_fp8.py tests/gpu/test_gemm_epilogue.py -k "e4m3 or test_cuda_fp8" ;;
     callpath) stage callpath 90 $PY bench/callpath.py ;;
     mr-conf) stage multirank-conformance 240 $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_MR_WORLDS:-2,3,4} --junitxml "$OUT/multirank-conformance.xml" ;;
-    gemm) stage gemm 240 $PY bench/gemm.py ;;
+    gemm) stage gemm 240 $PY bench/gemm.py ${FO_GEMM_ARGS:-} ;;
     # the conformance suite's fp8 cases (every op and scaling) on cuda, ranks sharing the GPU
     fp8-conf) stage fp8-conformance ${FO_FP8_CONF_SECONDS:-300} $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_fp8 --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_FP8_WORLDS:-1,2,3,4} --junitxml "$OUT/fp8-conformance.xml" ;;
     cuda-tests) stage cuda-tests ${FO_CUDA_TESTS_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/gpu/test_cuda.py ;;
