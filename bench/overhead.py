@@ -315,6 +315,50 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
                  "timelines of single calls (synchronised apart), NCCL group of one rank"})
 
 
+def split_rows(rows: list[tuple[str, str, int, int, int]]):
+    """--split: where each given row's time goes. Four functions timed together, alternating
+    (common.steady_times): the fo call, its signaling GEMM alone (the default allreduce plan,
+    launched eagerly, counters that only grow), the plain form, and its GEMM alone (``a @ b`` or
+    ``_scaled_mm``). fo - fo_gemm is what the call adds to its GEMM on the device, plain -
+    plain_gemm what the collective call adds to cuBLAS's. Writes overhead-split-<device>-<date>.json;
+    no targets."""
+    found = []
+    for op, dtype, m, n, k in rows:
+        a, b, scales = operands(m, n, k, dtype)
+        fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
+        backend = fo.registry.get("cuda")
+        plan = fo.plan(m, n, k, "allreduce", 1, a.dtype, backend="cuda",
+                       **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
+        packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
+        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
+        if scales is None:
+            plain_gemm = lambda: a @ b  # noqa: E731
+        else:
+            plain_gemm = lambda: torch._scaled_mm(a, b, scales[0], scales[1],  # noqa: E731
+                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
+        fns = {"fo": fo_call, "fo_gemm": lambda: backend.launch_gemm(plan, a, b, packed,
+                                                                    counters=counters, scales=scales),
+               "plain": plain, "plain_gemm": plain_gemm}
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+        inner = 10 if m * n * k < 1 << 36 else 3
+        t = steady_times(fns, iters=PAIRS, inner=inner)
+        row = {"op": op, "dtype": dtype, "M": m, "N": n, "K": k,
+               **{f"{name}_us": round(v[0] * 1000, 2) for name, v in t.items()},
+               **{f"{name}_host_us": round(v[1], 1) for name, v in t.items()}}
+        row["fo_adds_us"] = round(row["fo_us"] - row["fo_gemm_us"], 2)
+        row["plain_adds_us"] = round(row["plain_us"] - row["plain_gemm_us"], 2)
+        row["gemm_ratio"] = round(row["plain_gemm_us"] / row["fo_gemm_us"], 4)
+        row["ratio"] = round(row["plain_us"] / row["fo_us"], 4)
+        found.append(row)
+        print(table([row], list(row)), flush=True)
+        api.forget_prepared()
+    write_result(f"overhead-split-{device_tag()}", found, {
+        "note": "steady_times of the fo call, its GEMM alone, the plain form and its GEMM alone, "
+                "alternating; NCCL group of one rank"})
+
+
 def _watchdog_on() -> bool:
     """Whether the cuda backend's NCCL watchdog watched this run's communicators."""
     try:
@@ -335,9 +379,18 @@ def main(argv=None) -> int:
                         help="the prefill rows' FLASHOVERLAP_STRATEGY (decode rows: auto)")
     parser.add_argument("--profile", default="",
                         help="op:dtype:MxNxK,... : only the device timelines of these rows")
+    parser.add_argument("--split", default="",
+                        help="op:dtype:MxNxK,... : only where these rows' time goes (split_rows)")
     parser.add_argument("--back-to-back", action="store_true",
                         help="with --profile: the calls back to back, as timed, with host time")
     args = parser.parse_args(argv)
+    if args.split:
+        nccl_group_of_one("overhead")
+        os.environ[STRATEGY_ENV] = args.prefill_strategy
+        split_rows([(op, dtype, *(int(x) for x in mnk.split("x")))
+                    for op, dtype, mnk in (item.split(":") for item in args.split.split(","))])
+        dist.destroy_process_group()
+        return 0
     if args.profile:
         nccl_group_of_one("overhead")
         os.environ[STRATEGY_ENV] = args.prefill_strategy

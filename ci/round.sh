@@ -42,6 +42,7 @@ run_one() {
              | split -b 15m - "$OUT/new-cache.tgz.part-" ) && echo "cache: $(ls "$OUT" | grep -c new-cache) parts" | tee -a "$SUMMARY" ;;
     profile) stage profile 150 $PY bench/overhead.py --profile "${FO_PROFILE_ROWS:?}" ;;
     b2b) stage profile-b2b 150 $PY bench/overhead.py --back-to-back --profile "${FO_PROFILE_ROWS:?}" ;;
+    split) stage overhead-split ${FO_SPLIT_SECONDS:-150} $PY bench/overhead.py --split "${FO_SPLIT_ROWS:?}" ;;
     # the fault tests (xdist: scenarios at once, each in its own processes) beside the fault
     # benchmark: neither times anything but seconds-long timeouts
     faults) stage faults-bench ${FO_FAULTS_BENCH_SECONDS:-400} $PY bench/faults.py ${FO_FAULTS_ARGS:-} >/dev/null &
