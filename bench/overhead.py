@@ -10,8 +10,9 @@ Rows: tokens x (N, K) x op x dtype. Ops: allreduce, reduce_scatter, all_to_all (
 allgather, and ``fo.overlap_add_rmsnorm`` against ``a @ b`` + allreduce + a torch.compile'd
 add + ``rms_norm``; bf16, and fp8 (e4m3, row-wise scales) for allreduce and reduce_scatter (the
 ops with a native fp8 path on cuda). Each row also records the signaling GEMM alone against
-cuBLAS on the same shape (its ``gemm_ratio``): where that is below 0.97 the row's bound is the
-GEMM's own ratio minus 0.01 (issue 30). An allreduce row records the call's workspace bytes
+cuBLAS on the same shape (its ``gemm_ratio``; both GEMMs alone, CUDA-graph replays, timed in
+the row's own alternation so that they run at the row's clocks): where that is below 0.97 the
+row's bound is the GEMM's own ratio minus 0.01 (issue 30). An allreduce row records the call's workspace bytes
 (``fo.prepared_calls()``) against its output's. Writes bench/results/overhead-<device>-<date>.json
 with a ``summary`` (min and median of plain / fo, and whether the targets are met).
 
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 
 import flashoverlap_core as fo
 from flashoverlap_core import api
-from common import (device_tag, nccl_group_of_one, steady_times, table, time_alternating, trace_events,
+from common import (device_tag, graph, nccl_group_of_one, steady_times, table, trace_events,
                     write_result)
 
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
@@ -64,38 +65,50 @@ EPS = 1e-6
 
 
 PAIRS = 45  # pair(): batches of each side, alternating
-GEMM_REPS = 30  # gemm_ratio(): alternating graph replays of each GEMM
 
 
-def pair(fo_call, plain, inner: int) -> tuple[float, float, float, float]:
-    """(fo ms, plain ms, fo host µs, plain host µs) per call: the medians of PAIRS batches of
-    each side, alternating (common.steady_times), so that both sides see the same clocks (the
-    GPU's clock moved runs of one side by up to 7% between earlier, separate timings)."""
+def pair(fo_call, plain, inner: int, gemms: dict | None = None) -> dict:
+    """{name: (ms, host µs) per call}: the medians of PAIRS batches of each side, alternating
+    (common.steady_times), so that both sides see the same clocks (the GPU's clock moved runs
+    of one side by up to 7% between earlier, separate timings). ``gemms`` (gemm_alone) joins
+    the same alternation: the row's GEMMs alone, timed under the row's own clocks."""
     fo_call(), plain()  # first calls: prepare, compile, load
     torch.cuda.synchronize()
-    t = steady_times({"fo": fo_call, "plain": plain}, iters=PAIRS, inner=inner)
-    return t["fo"][0], t["plain"][0], t["fo"][1], t["plain"][1]
+    return steady_times({"fo": fo_call, "plain": plain, **(gemms or {})}, iters=PAIRS, inner=inner)
 
 
-def gemm_ratio(a, b, dtype: str, scales) -> float:
-    """cuBLAS (or _scaled_mm) time / the signaling GEMM's alone, on the default allreduce plan
-    (device time: CUDA-graph replays, as bench/gemm.py times them)."""
-    backend = fo.registry.get("cuda")
-    plan = fo.plan(a.shape[0], b.shape[1], a.shape[1], "allreduce", 1, a.dtype, backend="cuda",
-                   **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
-    packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
-    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
+class GemmAlone:
+    """The signaling GEMM alone (the default allreduce plan, counters that only grow) and cuBLAS
+    on the same operands (``_scaled_mm`` for fp8), each one launch captured in a CUDA graph and
+    replayed (bench/gemm.py's device time, without Python's launch cost). ``fns`` join a row's
+    alternation (pair), so its gemm_ratio is measured under the clocks its call ran at: timed
+    apart, minutes before the row, the same fp8 GEMM's ratio read 0.921 in one run and 0.898 in
+    the next while its row read 0.893 and 0.898 (2026-12-04, 4096 x 8192 x 3584), twice the 1%
+    a row's bound allows."""
 
-    def signaling():  # the counters only grow: no reset kernel beside the GEMM
-        backend.launch_gemm(plan, a, b, packed, counters=counters, scales=scales)
+    def __init__(self, a, b, dtype: str, scales):
+        backend = fo.registry.get("cuda")
+        plan = fo.plan(a.shape[0], b.shape[1], a.shape[1], "allreduce", 1, a.dtype, backend="cuda",
+                       **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
+        self.packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
+        self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
 
-    if dtype == "fp8":
-        cublas = lambda: torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,  # noqa: E731
-                                          use_fast_accum=True)
-    else:
-        cublas = lambda: a @ b  # noqa: E731
-    times = time_alternating({"signaling": signaling, "cublas": cublas}, reps=GEMM_REPS, inner=10)
-    return statistics.median(times["cublas"]) / statistics.median(times["signaling"])
+        def signaling():
+            backend.launch_gemm(plan, a, b, self.packed, counters=self.counters, scales=scales)
+
+        if dtype == "fp8":
+            def cublas():
+                return torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+        else:
+            def cublas():
+                return a @ b
+        self.graphs = {"fo_gemm": graph(signaling, 1), "cublas_gemm": graph(cublas, 1)}
+        self.fns = {name: g.replay for name, g in self.graphs.items()}
+
+    @staticmethod
+    def ratio(times: dict) -> float:
+        return times["cublas_gemm"][0] / times["fo_gemm"][0]
 
 
 def operands(m, n, k, dtype: str):
@@ -197,11 +210,14 @@ def summarize(rows: list[dict], decode: bool) -> dict:
     return out
 
 
-def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm, ratio) -> dict:
+def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm,
+                gemms: GemmAlone | None) -> dict:
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     fo_call, plain = calls(op, a, b, scales, compiled_norm)
     inner = 10 if m * n * k < 1 << 36 else 3
-    fo_ms, plain_ms, fo_host, plain_host = pair(fo_call, plain, inner)
+    t = pair(fo_call, plain, inner, gemms.fns if gemms is not None else None)
+    (fo_ms, fo_host), (plain_ms, plain_host) = t["fo"], t["plain"]
+    ratio = GemmAlone.ratio(t) if gemms is not None else None
     if op == "add_rmsnorm":
         bound = NORM_TARGET
     elif kind == "decode":
@@ -317,46 +333,30 @@ def profile_rows(rows: list[tuple[str, str, int, int, int]], calls_each: int = 4
 
 def split_rows(rows: list[tuple[str, str, int, int, int]]):
     """--split: where each given row's time goes. Four functions timed together, alternating
-    (common.steady_times): the fo call, its signaling GEMM alone (the default allreduce plan,
-    launched eagerly, counters that only grow), the plain form, and its GEMM alone (``a @ b`` or
-    ``_scaled_mm``). fo - fo_gemm is what the call adds to its GEMM on the device, plain -
-    plain_gemm what the collective call adds to cuBLAS's. Writes overhead-split-<device>-<date>.json;
-    no targets."""
+    (pair): the fo call, the plain form, and the two GEMMs alone (GemmAlone: the signaling GEMM
+    of the default allreduce plan and cuBLAS / ``_scaled_mm``, graph replays). fo - fo_gemm is
+    what the call adds to its GEMM on the device, plain - cublas_gemm what the plain form adds
+    to cuBLAS's. Writes overhead-split-<device>-<date>.json; no targets."""
     found = []
     for op, dtype, m, n, k in rows:
         a, b, scales = operands(m, n, k, dtype)
         fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
-        backend = fo.registry.get("cuda")
-        plan = fo.plan(m, n, k, "allreduce", 1, a.dtype, backend="cuda",
-                       **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
-        packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
-        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
-        if scales is None:
-            plain_gemm = lambda: a @ b  # noqa: E731
-        else:
-            plain_gemm = lambda: torch._scaled_mm(a, b, scales[0], scales[1],  # noqa: E731
-                                                  out_dtype=torch.bfloat16, use_fast_accum=True)
-        fns = {"fo": fo_call, "fo_gemm": lambda: backend.launch_gemm(plan, a, b, packed,
-                                                                    counters=counters, scales=scales),
-               "plain": plain, "plain_gemm": plain_gemm}
-        for fn in fns.values():
-            fn()
-        torch.cuda.synchronize()
-        inner = 10 if m * n * k < 1 << 36 else 3
-        t = steady_times(fns, iters=PAIRS, inner=inner)
+        gemms = GemmAlone(a, b, dtype, scales)
+        t = pair(fo_call, plain, 10 if m * n * k < 1 << 36 else 3, gemms.fns)
         row = {"op": op, "dtype": dtype, "M": m, "N": n, "K": k,
                **{f"{name}_us": round(v[0] * 1000, 2) for name, v in t.items()},
                **{f"{name}_host_us": round(v[1], 1) for name, v in t.items()}}
         row["fo_adds_us"] = round(row["fo_us"] - row["fo_gemm_us"], 2)
-        row["plain_adds_us"] = round(row["plain_us"] - row["plain_gemm_us"], 2)
-        row["gemm_ratio"] = round(row["plain_gemm_us"] / row["fo_gemm_us"], 4)
+        row["plain_adds_us"] = round(row["plain_us"] - row["cublas_gemm_us"], 2)
+        row["gemm_ratio"] = round(GemmAlone.ratio(t), 4)
         row["ratio"] = round(row["plain_us"] / row["fo_us"], 4)
         found.append(row)
         print(table([row], list(row)), flush=True)
+        del gemms
         api.forget_prepared()
     write_result(f"overhead-split-{device_tag()}", found, {
-        "note": "steady_times of the fo call, its GEMM alone, the plain form and its GEMM alone, "
-                "alternating; NCCL group of one rank"})
+        "note": "the fo call, the plain form and both GEMMs alone (graph replays), timed in one "
+                "alternation (common.steady_times); NCCL group of one rank"})
 
 
 def _watchdog_on() -> bool:
@@ -420,13 +420,14 @@ def main(argv=None) -> int:
                 os.environ[STRATEGY_ENV] = "auto" if kind == "decode" else args.prefill_strategy
                 for n, k in shapes:
                     a, b, scales = operands(m, n, k, dtype)
-                    # the signaling GEMM's own ratio bounds a prefill row; a decode row runs
-                    # the plain path (world size 1), where it says nothing
-                    ratio = gemm_ratio(a, b, dtype, scales) if kind == "prefill" else None
+                    # the signaling GEMM's own ratio bounds a prefill row (timed within the
+                    # row's alternation); a decode row runs the plain path (world size 1), where
+                    # it says nothing
+                    gemms = GemmAlone(a, b, dtype, scales) if kind == "prefill" else None
                     for op in args.ops.split(","):
                         if dtype == "fp8" and op not in FP8_OPS:
                             continue
-                        row = measure_row(kind, op, dtype, a, b, scales, compiled_norm, ratio)
+                        row = measure_row(kind, op, dtype, a, b, scales, compiled_norm, gemms)
                         rows.append(row)
                         print(table([row], list(row)), flush=True)
                     api.forget_prepared()
