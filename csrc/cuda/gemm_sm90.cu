@@ -610,14 +610,11 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
 }
 
 // Math threads (cooperative: both warpgroups share the tile): the tile's K loop with block-wise
-// scales, software-pipelined over two partial fragments. Per K tile (one group of 128 k) its
-// wgmmas run into a partial fragment from zero; the promotion of K tile t (add part times
-// scale_a(row) * scale_b into `acc`, fp32) runs while K tile t + 1's wgmmas, issued into the
-// other partial fragment before it, keep the tensor cores busy: wait for the stage of t + 1,
-// issue its wgmmas, read t's scales, wait for all but the newest batch (t's), free t's stage,
-// promote. So every group is promoted into fp32 once, as before, without the tensor cores
-// idling through each promotion. Registers: acc + two partials (3 x 64 per thread at 128x128).
-// Leaves read_state past the tile's K tiles; frees every stage it used (no mma_tail).
+// scales. Per K tile (one group of 128 k): wait for the stage (A, B and the scales), run its
+// wgmmas into `part` from zero, read this thread's row scales and the tile's column scale from
+// the stage while they run, wait for them, free the stage, and add part times scale_a(row) *
+// scale_b into `acc` (fp32). Leaves read_state past the tile's K tiles; frees every stage it
+// used (no mma_tail).
 template <class Acc>
 __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, PipelineState& read_state,
                                              Acc& acc, int k_tiles, int math_thread,
@@ -633,12 +630,13 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
   auto wg_mma = tiled_mma.get_slice(warp_group * 128);
   Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
   Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  auto part0 = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-  auto part1 = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+  auto part = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
 #pragma unroll
   for (int i = 0; i < int(size(acc)); ++i) acc(i) = 0.0f;
-
-  auto issue = [&](auto& part, int stage) {  // one K tile's wgmmas into `part`, from zero
+#pragma unroll 1
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    pipeline.consumer_wait(read_state);
+    const int stage = read_state.index();
     warpgroup_fence_operand(part);
     warpgroup_arrive();
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -647,14 +645,8 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
       cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), part);
       tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
-    warpgroup_commit_batch();  // no fence on `part` until its wait: it is in flight
-  };
-  // The K tile whose wgmmas were issued into `mine` (stage `current`): with `next`, first issue
-  // the next K tile's into `other` (ptxas keeps the wgmmas asynchronous only where no branch
-  // decides this: the loop below runs pairs, the last one or two tiles are peeled).
-  PipelineState current = read_state;
-  auto step = [&](auto& mine, auto& other, auto next) {
-    const BlockScaleStage& st = stages[current.index()];  // read before the stage is freed
+    warpgroup_commit_batch();
+    const BlockScaleStage& st = stages[stage];
     const float sb = st.b[0];
     float scale[kMmaM][2];
 #pragma unroll
@@ -662,19 +654,10 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
 #pragma unroll
       for (int h = 0; h < 2; ++h) scale[m][h] = st.a[FragWord::row(row_base[m], h, lane)] * sb;
     }
-    if constexpr (decltype(next)::value) {
-      pipeline.consumer_wait(read_state);
-      issue(other, read_state.index());
-      warpgroup_wait<1>();  // mine's batch done; other's runs on
-    } else {
-      warpgroup_wait<0>();
-    }
-    warpgroup_fence_operand(mine);
-    pipeline.consumer_release(current);
-    if constexpr (decltype(next)::value) {
-      current = read_state;
-      ++read_state;
-    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(part);
+    pipeline.consumer_release(read_state);
+    ++read_state;
 #pragma unroll
     for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
@@ -682,31 +665,11 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
 #pragma unroll
         for (int j = 0; j < kBN / 8; ++j) {
           const int i = word(m, h, j);
-          acc(i) += mine(i) * scale[m][h];
-          acc(i + 1) += mine(i + 1) * scale[m][h];
+          acc(i) += part(i) * scale[m][h];
+          acc(i + 1) += part(i + 1) * scale[m][h];
         }
       }
     }
-    warpgroup_fence_operand(mine);
-  };
-  using Next = cute::true_type;
-  using Last = cute::false_type;
-
-  if (k_tiles < 1) return;  // no K: acc stays zero (no stage was loaded)
-  pipeline.consumer_wait(read_state);
-  issue(part0, read_state.index());
-  ++read_state;
-  int kt = 0;
-#pragma unroll 1
-  for (; kt + 2 < k_tiles; kt += 2) {  // K tiles kt and kt + 1; kt + 2 is issued into part0
-    step(part0, part1, Next{});
-    step(part1, part0, Next{});
-  }
-  if (kt + 1 < k_tiles) {  // the last two
-    step(part0, part1, Next{});
-    step(part1, part0, Last{});
-  } else {  // the last one
-    step(part0, part1, Last{});
   }
   warpgroup_fence_operand(acc);
 }
