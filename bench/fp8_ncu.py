@@ -23,14 +23,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemm import Gemm, fp8_inputs, parse_variant, scaled_mm  # noqa: E402
+from gemm import (BLOCKWISE_VARIANTS, Gemm, blockwise_scaled_mm, fp8_inputs,  # noqa: E402
+                  parse_variant, scaled_mm)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="16384x8192x1024,8192x8192x2048,4096x8192x8192",
                         help="MxNxK, comma-separated (default: two row-wise misses, one at par)")
-    parser.add_argument("--scalings", default="rowwise,tensorwise")
+    parser.add_argument("--scalings", default="rowwise,tensorwise",
+                        help="tensorwise, rowwise, blockwise (the block-scaled build against "
+                             "torch's block-wise scaled_mm)")
     parser.add_argument("--variants", default="", help="extra builds (bench/gemm.py's names)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -45,9 +48,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"--shapes: {text!r} is not MxNxK")
         for scaling in args.scalings.split(","):
             a, w, sa, sb = fp8_inputs(shape, scaling)
+            blockwise = scaling == "blockwise"  # one block-scaled build; torch's block-wise GEMM
             fns = {v.name: Gemm(kernels, v, a, w, "float8_e4m3fn", (sa, sb), scaling)
-                   for v in variants}
-            fns["scaled_mm"] = scaled_mm(a, w, sa, sb, True)
+                   for v in variants if not blockwise or v.name in BLOCKWISE_VARIANTS}
+            fns["scaled_mm"] = (blockwise_scaled_mm(a, w, sa, sb)[0] if blockwise
+                                else scaled_mm(a, w, sa, sb, True))
             for fn in fns.values():  # loads every kernel, the profiler stopped
                 fn()
             torch.cuda.synchronize()

@@ -64,7 +64,8 @@ run_one() {
     # Nsight Compute on the fp8 kernels (bench/fp8_ncu.py): the report and its details as CSV
     ncu-fp8) stage ncu-fp8 ${FO_NCU_SECONDS:-240} ncu --profile-from-start off --nvtx --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/fp8-ncu" $PY bench/fp8_ncu.py ${FO_NCU_ARGS:-}
-             ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page details >"$OUT/fp8-ncu-details.csv" 2>&1 || true ;;
+             ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page details >"$OUT/fp8-ncu-details.csv" 2>&1 || true
+             ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page raw >"$OUT/fp8-ncu-raw.csv" 2>&1 || true ;;
     # Nsight Compute on one all_to_all call (bench/a2a_ncu.py): its table kernel and GEMM
     ncu-a2a) stage ncu-a2a ${FO_NCU_SECONDS:-120} ncu --profile-from-start off --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/a2a-ncu" $PY bench/a2a_ncu.py ${FO_NCU_ARGS:-}
