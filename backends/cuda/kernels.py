@@ -59,7 +59,7 @@ FP8_CONFIGS = {
 # accumulators, which doubles their registers: one tile, cooperative 128x128x128 (one block of
 # b per tile), the 2x1 cluster, the tma epilogue. Not measured yet on a GPU.
 FP8_BLOCK_CONFIGS = {
-    90: {(128, 128): Kernel(128, (2, 1), "cooperative", "tma", tma_slots=1)},
+    90: {(128, 128): Kernel(128, (2, 1), "cooperative", "tma")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
