@@ -65,7 +65,12 @@ run_one() {
     ncu-fp8) stage ncu-fp8 ${FO_NCU_SECONDS:-240} ncu --profile-from-start off --nvtx --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/fp8-ncu" $PY bench/fp8_ncu.py ${FO_NCU_ARGS:-}
              ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page details >"$OUT/fp8-ncu-details.csv" 2>&1 || true
-             ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page raw >"$OUT/fp8-ncu-raw.csv" 2>&1 || true ;;
+             ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page raw >"$OUT/fp8-ncu-raw.csv" 2>&1 || true
+             # FO_NCU_SOURCE=1: per-SASS-instruction counters (warp stalls sampled by instruction)
+             if [ "${FO_NCU_SOURCE:-0}" = 1 ]; then
+               ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page source --print-source sass \
+                 >"$OUT/fp8-ncu-source.csv" 2>&1 || true
+             fi ;;
     # Nsight Compute on one all_to_all call (bench/a2a_ncu.py): its table kernel and GEMM
     ncu-a2a) stage ncu-a2a ${FO_NCU_SECONDS:-120} ncu --profile-from-start off --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/a2a-ncu" $PY bench/a2a_ncu.py ${FO_NCU_ARGS:-}
