@@ -30,6 +30,7 @@ run_one() {
     norm-plain) stage norm-plain 90 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_fused_norm.py -k "plain or rows" ;;
     mr[234]) stage "multirank-w${s#mr}" ${FO_MR_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=12 --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-shared-devices --fo-world-sizes "${s#mr}" ${FO_MR_K:+-k "$FO_MR_K"} ;;
     strategy) stage strategy 150 $PY bench/strategy.py ;;
+    tuning) stage tuning ${FO_TUNING_SECONDS:-150} $PY bench/tuning.py ${FO_TUNING_ARGS:-} ;;
     mr-outs) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-own-outputs 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k own_outputs ;;
     # tests/gpu/test_multirank.py by name (FO_MR_K; mr2..mr4 are the conformance suite)
     mr-k) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-tests ${FO_MR_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k "${FO_MR_K:?}" ;;
