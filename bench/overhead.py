@@ -96,14 +96,8 @@ class GemmAlone:
         def signaling():
             backend.launch_gemm(plan, a, b, self.packed, counters=self.counters, scales=scales)
 
-        if dtype == "fp8":
-            def cublas():
-                return torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,
-                                        use_fast_accum=True)
-        else:
-            def cublas():
-                return a @ b
-        self.graphs = {"fo_gemm": graph(signaling, 1), "cublas_gemm": graph(cublas, 1)}
+        self.graphs = {"fo_gemm": graph(signaling, 1),
+                       "cublas_gemm": graph(lambda: plain_product(a, b, scales), 1)}
         self.fns = {name: g.replay for name, g in self.graphs.items()}
 
     @staticmethod
@@ -122,6 +116,19 @@ def operands(m, n, k, dtype: str):
     return a8, w8.t(), (sa, sb)
 
 
+def plain_product(a, b, scales):
+    """The GEMM a user would write: ``a @ b``, or ``torch._scaled_mm`` for fp8 (bf16 out)."""
+    if scales is None:
+        return a @ b
+    return torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,
+                            use_fast_accum=True)
+
+
+def inner_calls(m: int, n: int, k: int) -> int:
+    """Calls per timed batch: 10, or 3 for the largest rows."""
+    return 10 if m * n * k < 1 << 36 else 3
+
+
 def calls(op: str, a, b, scales, compiled_norm):
     """(fo call, plain call, output rows) of one row."""
     m, n = a.shape[0], b.shape[1]
@@ -129,10 +136,7 @@ def calls(op: str, a, b, scales, compiled_norm):
                                     "out_dtype": torch.bfloat16}
 
     def product(x=a):
-        if scales is None:
-            return x @ b
-        return torch._scaled_mm(x, b, scales[0], scales[1], out_dtype=torch.bfloat16,
-                                use_fast_accum=True)
+        return plain_product(x, b, scales)
 
     if op == "allreduce":
         def plain():
@@ -214,7 +218,7 @@ def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm,
                 gemms: GemmAlone | None) -> dict:
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     fo_call, plain = calls(op, a, b, scales, compiled_norm)
-    inner = 10 if m * n * k < 1 << 36 else 3
+    inner = inner_calls(m, n, k)
     t = pair(fo_call, plain, inner, gemms.fns if gemms is not None else None)
     (fo_ms, fo_host), (plain_ms, plain_host) = t["fo"], t["plain"]
     ratio = GemmAlone.ratio(t) if gemms is not None else None
@@ -342,7 +346,7 @@ def split_rows(rows: list[tuple[str, str, int, int, int]]):
         a, b, scales = operands(m, n, k, dtype)
         fo_call, plain = calls(op, a, b, scales, torch.compile(add_norm))
         gemms = GemmAlone(a, b, dtype, scales)
-        t = pair(fo_call, plain, 10 if m * n * k < 1 << 36 else 3, gemms.fns)
+        t = pair(fo_call, plain, inner_calls(m, n, k), gemms.fns)
         row = {"op": op, "dtype": dtype, "M": m, "N": n, "K": k,
                **{f"{name}_us": round(v[0] * 1000, 2) for name, v in t.items()},
                **{f"{name}_host_us": round(v[1], 1) for name, v in t.items()}}
@@ -384,21 +388,16 @@ def main(argv=None) -> int:
     parser.add_argument("--back-to-back", action="store_true",
                         help="with --profile: the calls back to back, as timed, with host time")
     args = parser.parse_args(argv)
-    if args.split:
+    if args.split or args.profile:  # op:dtype:MxNxK,... : only these rows
         nccl_group_of_one("overhead")
         os.environ[STRATEGY_ENV] = args.prefill_strategy
-        split_rows([(op, dtype, *(int(x) for x in mnk.split("x")))
-                    for op, dtype, mnk in (item.split(":") for item in args.split.split(","))])
-        dist.destroy_process_group()
-        return 0
-    if args.profile:
-        nccl_group_of_one("overhead")
-        os.environ[STRATEGY_ENV] = args.prefill_strategy
-        wanted = []
-        for item in args.profile.split(","):
-            op, dtype, mnk = item.split(":")
-            wanted.append((op, dtype, *(int(x) for x in mnk.split("x"))))
-        (profile_back_to_back if args.back_to_back else profile_rows)(wanted)
+        wanted = [(op, dtype, *(int(x) for x in mnk.split("x")))
+                  for op, dtype, mnk in (item.split(":")
+                                         for item in (args.split or args.profile).split(","))]
+        if args.split:
+            split_rows(wanted)
+        else:
+            (profile_back_to_back if args.back_to_back else profile_rows)(wanted)
         dist.destroy_process_group()
         return 0
     tokens = [int(t) for t in args.tokens.split(",")]
