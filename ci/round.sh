@@ -60,6 +60,9 @@ run_one() {
                 done ;;
     conf-mg) stage conformance-w${FO_MG_WORLD:-2} ${FO_CONF_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --pyargs flashoverlap_core.testing.test_collectives --fo-backend cuda --fo-world-sizes ${FO_MG_WORLD:-2} --junitxml "$OUT/conformance-w${FO_MG_WORLD:-2}.xml" ;;
     multigpu) stage multigpu-w${FO_MG_WORLD:-2} ${FO_MULTIGPU_SECONDS:-300} $PY bench/multigpu.py --world-size ${FO_MG_WORLD:-2} --backend cuda --json "$OUT/multigpu-w${FO_MG_WORLD:-2}.json" ${FO_MULTIGPU_ARGS:---quick} ;;
+    # on FO_MG_WORLD GPUs, one rank each: MoE all_to_all steps and the Llama-style TP MLP block
+    moe-mg) stage moe-w${FO_MG_WORLD:-2} ${FO_MOE_SECONDS:-200} $PY bench/moe.py --world-size ${FO_MG_WORLD:-2} ;;
+    e2e-mg) stage e2e-w${FO_MG_WORLD:-2} ${FO_E2E_SECONDS:-200} $PY bench/e2e_mlp.py --world-size ${FO_MG_WORLD:-2} ${FO_E2E_ARGS:-} ;;
     overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
     gather) stage gather-tests ${FO_GATHER_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
     # Nsight Compute on the fp8 kernels (bench/fp8_ncu.py): the report and its details as CSV
