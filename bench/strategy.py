@@ -16,8 +16,13 @@ explicitly, with the same pieces the default call uses for a collective
 
 Then both strategies run on the same inputs (the default plan, and the same plan with
 ``strategy="sequential"``: ``a @ b`` on the device's own GEMM, then one offload of the whole
-result), alternated in rounds; each row says which was faster, whether the prediction picked
-it, and what it lost when it did not. Target: the predicted choice is never more than 3% slower
+result), shuffled in rounds; each row says which was faster, whether the prediction picked
+it, and what it lost when it did not. Every time is a call's device time with the host ahead
+(about a millisecond of calls queued back to back while the device is held busy, as in a
+model's forward or a captured graph; runs before 2026-12-04 18:00 timed from an idle device,
+so decode rows measured the host's launch time): each row also records each strategy's host
+time to issue one call (``host_us_*``) and the share of samples whose calls the host had
+queued ahead (``ahead_*``). Target: the predicted choice is never more than 3% slower
 than the better of the two. Rows at world size 1 with a collective op (an NCCL group of one)
 check the fixed rule the same way.
 
@@ -63,7 +68,7 @@ from flashoverlap_core import api
 from flashoverlap_core.transfers import HostOffload
 from flashoverlap_core.tuning import strategy
 from flashoverlap_core.tuning.measure import measure_curve, median_time, sample_times
-from common import device_tag, median_ms, nccl_group_of_one, table, write_result
+from common import device_tag, nccl_group_of_one, table, write_result
 from multigpu import MULTICAST_OFF
 
 # (M, N, K): the host link (~50 GB/s) against the GEMM: from transfer-bound (small K, where the
@@ -84,17 +89,41 @@ def offload_curve(device: torch.device):
     """The device-to-host copy into pinned memory at the model's curve sizes."""
     host = torch.empty(max(strategy.CURVE_SIZES) // 2, dtype=DTYPE, pin_memory=True)
     return measure_curve(lambda region: host[:region.numel()].copy_(region, non_blocking=True),
-                         list(strategy.CURVE_SIZES), DTYPE, device, None, iters=10, warmup=3)
+                         list(strategy.CURVE_SIZES), DTYPE, device, None, iters=5, warmup=2,
+                         back_to_back=True)
 
 
-def both(fns: dict, rounds: int) -> dict:
-    """{name: median ms}: each function timed in every round, the order alternating."""
-    names = list(fns)
-    samples = {name: [] for name in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            samples[name].append(median_ms(fns[name], warmup=2, iters=5, inner=3))
-    return {name: statistics.median(s) for name, s in samples.items()}
+def both(fns: dict, device, group, rounds: int, inner: int) -> tuple[dict, dict]:
+    """({name: median ms per call}, {name: the host's facts}) of each function: ``rounds``
+    samples of ``inner`` calls queued back to back while the device is held busy
+    (:func:`~flashoverlap_core.tuning.measure.sample_times`: the device time of a call when the
+    host keeps ahead, as in a model's forward or a captured graph; the functions shuffled in
+    every round; the slowest rank's). The host's facts: ``host_us``, its median time to issue
+    one call, and ``ahead``, the share of samples whose calls were all queued before the device
+    reached them (below 1: the call waits for the device on the host, or could not be held)."""
+    report: dict = {}
+    samples = sample_times(list(fns.values()), device, group, rounds=rounds, calls=inner,
+                           warmup=2, report=report)
+    times = {name: float(statistics.median(s)) * 1e3 for name, s in zip(fns, samples)}
+    host = {name: {"host_us": round(float(statistics.median(h)) * 1e6, 2),
+                   "ahead": round(float(sum(a) / len(a)), 2)}
+            for name, h, a in zip(fns, report["host_s"], report["ahead"])}
+    return times, host
+
+
+def inner_calls(fn, device, group) -> int:
+    """Calls per sample: about a millisecond of them (3 to 20), from one call timed alone."""
+    once = median_time(fn, device, group, iters=3, warmup=2) * 1e3
+    return int(min(20, max(3, round(1.0 / max(once, 1e-3)))))
+
+
+def host_facts(host: dict) -> dict:
+    """A row's columns on the host: each strategy's issue time per call and its share of
+    samples timed with the host ahead."""
+    return {f"host_us_{key}": host[name]["host_us"] for name, key in
+            ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain"))} | {
+            f"ahead_{key}": host[name]["ahead"] for name, key in
+            ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain"))}
 
 
 def row(kind, m, n, k, predicted, times, plan) -> dict:
@@ -119,9 +148,11 @@ def offload_row(m, n, k, rates, curve, rounds) -> dict:
     out = torch.empty(m, n, device="cuda", dtype=DTYPE)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), offload, plan=overlap, out=out),
            strategy.PLAIN: lambda: fo.overlap(a, w.t(), offload, plan=plain, out=out)}
-    times = both(fns, rounds)
+    device = a.device
+    times, host = both(fns, device, None, rounds, inner_calls(fns[strategy.PLAIN], device, None))
     torch.cuda.synchronize()
     r = row("offload", m, n, k, prediction.strategy, times, overlap)
+    r.update(host_facts(host))
     r.update(predicted_overlap_ms=round(prediction.overlap_s * 1e3, 4),
              predicted_plain_ms=round(prediction.plain_s * 1e3, 4),
              predict_ms=round(predict_ms, 3))
@@ -141,8 +172,10 @@ def collective_row(m, n, k, rounds) -> dict:
     plain = replace(overlap, strategy=strategy.PLAIN)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), "allreduce", plan=overlap),
            strategy.PLAIN: lambda: fo.overlap(a, w.t(), "allreduce", plan=plain)}
-    r = row("allreduce W=1", m, n, k, predicted, both(fns, rounds), overlap)
-    r["reason"] = entry.get("strategy_reason")
+    device = a.device
+    times, host = both(fns, device, None, rounds, inner_calls(fns[strategy.PLAIN], device, None))
+    r = row("allreduce W=1", m, n, k, predicted, times, overlap)
+    r.update(host_facts(host), reason=entry.get("strategy_reason"))
     return r
 
 
@@ -182,12 +215,10 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     # calls per sample: about a millisecond of them (3 to 20), so that a decode-sized call's
     # device time, not the host's launch and the ranks' line-up, is what is timed; the samples
     # are the tuner's (every strategy once per round, the slowest rank's time)
-    once = median_time(fns[strategy.PLAIN], device, group, iters=3, warmup=2) * 1e3
-    inner = int(min(20, max(3, round(1.0 / max(once, 1e-3)))))
-    samples = sample_times(list(fns.values()), device, group, rounds=rounds, calls=inner,
-                           warmup=2)
-    times = {name: float(statistics.median(s)) * 1e3 for name, s in zip(fns, samples)}
+    inner = inner_calls(fns[strategy.PLAIN], device, group)
+    times, host = both(fns, device, group, rounds, inner)
     out = row(f"{op} W={world}", m, n, k, entry["strategy"], times, overlap)
+    out.update(host_facts(host))
     pred = {strategy.OVERLAP: entry.get("predicted_overlap_s"),
             strategy.PLAIN: entry.get("predicted_plain_s")}
     out.update(op=op, world_size=world, first_call_ms=round(first_ms, 2), inner=inner,
@@ -233,7 +264,7 @@ def bounded_curve(op: str, backend: str, group, device, world: int) -> dict | No
                     coll.all_gather(region, region[rank * part:(rank + 1) * part])
 
             found = measure_curve(send, strategy.curve_sizes(device, world), DTYPE, device,
-                                  group, iters=5, warmup=2)
+                                  group, iters=3, warmup=2, back_to_back=True)
             _BOUNDED[op] = {"max_ctas": ctas, **found.to_dict()}
         except Exception as e:  # noqa: BLE001 - a fact for the refit, never the row's failure
             _BOUNDED[op] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -302,6 +333,8 @@ def multi_gpu(args) -> None:
                                           else None),
                "target": f"the predicted choice at most {TARGET_LOSS:.0%} slower than the better",
                "met": bool(rows) and all(r["met"] for r in rows),
+               "host_ahead_rows": sum(min(r.get("ahead_overlap", 0), r.get("ahead_plain", 0))
+                                      >= 0.8 for r in measured),
                "default_run": not (args.nk or args.tokens or args.ops) and args.rounds == 5,
                "seconds": round(time.perf_counter() - began, 1)}
     print(summary)

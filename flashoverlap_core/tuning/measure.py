@@ -90,6 +90,16 @@ def median_time(fn, device, group, iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(timed(fn, device, group, iters, warmup))
 
 
+BACK_TO_BACK_CALLS = 5  # calls per sample of a back-to-back measurement
+
+
+def device_time(fn, device, group, rounds: int = 3, warmup: int = 2) -> float:
+    """Seconds of one ``fn()`` as the device runs it among others queued ahead of it (the
+    median of :func:`sample_times`' rounds; the slowest rank's)."""
+    return float(np.median(sample_times([fn], device, group, rounds, BACK_TO_BACK_CALLS,
+                                        warmup)))
+
+
 # ---- transfers -----------------------------------------------------------------------------------
 def transfer_fn(op, group, world_size: int) -> Callable[[torch.Tensor], None] | None:
     """One transfer of a region, as an overlapped call makes it: the collective of ``op`` on
@@ -122,47 +132,110 @@ def log_sizes(smallest: int, largest: int, align: int = 1, per_octave: int = 1) 
 
 def measure_curve(send: Callable[[torch.Tensor], None] | None, sizes: list[int],
                   dtype: torch.dtype, device: torch.device, group, iters: int = 10,
-                  warmup: int = 3) -> CostCurve:
-    """The median time of one transfer of each size (bytes, multiples of the element size)."""
+                  warmup: int = 3, back_to_back: bool = False) -> CostCurve:
+    """The median time of one transfer of each size (bytes, multiples of the element size):
+    each timed alone from an idle device (:func:`timed`), or, ``back_to_back``, as the device
+    runs it among others queued ahead of it (:func:`sample_times`, ``iters`` rounds), without
+    the host's time to issue it."""
     if send is None:
         return CostCurve.free()
     itemsize = torch.empty((), dtype=dtype).element_size()
     buf = torch.zeros(max(sizes) // itemsize, dtype=dtype, device=device)
+    if back_to_back:
+        fns = [lambda size=size: send(buf[:size // itemsize]) for size in sizes]
+        samples = sample_times(fns, device, group, rounds=iters, calls=BACK_TO_BACK_CALLS,
+                               warmup=warmup)
+        return CostCurve(tuple(sizes), tuple(float(np.median(s)) for s in samples))
     seconds = [median_time(lambda: send(buf[:size // itemsize]), device, group, iters, warmup)
                for size in sizes]
     return CostCurve(tuple(sizes), tuple(seconds))
 
 
 # ---- back-to-back calls, in rounds --------------------------------------------------------------
+def _cycles_per_second(device: torch.device) -> float | None:
+    """How many cycles of the device module's spin kernel (``_sleep``) make a second on
+    ``device``, measured once (None where the module has no such kernel, and on the host)."""
+    module = None if device.type == "cpu" else torch.get_device_module(device.type)
+    spin = getattr(module, "_sleep", None)
+    if spin is None:
+        return None
+    key = (device.type, device.index)
+    if key not in _SPIN_RATE:
+        cycles = 1 << 20
+        spin(cycles)  # loads the kernel
+        clock = Clock(device)
+        start = clock.mark()
+        spin(cycles)
+        end = clock.mark()
+        clock.sync()
+        _SPIN_RATE[key] = cycles / max(clock.seconds(start, end), 1e-6)
+    return _SPIN_RATE[key]
+
+
+_SPIN_RATE: dict = {}
+MAX_HOLD_S = 0.05
+
+
+def hold(device: torch.device, seconds: float) -> bool:
+    """Keep the current stream of ``device`` busy for about ``seconds`` (the device module's
+    spin kernel), so that what the host queues next waits behind it and is timed as the device
+    runs it, not as the host issues it. False where the device cannot (then nothing is held)."""
+    rate = _cycles_per_second(device)
+    if rate is None:
+        return False
+    torch.get_device_module(device.type)._sleep(int(rate * min(seconds, MAX_HOLD_S)))
+    return True
+
+
 def sample_times(fns, device: torch.device, group, rounds: int = 5, calls: int = 5,
-                 warmup: int = 3, seed: int = 0) -> np.ndarray:
+                 warmup: int = 3, seed: int = 0, report: dict | None = None) -> np.ndarray:
     """Seconds per call of each of ``fns``: [len(fns), rounds].
 
     A sample is ``calls`` calls queued back to back between two marks, divided by ``calls``,
-    after one more call that the first mark queues behind: the device time of a call when the
-    host keeps ahead (as it does in a model's forward), not the host's launch time, whose
-    jitter would otherwise be measured too (on the host clock the calls are simply timed one
-    after the other). Every round samples every function once, in a shuffled order (the same
-    on every rank), so that a drift of the device over the run spreads over all of them
-    instead of biasing the ones measured last; the spread of the rounds is the measurement's
-    noise. The slowest rank's time counts.
+    after one more call that the first mark queues behind, all queued while the device is held
+    busy (:func:`hold`, for a few times what the host took to issue them before): the device
+    time of a call when the host keeps ahead (as it does in a model's forward or a captured
+    graph), not the host's launch time, whose jitter would otherwise be measured too (on the
+    host clock the calls are simply timed one after the other). Every round samples every
+    function once, in a shuffled order (the same on every rank), so that a drift of the device
+    over the run spreads over all of them instead of biasing the ones measured last; the
+    spread of the rounds is the measurement's noise. The slowest rank's time counts.
+
+    ``report`` (a dict) receives ``host_s``, the host's seconds per call issuing each sample
+    (the slowest rank's), and ``ahead``, whether the host had queued each sample's calls
+    before the device reached them (on every rank; False where nothing could be held, or for
+    a call that waits for the device on the host).
     """
     fns = list(fns)
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
     clock, rng = Clock(device), np.random.default_rng(seed)
+    issue = np.full(len(fns), 1e-3 / max(calls, 1))  # host seconds per call, last seen
+    for i, fn in enumerate(fns):
+        for _ in range(warmup):
+            began = time.perf_counter()
+            fn()
+            issue[i] = time.perf_counter() - began
     out = np.zeros((len(fns), rounds))
+    host = np.zeros((len(fns), rounds))
+    ahead = np.zeros((len(fns), rounds))
     for r in range(rounds):
         for i in rng.permutation(len(fns)):
             line_up(device, group)
+            held = hold(device, 3.0 * issue[i] * (calls + 1) + 2e-4)
+            began = time.perf_counter()
             fns[i]()  # the device is busy with it while the timed calls are queued
             start = clock.mark()
             for _ in range(calls):
                 fns[i]()
             end = clock.mark()
+            issued = time.perf_counter() - began
+            ahead[i, r] = float(held and not start.query())
             clock.sync()
+            issue[i] = issued / (calls + 1)
             out[i, r] = clock.seconds(start, end) / calls
+            host[i, r] = issue[i]
+    if report is not None:
+        report["host_s"] = slowest(host.ravel(), device, group).reshape(host.shape)
+        report["ahead"] = -slowest(-ahead.ravel(), device, group).reshape(ahead.shape) > 0.5
     return slowest(out.ravel(), device, group).reshape(out.shape)
 
 

@@ -52,7 +52,7 @@ import torch
 from ..collectives import all_gather_single, exchange_objects
 from ..plan import FP8_DTYPES, Plan
 from .cache import TuningCache, context_for
-from .measure import measure_curve, median_time, transfer_fn
+from .measure import device_time, measure_curve, transfer_fn
 from .model import Contention, CostCurve, GatherModel, GemmTiming, OverlapModel
 
 log = logging.getLogger("flashoverlap")
@@ -67,7 +67,7 @@ FALLBACK_MIN_ROWS = 1024
 # wait) and between two transfers. Measured on the H200 (tuning-h200-*.json) the fitted values
 # were within these.
 ASSUMED_CONTENTION = Contention(gemm=1.1, comm=1.1, gap_s=4e-6, lag_s=4e-6)
-RATES_FORMAT = 1
+RATES_FORMAT = 2  # 2: timed back to back as the device runs them (1: each from idle)
 
 
 def requested() -> str:
@@ -148,8 +148,8 @@ def measure_rates(dtype: torch.dtype, device: torch.device, group) -> GemmRates:
     shapes = _calibration_shapes(device)
     seconds = {}
     for name, (m, n, k) in shapes.items():
-        seconds[name] = max(median_time(_gemm_fn(m, n, k, dtype, device), device, group,
-                                        iters=5, warmup=2), 1e-9)
+        seconds[name] = max(device_time(_gemm_fn(m, n, k, dtype, device), device, group,
+                                        rounds=3, warmup=2), 1e-9)
     fixed = seconds["fixed"]
     size = max(dtype.itemsize, 2)
     m, n, k = shapes["compute"]
@@ -184,7 +184,7 @@ def measure_collective(op: str, dtype: torch.dtype, device: torch.device, group,
                        world: int) -> CostCurve:
     """The op's collective on ``group`` at a few sizes (well under a second)."""
     return measure_curve(_transfer(op, group, world), curve_sizes(device, world), dtype, device,
-                         group, iters=5, warmup=2)
+                         group, iters=3, warmup=2, back_to_back=True)
 
 
 # ---- the facts of a group, agreed --------------------------------------------------------------
