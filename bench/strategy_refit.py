@@ -8,8 +8,9 @@ how often its choice is within 3% of the faster strategy and how far its times a
 measured ones:
 
 * ``contention`` (GEMM and collective slowdowns while both run) on a grid;
-* ``share``: a tile of a wave at 1/wave_size of the device's GEMM rate (the model as it is) or at
-  one SM's share, 1/SMs (``--sms``), which a wave that leaves SMs to the collective runs at;
+* ``share``: a tile of a wave at 1/wave_size of the device's GEMM rate (the model until
+  2026-12-04) or at one SM's share, 1/SMs (the rates' ``processors``, else ``--sms``), which a
+  wave that leaves SMs to the collective runs at (the model since);
 * ``curve``: the collective timed on torch's communicator (the model as it is) or on the
   bounded one (where the row has it).
 
@@ -60,9 +61,9 @@ def predict(row: dict, plan, contention: Contention, share: str, curve: str, sms
     overlap_curve = (CostCurve.from_dict(bounded) if curve == "bounded" and "sizes" in bounded
                      else torch_curve)
     plain = st.predict(plan, rates, torch_curve, contention).plain_s
-    overlap_rates = rates
-    if share == "sm" and sms > plan.wave_size:  # a tile at 1/sms of the rate, not 1/wave
-        overlap_rates = replace(rates, flops_per_s=rates.flops_per_s * plan.wave_size / sms)
+    # a tile at 1/sms of the rate (the model from tree 2026-12-04 18:00 on, with the device's
+    # count in the rates) or at 1/wave_size (before)
+    overlap_rates = replace(rates, processors=(rates.processors or sms) if share == "sm" else 0)
     overlap = st.predict(plan, overlap_rates, overlap_curve, contention).overlap_s
     choice = st.OVERLAP if overlap <= plain * (1.0 - st.MIN_GAIN) else st.PLAIN
     return overlap, plain, choice
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
                                                       ("wave", "sm"), ("torch", "bounded")):
         contention = Contention(gemm=gemm, comm=comm, gap_s=gap_s, lag_s=lag_s)
         scores.append(score(rows, plans, contention, share, curve, args.sms))
-    as_run = next((s for s in scores if s["share"] == "wave" and s["curve"] == "torch"
+    shared = "sm" if rows[0]["facts"]["gemm_rates"].get("processors") else "wave"
+    as_run = next((s for s in scores if s["share"] == shared and s["curve"] == "torch"
                    and s["contention"] == Contention.from_dict(
                        rows[0]["facts"]["contention"]).to_dict()), None)
     scores.sort(key=lambda s: (-s["rows_within_3pct"], s["max_loss"], s["median_abs_error"]))

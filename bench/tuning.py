@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import sys
 import tempfile
@@ -67,14 +68,18 @@ def reorders(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 def order_study(model: OverlapModel, chosen: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Groupings that differ only in the order of their groups: issue 16's (where the waves
-    are a multiple of 8) and reorders of the chosen grouping."""
+    are a multiple of 8) and reorders of the chosen grouping; only those whose groups end
+    where the plan's layout lets a group end (a row plan's: on whole strips of bands,
+    ``model.unit`` tiles)."""
     waves, wave = model.timing.num_waves, model.timing.wave_size
     out = []
     if waves % 8 == 0 and model.num_tiles == waves * wave:
         out += [tuple(p * waves // 8 * wave for p in pattern) for pattern in ORDER_PATTERNS]
     if len(chosen) > 1:
         out += reorders(chosen)
-    return list(dict.fromkeys(out))
+    ends_ok = (lambda sizes: all(e % model.unit == 0 or e == model.num_tiles
+                                 for e in itertools.accumulate(sizes)))
+    return [sizes for sizes in dict.fromkeys(out) if ends_ok(sizes)]
 
 
 def ms(seconds: float) -> float:

@@ -62,11 +62,13 @@ CHOICES = ("auto", "overlap", "plain")
 OVERLAP, PLAIN = "overlap", "sequential"  # Plan.strategy values
 MIN_GAIN = 0.03  # overlap is chosen only when predicted at least 3% faster than plain
 FALLBACK_MIN_ROWS = 1024
-# Until the tuner has fitted this device's contention: each side slowed by 10% while both
-# run, and a few microseconds between a group's last tile and its transfer (the device-side
-# wait) and between two transfers. Measured on the H200 (tuning-h200-*.json) the fitted values
-# were within these.
-ASSUMED_CONTENTION = Contention(gemm=1.1, comm=1.1, gap_s=4e-6, lag_s=4e-6)
+# Until the tuner has fitted this device's contention: the collective slowed by 20% while the
+# GEMM runs (the GEMM's own slowdown is in its rate: a wave runs on the units it leaves free,
+# GemmRates.signaling_timing), and a few microseconds between a group's last tile and its
+# transfer (the device-side wait) and between two transfers. Refitted on two H200s over NVLink
+# (bench/strategy_refit.py on strategy-w2-h200-20261204-174036.json: 88 of 90 rows within 3%
+# of the faster strategy, against 83 with the earlier 10% each way and a wave's share).
+ASSUMED_CONTENTION = Contention(gemm=1.0, comm=1.2, gap_s=4e-6, lag_s=4e-6)
 RATES_FORMAT = 2  # 2: timed back to back as the device runs them (1: each from idle)
 
 
@@ -87,9 +89,11 @@ class GemmRates:
     flops_per_s: float
     bytes_per_s: float
     fixed_s: float
+    processors: int = 0  # the device's compute units (SMs, cores); 0: unknown
 
     def __post_init__(self):
-        if not (self.flops_per_s > 0 and self.bytes_per_s > 0 and self.fixed_s >= 0):
+        if not (self.flops_per_s > 0 and self.bytes_per_s > 0 and self.fixed_s >= 0
+                and self.processors >= 0):
             raise ValueError(f"GEMM rates must be positive, got {self}")
 
     def plain_s(self, m: int, n: int, k: int, in_size: int, out_size: int) -> float:
@@ -98,13 +102,16 @@ class GemmRates:
         return self.fixed_s + max(2.0 * m * n * k / self.flops_per_s, moved / self.bytes_per_s)
 
     def signaling_timing(self, plan: Plan, in_size: int, out_size: int) -> GemmTiming:
-        """When each wave of ``plan``'s signaling GEMM ends: a tile is computed whole at
-        1/wave_size of the arithmetic rate; the operands stream at most at the streaming rate."""
+        """When each wave of ``plan``'s signaling GEMM ends: a tile is computed whole at one
+        compute unit's share of the arithmetic rate (1/processors: a wave that leaves units to
+        the collectives runs on fewer of them, each no faster; 1/wave_size where the count is
+        unknown); the operands stream at most at the streaming rate."""
         tm, tn = plan.tile[0], plan.tile[1]
         waves = plan.num_waves
         rows = sum(plan.block_rows) if plan.block_rows else plan.m
         moved = (rows * plan.k + plan.k * plan.n) * in_size + rows * plan.n * out_size
-        per_tile = 2.0 * tm * tn * plan.k * plan.wave_size / self.flops_per_s
+        units = max(plan.wave_size, self.processors)
+        per_tile = 2.0 * tm * tn * plan.k * units / self.flops_per_s
         wave_s = max(per_tile, moved / self.bytes_per_s / waves)
         ends = self.fixed_s + wave_s * np.arange(1, waves + 1)
         return GemmTiming(plan.wave_size, tuple(float(e) for e in ends))
@@ -114,7 +121,8 @@ class GemmRates:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GemmRates":
-        return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), float(d["fixed_s"]))
+        return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), float(d["fixed_s"]),
+                   int(d.get("processors", 0)))
 
 
 def _calibration_shapes(device: torch.device) -> dict[str, tuple[int, int, int]]:
@@ -157,7 +165,18 @@ def measure_rates(dtype: torch.dtype, device: torch.device, group) -> GemmRates:
     m, n, k = shapes["stream"]
     moved = (m * k + k * n) * size + m * n * size
     stream = moved / max(seconds["stream"] - fixed, 1e-9)
-    return GemmRates(flops, stream, fixed)
+    return GemmRates(flops, stream, fixed, processors(device))
+
+
+def processors(device: torch.device) -> int:
+    """The compute units of ``device`` as its device module reports them (0: not reported)."""
+    if device.type == "cpu":
+        return 0
+    try:
+        props = torch.get_device_module(device.type).get_device_properties(device)
+    except (AttributeError, RuntimeError, AssertionError):
+        return 0
+    return int(getattr(props, "multi_processor_count", 0) or 0)
 
 
 # ---- the collective --------------------------------------------------------------------------
