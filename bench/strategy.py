@@ -207,7 +207,7 @@ def multi_case_on_rank(m: int, n: int, k: int, op: str, rounds: int, backend: st
     # alike), to refit it offline
     chosen, group = fo.registry.get(backend), dist.group.WORLD
     rates, curve = strategy.group_facts(overlap, chosen, group, device)
-    contention = strategy.fitted_contention(chosen, device, group, strategy.TuningCache())
+    contention = strategy.fitted_contention(chosen, device, group, strategy.TuningCache(), op)
     bounded = bounded_curve(op, backend, group, device, world)
     plain = replace(overlap, strategy=strategy.PLAIN)
     fns = {strategy.OVERLAP: lambda: fo.overlap(a, w.t(), op, plan=overlap, **kw),
