@@ -7,13 +7,16 @@ For the overhead benchmark's shapes (tokens 1..16384 x (N, K)) and ops, at world
 8, over NVLink and over PCIe, it prints and writes the chosen strategy and the predicted speedup
 of the chosen strategy over the plain path (plain / chosen). Inputs, all stated in the JSON:
 
-* the device's GEMM: ``--flops`` (bf16 FLOP/s; default 737e12, cuBLAS at 16384x8192x1024 on the
-  H200 in docs/gpu-facts.md: 372.7 us), ``--stream`` (bytes/s; default 4.0e12, 83% of the
-  H200's 4.8 TB/s HBM3e), ``--fixed`` (s; default 5 us);
+* the device's GEMM: ``--flops`` (bf16 FLOP/s), ``--stream`` (bytes/s), ``--fixed`` (s) and
+  ``--processors`` (SMs); defaults: the rates the default call measured on an H200 of the
+  two-GPU run (``strategy-w2-h200-20261204-175416.json``: 791 TFLOP/s, 4.4 TB/s, 3.6 us) and
+  its 132 SMs;
 * each link as a latency and a bus bandwidth (NCCL's "busbw": an allreduce of S bytes takes
   latency + S * 2(W-1)/W / busbw, a reduce_scatter or allgather latency + S * (W-1)/W / busbw):
-  NVLink 4 (H200 SXM, 900 GB/s per GPU both ways): 15 us and 360 GB/s, 80% of one direction;
-  PCIe Gen5 x16 (64 GB/s a direction): 25 us and 40 GB/s. Assumptions, not measurements;
+  NVLink 4 (H200 SXM): 7.5 us and 270 GB/s, from the allreduce curve measured in that run
+  (64 KiB in 7.8 us, 64 MiB in 248 us at W = 2), taken for every W, which NCCL's rings and
+  trees at W = 4 and 8 need not keep; PCIe Gen5 x16 (64 GB/s a direction): 25 us and 40 GB/s,
+  an assumption, not a measurement;
 * the plans are the reference backend's with the cuda kernel's tile (128 x 256) and its wave at
   world size > 1 (108 CTAs: the H200's 132 SMs less the 24 it leaves to the collectives), the
   default grouping; the assumed contention of the model.
@@ -37,7 +40,7 @@ from flashoverlap_core.tuning.model import CostCurve
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 OPS = ("allreduce", "reduce_scatter", "allgather")
-LINKS = {"NVLink": (15e-6, 360e9), "PCIe": (25e-6, 40e9)}
+LINKS = {"NVLink": (7.5e-6, 270e9), "PCIe": (25e-6, 40e9)}
 WORLDS = (2, 4, 8)
 TILE, WAVE = (128, 256), 108  # 132 SMs - 24 left free at W > 1 (cuda device_state)
 
@@ -49,7 +52,7 @@ def curve(op: str, world: int, latency: float, busbw: float) -> CostCurve:
 
 
 def rows_for(args) -> list[dict]:
-    rates = st.GemmRates(args.flops, args.stream, args.fixed)
+    rates = st.GemmRates(args.flops, args.stream, args.fixed, args.processors)
     rows = []
     for link, (latency, busbw) in LINKS.items():
         for world in WORLDS:
@@ -96,15 +99,16 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flops", type=float, default=737e12)
-    parser.add_argument("--stream", type=float, default=4.0e12)
-    parser.add_argument("--fixed", type=float, default=5e-6)
+    parser.add_argument("--flops", type=float, default=791e12)
+    parser.add_argument("--stream", type=float, default=4.4e12)
+    parser.add_argument("--fixed", type=float, default=3.6e-6)
+    parser.add_argument("--processors", type=int, default=132)
     parser.add_argument("--json", default=None, help="write the rows and inputs here")
     parser.add_argument("--markdown", action="store_true", help="print the summary table")
     args = parser.parse_args(argv)
     rows = rows_for(args)
     inputs = {"gemm": {"flops_per_s": args.flops, "bytes_per_s": args.stream,
-                       "fixed_s": args.fixed},
+                       "fixed_s": args.fixed, "processors": args.processors},
               "links": {k: {"latency_s": v[0], "bus_bytes_per_s": v[1]} for k, v in LINKS.items()},
               "tile": TILE, "wave_size": WAVE, "contention": st.ASSUMED_CONTENTION.to_dict(),
               "note": "PREDICTED by the strategy model, not measured"}
