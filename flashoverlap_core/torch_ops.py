@@ -315,17 +315,21 @@ def _backward_allreduce(ctx, grad):
 
 
 def _backward_reduce_scatter(ctx, grad):
-    # dL/dc is the all-gather of the ranks' row blocks of the gradient: dL/da is one overlapped
-    # allgather-GEMM; dL/db needs the gathered rows themselves (started first, so it runs while
-    # the overlapped call does).
+    # dL/dc is the all-gather of the ranks' row blocks of the gradient. When dL/db is wanted it
+    # needs the gathered rows themselves: they are gathered once and both GEMMs read them (an
+    # overlapped allgather-GEMM for dL/da would gather the same rows a second time, beside the
+    # first: twice the bytes on the links). Without dL/db (frozen weights), dL/da is one
+    # overlapped allgather-GEMM.
     a, b = ctx.saved_tensors[:2]
     grad = grad.contiguous()
-    gathered = _all_gather(grad, ctx.group_name) if ctx.needs_input_grad[1] else None
+    if ctx.needs_input_grad[1]:
+        gathered = _all_gather(grad, ctx.group_name)
+        grad_a = gathered @ b.t() if ctx.needs_input_grad[0] else None
+        return grad_a, a.t() @ gathered, None, None
     grad_a = (overlap(grad, b.t(), "allgather", resolve_group(ctx.group_name),
                       backend=_backward_backend(ctx, "allgather", grad, b.t()))
               if ctx.needs_input_grad[0] else None)
-    grad_b = a.t() @ gathered if gathered is not None else None
-    return grad_a, grad_b, None, None
+    return grad_a, None, None, None
 
 
 def _backward_allgather(ctx, grad):

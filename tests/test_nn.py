@@ -88,6 +88,8 @@ def check_against_unsharded(kinds, layers, xs, outs, cases, what: str) -> None:
         got = (out, x_grad, layer.weight.grad, layer.bias.grad)
         for name, g, w in zip(("output", "input grad", "weight grad", "bias grad"), got,
                               (want, want_x, want_w, want_b)):
+            if g is None and name == "weight grad" and not layer.weight.requires_grad:
+                continue  # a frozen weight
             torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{kind} {name} ({what}): {m}")
 
@@ -245,9 +247,12 @@ def test_the_readme_model_snippet_runs(monkeypatch):
 
 
 # ---- the backward keeps the forward's backend --------------------------------------------------
-# (kind, its forward's overlapped op, the op of its backward's overlapped call)
+# (kind, its forward's overlapped op, the op of its backward's overlapped call). A reduce-
+# scattering layer's backward overlaps its allgather only with a frozen weight: a weight's
+# gradient needs the gathered rows too, which are then gathered once for both GEMMs.
 OVERLAPPED_BACKWARD = (("row_reduce_scatter", "reduce_scatter", "allgather"),
                        ("column_gather", "allgather", "reduce_scatter"))
+FROZEN = {"row_reduce_scatter": True, "column_gather": False}
 
 
 class NoAllgather(ReferenceBackend):
@@ -261,20 +266,24 @@ class NoAllgather(ReferenceBackend):
         return ["no allgather (test backend)"] if spec.op == "allgather" else []
 
 
-def run_on_backend(kind: str, backend: str, compile_backend: str | None) -> list[dict]:
+def run_on_backend(kind: str, backend: str, compile_backend: str | None,
+                   frozen: bool = False) -> list[dict]:
     """One layer built with ``backend=``, forward and backward against the unsharded float64
-    layer; what each overlapped call ran on (fo.prepared_calls)."""
+    layer (``frozen``: its weight takes no gradient); what each overlapped call ran on
+    (fo.prepared_calls)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     c = case(kind, rank, world)
     cls, option = ((RowParallelLinear, {"reduce": "reduce_scatter"}) if kind.startswith("row")
                    else (ColumnParallelLinear, {"gather_input": True}))
     layer = cls.from_linear(c[1], backend=backend, **option)
+    layer.weight.requires_grad_(not frozen)
     x = c[0][0].float().requires_grad_()
     fn = layer if compile_backend is None else torch.compile(layer, fullgraph=True,
                                                              backend=compile_backend)
     api.forget_prepared()
     out = fn(x)
     (out * c[0][1].float()).sum().backward()
+    assert (layer.weight.grad is None) == frozen
     check_against_unsharded([kind], [layer], [x], [out], [c], f"backend={backend}")
     return fo.prepared_calls()
 
@@ -284,13 +293,17 @@ def check_backward_backends(compile_backend: str | None) -> list:
     backend that declines the backward's op, that call runs on the automatic choice."""
     ran = []
     for kind, forward_op, backward_op in OVERLAPPED_BACKWARD:
-        calls = run_on_backend(kind, "reference", compile_backend)
+        calls = run_on_backend(kind, "reference", compile_backend, frozen=FROZEN[kind])
         ran.append(sorted((c["op"], c["backend"]) for c in calls))
         assert ran[-1] == sorted([(forward_op, "reference"), (backward_op, "reference")]), calls
+    # with the weight's gradient wanted, the reduce-scattering layer's backward gathers once and
+    # makes no overlapped call of its own
+    calls = run_on_backend("row_reduce_scatter", "reference", compile_backend)
+    assert [c["op"] for c in calls] == ["reduce_scatter"], calls
     if compile_backend is None:
         registry.register(NoAllgather())
         try:
-            calls = run_on_backend("row_reduce_scatter", NoAllgather.name, None)
+            calls = run_on_backend("row_reduce_scatter", NoAllgather.name, None, frozen=True)
         finally:
             registry._loaded.pop(NoAllgather.name, None)
         by_op = {c["op"]: c for c in calls}
