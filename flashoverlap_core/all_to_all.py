@@ -52,8 +52,11 @@ MAX_PLANS = 1024  # per prepared call: plans (and backend preparations) of recen
 class AllToAllCall:
     """The prepared all_to_all of one key (see the module docstring)."""
 
-    def __init__(self, backend: Backend, template: OverlapCall):
+    def __init__(self, backend: Backend, template: OverlapCall, plain=None):
         self.backend, self.plan = backend, template.plan
+        # the plain path's collectives through the backend's own library (Backend.
+        # plain_collectives; its all_to_all where it has one), else torch.distributed's
+        self.plain = plain if hasattr(plain, "all_to_all") else None
         self.group, self.rank, self.world = template.group, template.rank, template.world_size
         self.n = template.plan.n
         self.result_dtype = template.plan.result_dtype  # an fp8 key's out_dtype
@@ -284,8 +287,11 @@ class AllToAllCall:
             recv = self._received(send, a.device)
         out = self._out_for(out, c.device, sum(recv))
         with _collective(self.group, "the plain path's all_to_all"):
-            dist.all_to_all_single(out, c, output_split_sizes=list(recv),
-                                   input_split_sizes=list(send), group=self.group)
+            if self.plain is not None:
+                self.plain.all_to_all(out, c, send, recv)
+            else:
+                dist.all_to_all_single(out, c, output_split_sizes=list(recv),
+                                       input_split_sizes=list(send), group=self.group)
         return out
 
     def _scaled_product(self, a, b, scale_a, scale_b) -> torch.Tensor:

@@ -386,7 +386,9 @@ def _prepare(key, a, b, op, group, plan, out, send_splits, recv_splits, backend,
                                      f"call, cannot run it with this rank's arguments: "
                                      + "; ".join(reasons))
                 call = call_of(c, a, b, op, agreed, out)
-            prepared = AllToAllCall(chosen, call) if a2a else _make_prepared(chosen, call)
+            prepared = (AllToAllCall(chosen, call, _plain_collectives(chosen, call)
+                                     if call.plan.strategy == "sequential" else None)
+                        if a2a else _make_prepared(chosen, call))
             shape = call.out.shape if call.out is not None and not a2a else None
             entry = _Prepared(prepared, call.plan, shape, call.plan.result_dtype, a.device,
                               facts, a, b)

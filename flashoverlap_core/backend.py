@@ -180,8 +180,10 @@ class Backend(abc.ABC):
         """The plain path's collectives on ``call.group`` through the backend's own library,
         or None (then torch.distributed runs them on the group): an object with
         ``all_reduce(t)``, ``reduce_scatter(out, t)`` and ``all_gather(out, t)`` that issue
-        one collective on the current stream, as torch.distributed's forms of the same name.
-        Called once per prepared key, on every rank alike."""
+        one collective on the current stream, as torch.distributed's forms of the same name,
+        and optionally ``all_to_all(out, t, send_splits, recv_splits)`` (as
+        ``all_to_all_single`` with those split sizes). Called once per prepared key, on every
+        rank alike."""
         return None
 
     def plan_reasons(self, plan) -> list[str]:

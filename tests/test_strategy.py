@@ -394,6 +394,12 @@ class _RecordedCollectives:
         self.seen.append("all_gather")
         all_gather_single(out, t, group=self.group)
 
+    def all_to_all(self, out, t, send_splits, recv_splits):
+        import torch.distributed as dist
+        self.seen.append("all_to_all")
+        dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=self.group)
+
 
 def _plain_path_through_the_backends_collectives(seed):
     import os
@@ -435,6 +441,21 @@ def _plain_path_through_the_backends_collectives(seed):
         every8 = torch.cat([x.float().to(torch.float8_e4m3fn).double() for x in every_a])
         if not torch.allclose(got.double(), every8 @ w8.double().t(), rtol=2e-2, atol=2e-2):
             problems.append("fp8 allgather: wrong result")
+        # all_to_all with uneven splits (rank r sends r + 1 + d rows to rank d, none to itself
+        # at r = 0): the GEMM of its own rows, then the backend's all_to_all
+        sends = [[0 if (r, d) == (0, 0) else r + 1 + d for d in range(world)]
+                 for r in range(world)]
+        rows_of = [torch.randn(sum(sends[r]), 32, generator=g, dtype=torch.float64)
+                   for r in range(world)]
+        recv = [sends[r][rank] for r in range(world)]
+        got = fo.overlap(rows_of[rank].float(), b.float(), "all_to_all", backend="reference",
+                         send_splits=sends[rank], recv_splits=recv)
+        pieces = []
+        for r in range(world):
+            start = sum(sends[r][:rank])
+            pieces.append(rows_of[r][start:start + sends[r][rank]] @ b)
+        if not torch.allclose(got.double(), torch.cat(pieces), atol=1e-3):
+            problems.append("all_to_all: wrong result")
         seen = [s for m in made for s in m.seen]
         return {"problems": problems, "seen": seen,
                 "runners": [c["runner"] for c in fo.prepared_calls()]}
@@ -454,8 +475,9 @@ def test_the_plain_path_runs_the_backends_own_collectives():
         assert not r["problems"], out
         # fp8's allgather gathers the e4m3 rows and their row-wise scales
         assert r["seen"] == ["all_reduce", "reduce_scatter", "all_gather", "all_gather",
-                             "all_gather"], r
+                             "all_gather", "all_to_all"], r
         assert r["runners"][:3] == ["SequentialCall"] * 3, r
+        assert r["runners"][-1] == "AllToAllCall", r
 
 
 def _plain_all_to_all(seed):

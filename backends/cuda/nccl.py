@@ -26,6 +26,7 @@ communicator is never made again for its group until ``fo.forget_prepared()``.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 from pathlib import Path
@@ -226,6 +227,23 @@ class PlainCollectives:
             self._run(_ALL_GATHER, t, out, t.numel())
         else:
             all_gather_single(out, t, group=self.group)
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, send_splits, recv_splits) -> None:
+        """``t``'s rows to the ranks (``send_splits`` rows each, in rank order) and theirs into
+        ``out`` (``recv_splits``), as ``all_to_all_single``: one NCCL group of send/receive
+        pairs through the runtime."""
+        row = math.prod(t.shape[1:])  # elements per row
+        if (self._native(out, t) and out.dtype == t.dtype and t.dim() == out.dim()
+                and t.shape[1:] == out.shape[1:] and len(send_splits) == len(recv_splits)
+                == self.world and sum(send_splits) == t.shape[0]
+                and sum(recv_splits) == out.shape[0]):
+            self.runtime.nccl_all_to_all(
+                self.comm, t.data_ptr(), [int(r) * row for r in send_splits], out.data_ptr(),
+                [int(r) * row for r in recv_splits], _NCCL_TYPES[t.dtype], t.element_size(),
+                self.stream(t.device.index))
+        else:
+            dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
+                                   input_split_sizes=list(send_splits), group=self.group)
 
 def _group_id(group) -> int:
     if group not in _group_ids:

@@ -60,6 +60,14 @@ FO_API cudaError_t fo_nccl_set_capture_comm(void* comm, void* capture);
 // rank sends. dtype: ncclDataType_t's value. A count of 0 issues nothing.
 FO_API cudaError_t fo_nccl_collective(void* comm, int kind, const void* send, void* recv,
                                       int64_t count, int dtype, cudaStream_t stream);
+// The plain path's all-to-all on `stream`, one NCCL group of send/receive pairs: this rank sends
+// send_counts[p] elements to rank p and receives recv_counts[p] from it (p < world), each
+// rank's block contiguous in rank order in `send` and in `recv` (as all_to_all_single takes
+// them). elem_bytes: the size of one element of `dtype` (ncclDataType_t's value). Peers with
+// nothing either way take no part; all counts 0 issue nothing.
+FO_API cudaError_t fo_nccl_all_to_all(void* comm, const void* send, const int64_t* send_counts,
+                                      void* recv, const int64_t* recv_counts, int world,
+                                      int dtype, int elem_bytes, cudaStream_t stream);
 
 // The watchdog of a communicator (nccl.cu says how it works): every collective, send/receive or
 // call graph queued on `comm` through the runtime is followed until it completes; past

@@ -648,6 +648,43 @@ FO_API cudaError_t fo_nccl_collective(void* comm, int kind, const void* send, vo
   }
 }
 
+FO_API cudaError_t fo_nccl_all_to_all(void* comm, const void* send, const int64_t* send_counts,
+                                      void* recv, const int64_t* recv_counts, int world,
+                                      int dtype, int elem_bytes, cudaStream_t stream) {
+  if (!fo::nccl::loaded()) return fo::fail(cudaErrorInvalidValue, "NCCL is not loaded (fo_nccl_load)");
+  if (!comm || world < 1 || elem_bytes < 1 || !send_counts || !recv_counts)
+    return fo::fail(cudaErrorInvalidValue,
+                    "fo_nccl_all_to_all: bad arguments (comm %p, world %d, elem_bytes %d)", comm,
+                    world, elem_bytes);
+  std::vector<int64_t> send_at(world), recv_at(world);
+  int64_t sent = 0, received = 0;
+  for (int p = 0; p < world; ++p) {
+    if (send_counts[p] < 0 || recv_counts[p] < 0)
+      return fo::fail(cudaErrorInvalidValue,
+                      "fo_nccl_all_to_all: negative count for rank %d (send %lld, recv %lld)", p,
+                      (long long)send_counts[p], (long long)recv_counts[p]);
+    send_at[p] = sent;
+    recv_at[p] = received;
+    sent += send_counts[p];
+    received += recv_counts[p];
+  }
+  if ((sent > 0 && !send) || (received > 0 && !recv))
+    return fo::fail(cudaErrorInvalidValue, "fo_nccl_all_to_all: null buffer (send %p, recv %p)",
+                    send, recv);
+  const char* from = static_cast<const char*>(send);
+  char* into = static_cast<char*>(recv);
+  return fo::nccl::send_recv_step(
+      world, dtype, static_cast<fo::nccl::Comm>(comm), stream,
+      [&](int peer, fo::nccl::PeerTransfer* t) {
+        if (send_counts[peer] == 0 && recv_counts[peer] == 0) return false;
+        t->send = from + send_at[peer] * elem_bytes;
+        t->send_count = send_counts[peer];
+        t->recv = into + recv_at[peer] * elem_bytes;
+        t->recv_count = recv_counts[peer];
+        return true;
+      });
+}
+
 FO_API cudaError_t fo_nccl_set_capture_comm(void* comm, void* capture) {
   using namespace fo::nccl;
   if (!comm || comm == capture)

@@ -737,6 +737,20 @@ PYBIND11_MODULE(fo_runtime, m) {
           }),
           "fo_nccl_collective");
   });
+  // per call of the plain path's all_to_all: one NCCL group of send/receive pairs
+  m.def("nccl_all_to_all", [](Ptr comm, Ptr send, const std::vector<int64_t>& send_counts,
+                              Ptr recv, const std::vector<int64_t>& recv_counts, int dtype,
+                              int elem_bytes, Ptr stream) {
+    if (send_counts.size() != recv_counts.size())
+      throw py::value_error("nccl_all_to_all: send_counts and recv_counts differ in length");
+    check(unlocked([&] {
+            return fo_nccl_all_to_all(comm.as<void*>(), send.as<const void*>(),
+                                      send_counts.data(), recv.as<void*>(), recv_counts.data(),
+                                      static_cast<int>(send_counts.size()), dtype, elem_bytes,
+                                      stream.as<cudaStream_t>());
+          }),
+          "fo_nccl_all_to_all");
+  });
   m.def("nccl_set_capture_comm", [](Ptr comm, Ptr capture) {
     check(fo_nccl_set_capture_comm(comm.as<void*>(), capture.as<void*>()),
           "fo_nccl_set_capture_comm");

@@ -151,6 +151,26 @@ def moe_sequence(seed: int, calls: int, backend) -> dict:
             "backends": sorted({c["backend"] for c in calls_seen})}
 
 
+def moe_sequence_plain(seed: int, calls: int) -> dict:
+    """:func:`moe_sequence` with the plain path forced (FLASHOVERLAP_STRATEGY=plain): the device's
+    GEMM, then the all_to_all on the backend's own communicator (its grouped send/receive),
+    each call against float64; what the key ran."""
+    saved = os.environ.get("FLASHOVERLAP_STRATEGY")
+    os.environ["FLASHOVERLAP_STRATEGY"] = "plain"
+    try:
+        result = moe_sequence(seed, calls, None)
+        (entry,) = api._prepared.values()
+        result.update(strategy=fo.prepared_calls()[0]["strategy"],
+                      native_all_to_all=type(entry.prepared.plain).__name__)
+        return result
+    finally:
+        api.forget_prepared()
+        if saved is None:
+            os.environ.pop("FLASHOVERLAP_STRATEGY", None)
+        else:
+            os.environ["FLASHOVERLAP_STRATEGY"] = saved
+
+
 def fp8_moe_sequence(seed: int, calls: int, scaling: str) -> dict:
     """fp8 all_to_all (issue 32) as expert parallelism runs it: e4m3 a and b with float32 scales
     of ``scaling`` ("tensorwise", "rowwise": [rows, 1] and [1, N], "blockwise": [rows,

@@ -88,6 +88,17 @@ def test_moe_sequence_on_the_signaling_gemm(pools, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_moe_sequence_on_the_plain_path(pools, world):
+    """The plain path's all_to_all on the backend's own communicator (fo_nccl_all_to_all):
+    skewed splits with zeros, a rank without rows at times, recv_splits given or exchanged."""
+    results = run(pools, world, work.moe_sequence_plain, 47 + world, 16)
+    no_problems(results, "plain-path MoE sequence")
+    for r in results:
+        assert (r["strategy"], r["native_all_to_all"], r["keys"]) == (
+            "sequential", "PlainCollectives", 1), results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
 def test_fp8_moe_sequence_on_the_scaled_gemm(pools, world, scaling):
     """fp8 all_to_all (issue 32): skewed splits with zeros, each rank's scales of its own rows,
