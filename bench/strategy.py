@@ -89,8 +89,7 @@ def offload_curve(device: torch.device):
     """The device-to-host copy into pinned memory at the model's curve sizes."""
     host = torch.empty(max(strategy.CURVE_SIZES) // 2, dtype=DTYPE, pin_memory=True)
     return measure_curve(lambda region: host[:region.numel()].copy_(region, non_blocking=True),
-                         list(strategy.CURVE_SIZES), DTYPE, device, None, iters=5, warmup=2,
-                         back_to_back=True)
+                         list(strategy.CURVE_SIZES), DTYPE, device, None, iters=5, warmup=2)
 
 
 def both(fns: dict, device, group, rounds: int, inner: int) -> tuple[dict, dict]:
@@ -120,10 +119,10 @@ def inner_calls(fn, device, group) -> int:
 def host_facts(host: dict) -> dict:
     """A row's columns on the host: each strategy's issue time per call and its share of
     samples timed with the host ahead."""
-    return {f"host_us_{key}": host[name]["host_us"] for name, key in
-            ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain"))} | {
-            f"ahead_{key}": host[name]["ahead"] for name, key in
-            ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain"))}
+    out = {}
+    for name, key in ((strategy.OVERLAP, "overlap"), (strategy.PLAIN, "plain")):
+        out[f"host_us_{key}"], out[f"ahead_{key}"] = host[name]["host_us"], host[name]["ahead"]
+    return out
 
 
 def row(kind, m, n, k, predicted, times, plan) -> dict:
@@ -264,7 +263,7 @@ def bounded_curve(op: str, backend: str, group, device, world: int) -> dict | No
                     coll.all_gather(region, region[rank * part:(rank + 1) * part])
 
             found = measure_curve(send, strategy.curve_sizes(device, world), DTYPE, device,
-                                  group, iters=3, warmup=2, back_to_back=True)
+                                  group, iters=3, warmup=2)
             _BOUNDED[op] = {"max_ctas": ctas, **found.to_dict()}
         except Exception as e:  # noqa: BLE001 - a fact for the refit, never the row's failure
             _BOUNDED[op] = {"error": f"{type(e).__name__}: {e}"[:500]}

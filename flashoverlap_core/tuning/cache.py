@@ -107,8 +107,15 @@ def kernel_key(ctx: Context, plan: Plan) -> dict:
             "schedule": plan.schedule.to_dict(), "block_rows": list(plan.block_rows)}
 
 
+# How a transfer's cost curve was timed (measure.measure_curve): back to back, as the device runs
+# it among other work. Curves of the earlier timing (from an idle device, the launch in it)
+# have no "timing" in their key and are measured again.
+CURVE_TIMING = "back_to_back"
+
+
 def transfer_key(ctx: Context, *, transfer: str, world_size: int, dtype: str) -> dict:
-    return {**ctx.key(), "transfer": transfer, "world_size": world_size, "dtype": dtype}
+    return {**ctx.key(), "transfer": transfer, "world_size": world_size, "dtype": dtype,
+            "timing": CURVE_TIMING}
 
 
 # ---- the file ------------------------------------------------------------------------------------

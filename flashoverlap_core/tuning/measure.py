@@ -132,23 +132,20 @@ def log_sizes(smallest: int, largest: int, align: int = 1, per_octave: int = 1) 
 
 def measure_curve(send: Callable[[torch.Tensor], None] | None, sizes: list[int],
                   dtype: torch.dtype, device: torch.device, group, iters: int = 10,
-                  warmup: int = 3, back_to_back: bool = False) -> CostCurve:
-    """The median time of one transfer of each size (bytes, multiples of the element size):
-    each timed alone from an idle device (:func:`timed`), or, ``back_to_back``, as the device
-    runs it among others queued ahead of it (:func:`sample_times`, ``iters`` rounds), without
-    the host's time to issue it."""
+                  warmup: int = 3) -> CostCurve:
+    """The median time of one transfer of each size (bytes, multiples of the element size), as
+    the device runs it among others queued ahead of it (:func:`sample_times`, ``iters``
+    rounds), without the host's time to issue it. (Until 2026-12-04 each was timed alone from
+    an idle device, the launch in it: curves of that timing are not reused, see
+    ``cache.CURVE_TIMING`` and ``strategy.RATES_FORMAT``.)"""
     if send is None:
         return CostCurve.free()
     itemsize = torch.empty((), dtype=dtype).element_size()
     buf = torch.zeros(max(sizes) // itemsize, dtype=dtype, device=device)
-    if back_to_back:
-        fns = [lambda size=size: send(buf[:size // itemsize]) for size in sizes]
-        samples = sample_times(fns, device, group, rounds=iters, calls=BACK_TO_BACK_CALLS,
-                               warmup=warmup)
-        return CostCurve(tuple(sizes), tuple(float(np.median(s)) for s in samples))
-    seconds = [median_time(lambda: send(buf[:size // itemsize]), device, group, iters, warmup)
-               for size in sizes]
-    return CostCurve(tuple(sizes), tuple(seconds))
+    fns = [lambda size=size: send(buf[:size // itemsize]) for size in sizes]
+    samples = sample_times(fns, device, group, rounds=iters, calls=BACK_TO_BACK_CALLS,
+                           warmup=warmup)
+    return CostCurve(tuple(sizes), tuple(float(np.median(s)) for s in samples))
 
 
 # ---- back-to-back calls, in rounds --------------------------------------------------------------

@@ -203,7 +203,7 @@ def measure_collective(op: str, dtype: torch.dtype, device: torch.device, group,
                        world: int) -> CostCurve:
     """The op's collective on ``group`` at a few sizes (well under a second)."""
     return measure_curve(_transfer(op, group, world), curve_sizes(device, world), dtype, device,
-                         group, iters=3, warmup=2, back_to_back=True)
+                         group, iters=3, warmup=2)
 
 
 # ---- the facts of a group, agreed --------------------------------------------------------------

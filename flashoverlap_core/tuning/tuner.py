@@ -247,14 +247,11 @@ def build_model(job: Job, cache_path: str | None = None, refresh: bool = False) 
     moved = work.moved_dtype  # the result's dtype (an fp8 job's: job.out_dtype)
     itemsize, total = moved.itemsize, work.output_bytes()
     align = itemsize * (work.world if job.op in ("reduce_scatter", "all_to_all") else 1)
-    # (curves timed back to back, as the device runs them among the call's other work: a
-    # cached curve timed from an idle device, with the launch in it, has no "timing" and is
-    # measured again)
-    key = {**transfer_key(work.context, transfer=job.transfer or job.op, world_size=work.world,
-                          dtype=dtype_name(moved)), "timing": "back_to_back"}
+    key = transfer_key(work.context, transfer=job.transfer or job.op, world_size=work.world,
+                       dtype=dtype_name(moved))
     cost = _cached_curve(cache, key, work, refresh, total, lambda: measure_curve(
         send, log_sizes(min(plan.tile[0] * plan.tile[1] * itemsize, total), total, align),
-        moved, dev, group, job.iters, job.warmup, back_to_back=True))
+        moved, dev, group, job.iters, job.warmup))
     one_group = work.one_group(plan)
     work.run(one_group)  # warm-up: loads every kernel before anything is traced
     timing = gemm_timing(traced_calls(lambda: work.trace(one_group), dev, group,
