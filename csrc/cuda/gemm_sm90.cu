@@ -227,7 +227,24 @@ struct EpiShared<true> {
   Fp8ScaleStorage scales;
 };
 
-constexpr int kCarveout = int(sizeof(typename MathOrderBarrier::SharedStorage) +
+// The items the math threads take, decoded by the producer: it writes item n's WorkTile into
+// slot n % kItemSlots before it loads the item's first K tile, and the math threads read it
+// after that stage is full (the stage's full barrier orders the write before their reads):
+// after the tile's main loop, or (fp8 row-wise scales, staged before it) also once before,
+// after waiting for the stage. So the math threads never wait for the item table's L2 round
+// trip before a tile's first wgmma, nor keep its fields in registers through the main loop.
+// A slot is written again kItemSlots items later, when the producer acquires that item's first
+// stage: while the math threads of item n are still in its main loop or just past it, the
+// stages released are at most those of items n and n + 1 (pingpong: the other warpgroup's),
+// so the producer, at most `stages` K tiles ahead, has begun at most item n + 1 + stages
+// (kItemSlots >= stages + 2: static_assert below).
+constexpr int kItemSlots = 10;
+struct alignas(16) ItemSlots {
+  WorkTile tile[kItemSlots];
+};
+
+constexpr int kCarveout = int(sizeof(ItemSlots)) + 16 +
+                          int(sizeof(typename MathOrderBarrier::SharedStorage) +
                               sizeof(typename EpiPipeline::SharedStorage)) + 32 +
                           (kTmaStore ? int(sizeof(EpiSlots)) + 1024 : 0) +
                           (kFp8 ? int(sizeof(Fp8ScaleStorage)) + 16 : 0);
@@ -246,6 +263,8 @@ static_assert(!kBlockScaled || int(Mainloop::DispatchPolicy::Stages) <= kScaleSt
 // one per lane of the warp that copies the stage's scales (cp.async ... arrive.noinc).
 constexpr int kScaleLoaderWarp = 2;  // of the producer warpgroup (0: TMA loads, 1: store/signal)
 constexpr int kStageProducers = int(Mainloop::NumProducerThreadEvents) + (kBlockScaled ? 32 : 0);
+static_assert(int(Mainloop::DispatchPolicy::Stages) + 2 <= kItemSlots,
+              "more mainloop stages than item slots allow (raise kItemSlots)");
 using MainloopPipeline = typename Mainloop::MainloopPipeline;
 using PipelineState = typename Mainloop::PipelineState;
 
@@ -319,6 +338,7 @@ struct SharedStorage {
     typename Mainloop::TensorStorage mainloop;
     EpiShared<kFp8> epi;
   } tensors;
+  ItemSlots items;
   struct alignas(16) Pipelines {
     alignas(16) typename Mainloop::PipelineStorage mainloop;
     alignas(16) typename MathOrderBarrier::SharedStorage math_order;
@@ -755,8 +775,13 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       auto mB = p.mainloop.tma_load_b.get_tma_tensor(make_shape(p.table.N, p.K, 1));
       auto gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
       PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-      for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
+      int ordinal = 0;  // of this CTA's items
+      for (int64_t base = first_base; base < p.table.num_items; base += round_stride, ++ordinal) {
         WorkTile w = cluster_item(p.table, base, rank);
+        // for the math threads (kItemSlots): before the item's first stage is acquired and
+        // filled; the warp barrier orders lane 0's write before whichever lane the load elects
+        if (thread_in_group == 0) ss.items.tile[ordinal % kItemSlots] = w;
+        __syncwarp();
         // One uniform branch per tile, outside the K loop; a filler item loads rows it never
         // stores, so it waits for nothing.
         if (p.item_wait != nullptr && w.valid) wait_for_rows(p, base + rank);
@@ -858,12 +883,16 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         epi_state.advance(kEpiSteps);
       }
     }
-    for (; base < p.table.num_items; base += step) {
-      const WorkTile w = stored_item(p.table, base, rank);
+    int ordinal = kPingpong ? math_group : 0;  // of the CTA's items: the item slot
+    for (; base < p.table.num_items; base += step, ordinal += kPingpong ? 2 : 1) {
+      const WorkTile& slot = ss.items.tile[ordinal % kItemSlots];
       TileScales* scales = nullptr;
       if constexpr (kFp8 && !kBlockScaled) {
         scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
-        if (per_element) stage_scales(p.scales, w, *scales, math_thread);
+        if (per_element) {
+          pipeline.consumer_wait(read_state);  // the item's first stage: its slot is written
+          stage_scales(p.scales, slot, *scales, math_thread);
+        }
       }
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       if constexpr (kBlockScaled) {  // the scales are applied per K tile, in the main loop
@@ -877,6 +906,8 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         mainloop.mma_tail(pipeline, read_state, k_tiles);
         read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
       }
+      // the main loop waited for the item's first stage: its slot holds the tile
+      const WorkTile w = slot;
       if constexpr (kFp8 && !kBlockScaled) {
         if (per_element) {
           await_scales(scale_group);
