@@ -238,7 +238,11 @@ struct EpiShared<true> {
 // stages released are at most those of items n and n + 1 (pingpong: the other warpgroup's),
 // so the producer, at most `stages` K tiles ahead, has begun at most item n + 1 + stages
 // (kItemSlots >= stages + 2: static_assert below).
+// Cooperative builds only: pingpong's math warpgroups wait for each other's turn before a
+// tile's main loop anyway, and the pingpong and block-scaled builds spilled with the slots
+// (ptxas, nvcc 13.0), so they decode their items from the table as before.
 constexpr int kItemSlots = 10;
+constexpr bool kItemFromSlot = !kPingpong && !kBlockScaled;
 struct alignas(16) ItemSlots {
   WorkTile tile[kItemSlots];
 };
@@ -780,8 +784,10 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         WorkTile w = cluster_item(p.table, base, rank);
         // for the math threads (kItemSlots): before the item's first stage is acquired and
         // filled; the warp barrier orders lane 0's write before whichever lane the load elects
-        if (thread_in_group == 0) ss.items.tile[ordinal % kItemSlots] = w;
-        __syncwarp();
+        if constexpr (kItemFromSlot) {  // (the other builds decode their items themselves)
+          if (thread_in_group == 0) ss.items.tile[ordinal % kItemSlots] = w;
+          __syncwarp();
+        }
         // One uniform branch per tile, outside the K loop; a filler item loads rows it never
         // stores, so it waits for nothing.
         if (p.item_wait != nullptr && w.valid) wait_for_rows(p, base + rank);
@@ -886,28 +892,45 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
     int ordinal = kPingpong ? math_group : 0;  // of the CTA's items: the item slot
     for (; base < p.table.num_items; base += step, ordinal += kPingpong ? 2 : 1) {
       const WorkTile& slot = ss.items.tile[ordinal % kItemSlots];
+      // the other builds decode their item from the table, before the main loop (kItemFromSlot)
+      [[maybe_unused]] WorkTile table_item;
+      if constexpr (!kItemFromSlot) table_item = stored_item(p.table, base, rank);
       TileScales* scales = nullptr;
-      if constexpr (kFp8 && !kBlockScaled) {
-        scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
-        if (per_element) {
-          pipeline.consumer_wait(read_state);  // the item's first stage: its slot is written
-          stage_scales(p.scales, slot, *scales, math_thread);
+      if constexpr (kFp8 && !kBlockScaled) scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
+      // The item's row-wise scales, staged before its main loop once its first stage (and so
+      // its slot) is full. Pingpong: only in this warpgroup's turn, when the producer has
+      // passed the other warpgroup's tile: a wait on a stage more than one phase ahead of the
+      // producer would see the parity of an earlier phase and return at once.
+      [[maybe_unused]] auto stage_item_scales = [&] {
+        if constexpr (kFp8 && !kBlockScaled) {
+          if (per_element) {
+            if constexpr (kItemFromSlot) {
+              pipeline.consumer_wait(read_state);
+              stage_scales(p.scales, slot, *scales, math_thread);
+            } else {
+              stage_scales(p.scales, table_item, *scales, math_thread);
+            }
+          }
         }
-      }
+      };
+      if constexpr (!kPingpong || !kItemFromSlot) stage_item_scales();
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       if constexpr (kBlockScaled) {  // the scales are applied per K tile, in the main loop
         block_scaled_mainloop(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop,
                               block_scale_stages(ss.tensors.epi), row_base, lane,
                               block_tiles++ & 1);
       } else {
-        if constexpr (kPingpong) math_order.wait();
+        if constexpr (kPingpong) {
+          math_order.wait();
+          if constexpr (kItemFromSlot) stage_item_scales();
+        }
         mainloop.mma(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop, p.mainloop);
         if constexpr (kPingpong) math_order.arrive();
         mainloop.mma_tail(pipeline, read_state, k_tiles);
         read_state.advance(kPingpong ? 2 * k_tiles : k_tiles);
       }
       // the main loop waited for the item's first stage: its slot holds the tile
-      const WorkTile w = slot;
+      const WorkTile w = kItemFromSlot ? slot : table_item;
       if constexpr (kFp8 && !kBlockScaled) {
         if (per_element) {
           await_scales(scale_group);
