@@ -229,10 +229,11 @@ struct EpiShared<true> {
 
 // The items the math threads take, decoded by the producer: it writes item n's WorkTile into
 // slot n % kItemSlots before it loads the item's first K tile, and the math threads read it
-// after that stage is full (the stage's full barrier orders the write before their reads):
-// after the tile's main loop, or (fp8 row-wise scales, staged before it) also once before,
-// after waiting for the stage. So the math threads never wait for the item table's L2 round
-// trip before a tile's first wgmma, nor keep its fields in registers through the main loop.
+// after the tile's main loop, which waited for that stage (the stage's full barrier orders the
+// write before their reads). So the math threads never wait for the item table's L2 round trip
+// before a tile's first wgmma, nor keep its fields in registers through the main loop. (fp8
+// row-wise scales are staged before the main loop from the table item, as before: from the
+// slot they would first wait for the stage, which cost one-wave shapes up to 4%.)
 // A slot is written again kItemSlots items later, when the producer acquires that item's first
 // stage: while the math threads of item n are still in its main loop or just past it, the
 // stages released are at most those of items n and n + 1 (pingpong: the other warpgroup's),
@@ -897,10 +898,10 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       if constexpr (!kItemFromSlot) table_item = stored_item(p.table, base, rank);
       TileScales* scales = nullptr;
       if constexpr (kFp8 && !kBlockScaled) scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
-      // The item's row-wise scales, staged before its main loop. (Had pingpong taken its item
-      // from the slot, it would have had to wait for the first stage in its own turn: a wait on
-      // a stage more than one phase ahead of the producer sees the parity of an earlier phase
-      // and returns at once.)
+      // The item's row-wise scales, staged before its main loop from the table item. (A wait
+      // for the item's first stage here, to read its slot, would be wrong in pingpong builds
+      // before their turn: a wait on a stage more than one phase ahead of the producer sees the
+      // parity of an earlier phase and returns at once.)
       [[maybe_unused]] auto stage_item_scales = [&] {
         if constexpr (kFp8 && !kBlockScaled) {
           if (per_element) {
