@@ -897,25 +897,17 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       [[maybe_unused]] WorkTile table_item;
       if constexpr (!kItemFromSlot) table_item = stored_item(p.table, base, rank);
       TileScales* scales = nullptr;
-      if constexpr (kFp8 && !kBlockScaled) scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
-      // The item's row-wise scales, staged before its main loop from the table item. (A wait
-      // for the item's first stage here, to read its slot, would be wrong in pingpong builds
-      // before their turn: a wait on a stage more than one phase ahead of the producer sees the
-      // parity of an earlier phase and returns at once.)
-      [[maybe_unused]] auto stage_item_scales = [&] {
-        if constexpr (kFp8 && !kBlockScaled) {
-          if (per_element) {
-            // from the table, not the slot: waiting for the first stage first delayed the
-            // scales' copies on one-wave shapes (4096x4096x1024: 0.911x against 0.951x)
-            if constexpr (kItemFromSlot) {
-              stage_scales(p.scales, stored_item(p.table, base, rank), *scales, math_thread);
-            } else {
-              stage_scales(p.scales, table_item, *scales, math_thread);
-            }
-          }
-        }
-      };
-      stage_item_scales();
+      if constexpr (kFp8 && !kBlockScaled) {
+        scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
+        // The item's row-wise scales, staged before its main loop from the table item, in the
+        // slot builds too: reading the slot first needs a wait for the item's first stage,
+        // which cost one-wave shapes up to 4% (and in pingpong builds, before their turn, that
+        // stage can be more than one phase ahead of the producer, where a parity wait returns
+        // at once).
+        if (per_element)
+          stage_scales(p.scales, kItemFromSlot ? stored_item(p.table, base, rank) : table_item,
+                       *scales, math_thread);
+      }
       auto acc = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       if constexpr (kBlockScaled) {  // the scales are applied per K tile, in the main loop
         block_scaled_mainloop(pipeline, read_state, acc, k_tiles, math_thread, ss.tensors.mainloop,
