@@ -22,7 +22,8 @@ Kernels: "product" is what the cuda backend launches for a default plan (the ker
 backends/cuda/kernels.py; FLASHOVERLAP_CUDA_EPILOGUE changes its epilogue), "plain" the same
 with null counters (signaling's cost). --variants adds builds: {coop|pp|sm80}-{epilogue}[slots],
 e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (pingpong
-128x128), coop128-tma (cooperative 128x128), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
+128x128), coop128-tma (cooperative 128x128), coop224-tma4 and coop160-tma4 (cooperative
+128x224, 128x160), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters.
 
 fp8 (--fp8, its own run and JSON, gemm-fp8-<device>-<date>.json): the same shapes with float8
@@ -40,7 +41,9 @@ min_vs_scaled_mm and median_vs_scaled_mm (warm, product) over every row, and per
 
 Shape sets: facts (docs/gpu-facts.md), llm (tokens x hidden x K), ragged (tile counts that are not
 multiples of the grid), ksweep (8192 x 8192, K = 256 .. 8192: the fitted intercept is the
-fixed cost per wave, mostly the epilogue). --comm (under torchrun, 2+ GPUs): an NCCL
+fixed cost per wave, mostly the epilogue); not in the default run: tiles (4096 x 7168 and
+4096 x 5120, K = 256 .. 4096, whole waves of 128x256 and of 128x224 / 128x160 tiles: run with
+--variants coop-tma4,coop224-tma4,coop160-tma4 for kernels.TILE_COST). --comm (under torchrun, 2+ GPUs): an NCCL
 all-reduce runs on a side stream during every timed replay, limited to the reserved SMs
 (NCCL_MAX_CTAS). Writes gemm-<device>-<date>.json (device, date, commit, command, rows, summary) to
 $FO_RESULTS_DIR or bench/results/.
@@ -71,8 +74,13 @@ RAGGED_SHAPES = [(5120, 5120, 4096), (3072, 7168, 4096), (6144, 3584, 2048), (25
 KSWEEP = [(8192, 8192, k) for k in (256, 512, 1024, 2048, 4096, 8192)]
 QUICK_SHAPES = [(4096, 4096, 4096), (8192, 8192, 2048), (16384, 8192, 1024), (4096, 8192, 8192)]
 SETS = {"facts": FACTS_SHAPES, "llm": LLM_SHAPES, "ragged": RAGGED_SHAPES, "ksweep": KSWEEP}
+# tiles: pairs of shapes whose tiles fill whole waves of 128 CTAs with 128x256 and with 128x224
+# (N = 7168) or 128x160 (N = 5120): the same work, so the time ratios are the narrower kernels'
+# cost per unit of work (kernels.TILE_COST); not in the default run
+TILE_SHAPES = [(4096, n, k) for n in (7168, 5120) for k in (256, 1024, 2048, 4096)]
+SETS = {**SETS, "tiles": TILE_SHAPES}
 TILES = {"coop": (90, (128, 256)), "pp": (90, (128, 128)), "sm80": (80, (128, 128)),
-         "coop128": (90, (128, 128))}
+         "coop128": (90, (128, 128)), "coop224": (90, (128, 224)), "coop160": (90, (128, 160))}
 SCHEDULES = {"coop128": "cooperative"}  # a kind whose schedule is not the kernel table's
 
 

@@ -12,8 +12,8 @@ source ci/lib.sh
 run_one() {
   local s=$1
   case $s in
-    build) stage build 200 flashoverlap build --backend cuda --jobs 16 ;;
-    epilogue) FO_GEMM_TEST_CONFIGS=-e4m3 stage epilogue 170 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_epilogue.py ;;
+    build) stage build ${FO_BUILD_SECONDS:-200} flashoverlap build --backend cuda --jobs 16 ;;
+    epilogue) FO_GEMM_TEST_CONFIGS=${FO_GEMM_TEST_CONFIGS:--e4m3} stage epilogue 170 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_epilogue.py ;;
     moe-tests) FO_STRESS_RUNS=100 FO_CONCURRENT_ROUNDS=100 FO_REPEAT_CALLS=500 stage moe-tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_moe.py tests/gpu/test_cuda.py -k "all_to_all or moe or world1 or lazy" ;;
     fp8) FO_GEMM_TEST_CONFIGS=e4m3 stage fp8-tests ${FO_FP8_SECONDS:-120} $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_fp8.py tests/gpu/test_gemm_epilogue.py -k "e4m3 or test_cuda_fp8" ;;
     callpath) stage callpath 90 $PY bench/callpath.py ;;
@@ -21,7 +21,7 @@ run_one() {
     gemm) stage gemm 240 $PY bench/gemm.py ${FO_GEMM_ARGS:-} ;;
     # the conformance suite's fp8 cases (every op and scaling) on cuda, ranks sharing the GPU
     fp8-conf) stage fp8-conformance ${FO_FP8_CONF_SECONDS:-300} $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_fp8 --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_FP8_WORLDS:-1,2,3,4} --junitxml "$OUT/fp8-conformance.xml" ;;
-    cuda-tests) stage cuda-tests ${FO_CUDA_TESTS_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/gpu/test_cuda.py ;;
+    cuda-tests) stage cuda-tests ${FO_CUDA_TESTS_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/gpu/test_cuda.py ${FO_CUDA_K:+-k "$FO_CUDA_K"} ;;
     plain) stage plain-path 90 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda.py -k "plain_path or native_call" ;;
     fp8all) stage fp8-all 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py ;;
     # issue 33's all_to_all pairing failure: many W = 2 runs at once, a variant each (ci/a2a_race.sh)

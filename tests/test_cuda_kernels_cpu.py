@@ -31,10 +31,16 @@ def test_epilogues_are_validated_per_architecture():
         build.default_config(80, epilogue="tma")
     with pytest.raises(ValueError, match="epi_slots applies to the tma epilogue only"):
         GemmConfig(epi_slots=2)
-    with pytest.raises(ValueError, match="tile_n % 64"):
-        GemmConfig(tile_n=96, epilogue="tma")
+    with pytest.raises(ValueError, match="tile_n % 32"):
+        GemmConfig(tile_n=80, epilogue="tma")
     with pytest.raises(ValueError, match="epi_slots in"):
         GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma", epi_slots=3)
+    # widths that are not multiples of 64 store 32-column blocks: 7 of them at 224
+    assert [GemmConfig(tile_n=n, epilogue="tma").column_blocks for n in (256, 224, 160, 128)] == [
+        4, 7, 5, 2]
+    GemmConfig(tile_n=224, epilogue="tma", epi_slots=7)
+    with pytest.raises(ValueError, match="epi_slots in"):
+        GemmConfig(tile_n=224, epilogue="tma", epi_slots=8)
 
 
 def test_config_names_and_defines_carry_the_epilogue():
@@ -59,7 +65,7 @@ def test_all_to_all_has_its_own_builds_of_every_tile(monkeypatch):
     """Unequal destination blocks take builds of their own (the plain builds' producer warps
     keep their registers), prebuilt for every tile default_tile may pick, with 1x1 clusters."""
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
-    for arch, tiles in ((90, {(128, 256), (128, 128)}), (80, {kernels.DEFAULT_TILE[80]})):
+    for arch, tiles in ((90, set(kernels.CONFIGS[90])), (80, {kernels.DEFAULT_TILE[80]})):
         made = [c for c in kernels.all_configs([arch])
                 if c.blocks and c.dtype not in build.FP8_DTYPES]  # (fp8's: the next test)
         assert {(c.tile, c.cluster_m, c.cluster_n) for c in made} == {(t, 1, 1) for t in tiles}
@@ -176,15 +182,28 @@ def _spec(m, n, k, op="allreduce", world_size=1, send_splits=None):
     return OverlapSpec(m, n, k, op, world_size, "bfloat16", "cuda", "col", send_splits)
 
 
-def test_pingpong_tile_where_the_last_wave_is_ragged():
-    # Measured on the H200 (issue 11 run 2): pingpong faster on these three ragged shapes only.
-    for m, n, k in ((5120, 5120, 4096), (3072, 7168, 4096), (6144, 3584, 2048)):
-        assert kernels.default_tile(90, _spec(m, n, k), 128) == (128, 128)
+def test_narrower_tile_where_the_last_wave_is_ragged():
+    # The ragged shapes of bench/gemm.py: 128x256 tiles leave a last wave a quarter full (800
+    # and 672 tiles on 128 CTAs); 128x160 (5120 = 32 x 160) and 128x224 (3584 = 16 x 224,
+    # 7168 = 32 x 224) fill whole waves there.
+    assert kernels.default_tile(90, _spec(5120, 5120, 4096), 128) == (128, 160)
+    for m, n, k in ((3072, 7168, 4096), (6144, 3584, 2048)):
+        assert kernels.default_tile(90, _spec(m, n, k), 128) == (128, 224)
     for m, n, k in ((4096, 4096, 4096), (16384, 8192, 1024), (2560, 6400, 4096), (12288, 4096, 1536),
                     (8192, 8192, 256), (2048, 4096, 4096)):
         assert kernels.default_tile(90, _spec(m, n, k), 128) == (128, 256)
+    # pingpong's 128x128 where its half-size tiles fill the waves best: 5120 x 6144 x 4096 is
+    # 1920 tiles of 128x128 (15 waves of half the work), 960 of 128x256 (7.5 -> 8 waves), 1120
+    # of 128x224 (8.75 -> 9 of 7/8 the work), 1560 of 128x160 (12.2 -> 13 of 5/8)
+    assert kernels.default_tile(90, _spec(5120, 6144, 4096), 128) == (128, 128)
+    # a single partial wave: the smallest tile, for its parallelism
+    assert kernels.default_tile(90, _spec(64, 8192, 4096), 128) == (128, 128)
+    # fp8 takes its own kernels' tiles only (no 128x224 / 128x160 builds)
+    fp8 = replace(_spec(6144, 3584, 2048), dtype="float8_e4m3fn", out_dtype="bfloat16")
+    assert kernels.default_tile(90, fp8, 128) == (128, 128)
+    assert (128, 224) not in kernels.supported_tiles(90, None, "float8_e4m3fn")
     # Waves count per destination block: 8 blocks of 640 rows at N=5120 -> 800 tiles again.
-    assert kernels.default_tile(90, _spec(5120, 5120, 4096, "reduce_scatter", 8), 128) == (128, 128)
+    assert kernels.default_tile(90, _spec(5120, 5120, 4096, "reduce_scatter", 8), 128) == (128, 160)
     assert kernels.default_tile(90, _spec(8192, 8192, 4096, "reduce_scatter", 8), 128) == (128, 256)
     assert kernels.default_tile(90) == kernels.DEFAULT_TILE[90]  # no call: the default
     # all_to_all: without a hint of the rows (they change every call) the default tile; with
@@ -194,12 +213,14 @@ def test_pingpong_tile_where_the_last_wave_is_ragged():
     def a2a(rows, n, k, world):
         spec = replace(_spec(world, n, k, "all_to_all", world), rows_hint=rows)
         return kernels.default_tile(90, spec, 128)
-    assert a2a(1024, 5120, 3456, 1) == (128, 128)  # 160 tiles of 128x256: 2 waves, 320: 3
-    assert a2a(5120, 5120, 4096, 1) == (128, 128)
+    # 1024 rows at N = 5120: 160 tiles of 128x256 (2 waves, the second a quarter full), 256 of
+    # 128x160 (2 whole waves of 5/8 the work), 320 of 128x128 (3 waves of half)
+    assert a2a(1024, 5120, 3456, 1) == (128, 160)
+    assert a2a(5120, 5120, 4096, 1) == (128, 160)
     assert a2a(4096, 4096, 4096, 1) == (128, 256)
     assert a2a(16384, 8192, 1024, 1) == (128, 256)
     # 8 destinations of 640 rows (5 bands each) at N=5120: 800 tiles of 128x256 -> 7 waves
-    assert a2a(5120, 5120, 4096, 8) == (128, 128)
+    assert a2a(5120, 5120, 4096, 8) == (128, 160)
     assert a2a(0, 5120, 4096, 8) == (128, 256)  # no rows: nothing to weigh
     assert kernels.default_tile(80, _spec(5120, 5120, 4096), 128) == kernels.DEFAULT_TILE[80]
     assert kernels.pingpong_cost(100) == kernels.PINGPONG_COST[0][1]
@@ -209,7 +230,10 @@ def test_pingpong_tile_where_the_last_wave_is_ragged():
 def test_prebuild_covers_every_tile_a_default_plan_picks(monkeypatch):
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
     tiles = {(c.arch, c.tile) for c in kernels.all_configs([90, 80])}
-    assert tiles == {(90, (128, 256)), (90, (128, 128)), (80, kernels.DEFAULT_TILE[80])}
+    assert tiles == {(90, t) for t in kernels.CONFIGS[90]} | {(80, kernels.DEFAULT_TILE[80])}
+    assert {(90, (128, 224)), (90, (128, 160))} <= tiles
+    fp8 = {c.tile for c in kernels.all_configs([90]) if c.dtype in build.FP8_DTYPES}
+    assert fp8 == set(kernels.FP8_CONFIGS[90]) | set(kernels.FP8_BLOCK_CONFIGS[90])
 
 
 def test_environment_selects_the_epilogue(monkeypatch):

@@ -40,6 +40,7 @@ import torch
 
 from flashoverlap_core.backend import Backend, OverlapCall, OverlapSpec, PreparedCall
 from flashoverlap_core.ops import of
+from flashoverlap_core.plan import dtype_name
 from flashoverlap_core.tile_trace import TileTrace
 from flashoverlap_core.tiles import Schedule
 
@@ -190,9 +191,11 @@ class CudaBackend(Backend):
 
     def plan_reasons(self, plan) -> list[str]:
         reasons = []
-        tiles = kernels.supported_tiles(gemm.arch(), plan.scaling)
+        dtype = dtype_name(plan.dtype)
+        tiles = kernels.supported_tiles(gemm.arch(), plan.scaling, dtype)
         if tuple(plan.tile) not in tiles:
-            what = " with block-wise fp8 scales" if plan.scaling == "blockwise" else ""
+            what = (" with block-wise fp8 scales" if plan.scaling == "blockwise"
+                    else f" for {dtype}" if dtype in kernels.FP8_DTYPES else "")
             reasons.append(f"tile {plan.tile} has no CUDA kernel{what} on sm_{gemm.arch()}; "
                            f"available: {sorted(tiles)}")
         if plan.kind.splits:

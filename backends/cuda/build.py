@@ -71,7 +71,7 @@ class GemmConfig:
     schedule: str = "cooperative"  # sm90: cooperative | pingpong; sm80: multistage
     stages: int = 0  # mainloop pipeline stages; 0: as many as fit (sm90), 4 (sm80)
     epilogue: str = "direct"  # how tiles leave the math threads (EPILOGUES)
-    epi_slots: int = 0  # sm90 tma: 64-column shared-memory slots (0: 2)
+    epi_slots: int = 0  # sm90 tma: shared-memory slots, one column block each (0: 2)
     blocks: bool = False  # destination blocks of unequal rows too (all_to_all's per-call layout)
     out_dtype: str = ""  # of the output: e4m3 builds "bf16" (default) or "fp16"; else dtype's
     fast_accum: bool = True  # e4m3: accumulate in the tensor cores throughout (CUTLASS's
@@ -110,9 +110,10 @@ class GemmConfig:
         if self.epi_slots and self.epilogue != "tma":
             out.append(f"epi_slots applies to the tma epilogue only, got {self.epi_slots} with "
                        f"{self.epilogue!r}")
-        if self.epilogue == "tma" and (self.tile_n % 64 or not 0 <= self.epi_slots <= self.tile_n // 64):
-            out.append(f"the tma epilogue needs tile_n % 64 == 0 and epi_slots in "
-                       f"0..tile_n/64, got tile_n={self.tile_n}, epi_slots={self.epi_slots}")
+        if self.epilogue == "tma" and (self.tile_n % 32 or not 0 <= self.epi_slots <= self.column_blocks):
+            out.append(f"the tma epilogue needs tile_n % 32 == 0 and epi_slots in 0..its column "
+                       f"blocks (tile_n / 64, or tile_n / 32 where tile_n % 64 != 0), got "
+                       f"tile_n={self.tile_n}, epi_slots={self.epi_slots}")
         if self.epilogue == "vec16" and self.tile_n % 32:
             out.append(f"the vec16 epilogue needs tile_n % 32 == 0, got {self.tile_n}")
         if self.arch == 90:
@@ -176,6 +177,12 @@ class GemmConfig:
     @property
     def cta_multiple(self) -> int:
         return self.cluster_m * self.cluster_n
+
+    @property
+    def column_blocks(self) -> int:
+        """sm90 tma epilogue: the column blocks of a tile, one shared-memory slot and one TMA
+        store each: 64 columns, or 32 where tile_n is not a multiple of 64 (gemm_sm90.cu)."""
+        return self.tile_n // (64 if self.tile_n % 64 == 0 else 32)
 
 
 def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True,
@@ -553,9 +560,11 @@ CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they nam
     CHECK_CONFIGS[9],  # sm90 cooperative 128x128x128, e4m3 block-scaled, 1x1, tma, blocks
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
-# accumulator layout: cooperative 128x256 and pingpong 128x128; e4m3 row-wise and block-wise
-# (cooperative 128x128: the rows its main loop scales by).
+# accumulator layout: cooperative 128x256 and pingpong 128x128; cooperative 128x224 (the tma
+# epilogue's 32-column blocks, 64-byte swizzle); e4m3 row-wise and block-wise (cooperative
+# 128x128: the rows its main loop scales by).
 SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"),
+                    GemmConfig(tile_n=224, epilogue="tma", epi_slots=4),
                     GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4),
                     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma",
                                block_scaled=True))

@@ -40,9 +40,14 @@ class Kernel:
 # (correct on the H200; its speed there says nothing about Ampere/Ada). 4 slots for 128x256 (a
 # whole tile, 3 mainloop stages) measured 1-3% faster than 2 (4 stages).
 # FLASHOVERLAP_CUDA_EPILOGUE=direct selects the original epilogue.
+# sm90's 128x224 and 128x160 (cooperative, 32-column tma blocks: gemm_sm90.cu) are for shapes
+# whose 128x256 tiles leave a ragged last wave that these widths fill (default_tile): 3584 and
+# 7168 columns are 16 and 32 tiles of 224, 5120 columns 32 of 160.
 CONFIGS = {
     90: {(128, 256): Kernel(64, (2, 1), "cooperative", "tma", tma_slots=4),
-         (128, 128): Kernel(64, (2, 1), "pingpong", "tma")},
+         (128, 128): Kernel(64, (2, 1), "pingpong", "tma"),
+         (128, 224): Kernel(64, (2, 1), "cooperative", "tma", tma_slots=4),
+         (128, 160): Kernel(64, (2, 1), "cooperative", "tma", tma_slots=4)},
     80: {(128, 128): Kernel(32, (1, 1), "multistage", "staged"),
          (128, 256): Kernel(32, (1, 1), "multistage", "staged")},
 }
@@ -89,37 +94,57 @@ def _parse_epilogues(value: str) -> dict[int, str]:
             if name in known_here}
 
 
-def supported_tiles(arch: int, scaling: str | None = None) -> set[tuple[int, int]]:
-    """The tiles of ``arch``'s kernels (``scaling`` "blockwise": its block-scaled fp8 kernels,
-    none on sm80)."""
+def supported_tiles(arch: int, scaling: str | None = None,
+                    dtype: str | None = None) -> set[tuple[int, int]]:
+    """The tiles of ``arch``'s kernels for a and b in ``dtype`` (None: the 16-bit ones; an fp8
+    dtype: the fp8 kernels', ``scaling`` "blockwise": its block-scaled kernels', none on
+    sm80)."""
     if scaling == "blockwise":
         return set(FP8_BLOCK_CONFIGS.get(arch, {}))
+    if dtype in FP8_DTYPES:
+        return set(FP8_CONFIGS.get(arch, {}))
     return set(CONFIGS[arch])
 
 
-# Per-shape tile on sm90 (issue 11 run 2, H200): per wave, the cooperative 128x256 kernel beats
-# the pingpong 128x128 one (which needs two tiles for its work) by PINGPONG_COST(K), measured at
-# 8192x8192 (bf16; fp16 alike); but a ragged last wave of 128x256 tiles wastes twice the work.
-# With waves W of each tile for the plan's wave size, pingpong wins when 2 W_coop / W_pp >
-# PINGPONG_COST(K): so it measured on the three ragged shapes that pick it (0.95-1.00x cuBLAS
-# against 0.90-0.95x) and lost on every shape that does not (2 W_coop = W_pp there).
+# Per-shape tile on sm90. A plan's GEMM takes W waves of its tile (the tiles over the plan's
+# wave size, rounded up): W x (the tile's area / 128x256's) x TILE_COST(tile, K) in units of one
+# wave of the cooperative 128x256 kernel, whose cost is 1. TILE_COST is each kernel's time per
+# unit of work against that one, measured on shapes where both fill whole waves: pingpong
+# 128x128 at 8192x8192 (issue 11 run 2, H200; bf16, fp16 alike: it measured 0.95-1.00x cuBLAS
+# on the three ragged shapes that picked it, against 0.90-0.95x for 128x256, and lost on every
+# shape that does not, where 2 W_coop = W_pp). A ragged last wave of 128x256 tiles wastes up to
+# a whole wave of work; a narrower tile wastes less (or none, where its width divides N).
 PINGPONG_COST = ((256, 1.25), (512, 1.06), (1024, 1.08), (2048, 1.05), (4096, 1.03), (8192, 1.01))
+TILE_COST = {
+    (128, 128): PINGPONG_COST,
+    (128, 224): ((256, 1.04), (1024, 1.03), (4096, 1.02)),
+    (128, 160): ((256, 1.06), (1024, 1.04), (4096, 1.03)),
+}
 
 
-def pingpong_cost(k: int) -> float:
-    """PINGPONG_COST at the largest measured K <= k (the smallest K's below 256)."""
-    cost = PINGPONG_COST[0][1]
-    for at, value in PINGPONG_COST:
+def tile_cost(tile, k: int) -> float:
+    """TILE_COST of ``tile`` at the largest measured K <= k (the smallest K's below the first);
+    1 for the cooperative 128x256 kernel (and any tile without measurements)."""
+    table = TILE_COST.get(tuple(tile), ())
+    cost = table[0][1] if table else 1.0
+    for at, value in table:
         if k >= at:
             cost = value
     return cost
 
 
+def pingpong_cost(k: int) -> float:
+    """PINGPONG_COST at the largest measured K <= k (the smallest K's below 256)."""
+    return tile_cost((128, 128), k)
+
+
 def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[int, int]:
     """The tile of a default plan: DEFAULT_TILE, or on sm90, given the call (an OverlapSpec:
-    m, n, k, op, world_size, send_splits) and the plan's wave size, pingpong's 128x128 where
-    the waves' raggedness makes up for its cost (PINGPONG_COST). all_to_all weighs the waves of
-    its expected rows (``spec.rows_hint``), and takes DEFAULT_TILE without them."""
+    m, n, k, op, world_size, send_splits, dtype) and the plan's wave size, the tile of the
+    call's dtype whose waves cost least (TILE_COST; DEFAULT_TILE on a tie): pingpong's 128x128
+    or a narrower cooperative tile where the waves' raggedness makes up for its cost. all_to_all
+    weighs the waves of its expected rows (``spec.rows_hint``), and takes DEFAULT_TILE without
+    them."""
     if spec is not None and spec.scaling == "blockwise" and arch in FP8_BLOCK_CONFIGS:
         return next(iter(FP8_BLOCK_CONFIGS[arch]))  # its one tile
     tile = DEFAULT_TILE[arch]
@@ -136,14 +161,18 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     elif of(spec.op).blocks == "ranks" and spec.world_size > 1:
         blocks = [spec.m // spec.world_size] * spec.world_size
 
-    def waves(t) -> int:
+    def cost(t) -> float:
         tiles = sum(-(-rows // t[0]) for rows in blocks) * -(-spec.n // t[1])
-        return max(1, -(-tiles // wave_size))
+        waves = max(1, -(-tiles // wave_size))
+        return waves * t[0] * t[1] / (tile[0] * tile[1]) * tile_cost(t, spec.k)
 
-    pingpong = (128, 128)
-    if 2 * waves(tile) / waves(pingpong) > pingpong_cost(spec.k):
-        return pingpong
-    return tile
+    candidates = supported_tiles(arch, spec.scaling, spec.dtype) - {tile}
+    best = tile, cost(tile)
+    for t in sorted(candidates):
+        c = cost(t)
+        if c < best[1] - 1e-9:
+            best = t, c
+    return best[0]
 
 
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
@@ -191,14 +220,14 @@ def all_configs(archs) -> list[build.GemmConfig]:
     allgather's too (allgather's: both clusters, as its 16-bit calls take the plain builds)."""
     out = []
     for arch in archs:
-        for tile in dict.fromkeys([DEFAULT_TILE[arch]] + ([(128, 128)] if arch == 90 else [])):
+        for tile in dict.fromkeys([DEFAULT_TILE[arch]] + (sorted(CONFIGS[arch]) if arch == 90 else [])):
             clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
             for dtype in DTYPES:
                 for col in (True, False):
                     out += [gemm_config(arch, tile, dtype, col, c) for c in clusters]
                     # all_to_all's (1x1): every tile default_tile may pick for it
                     out.append(gemm_config(arch, tile, dtype, col, blocks=True))
-            for dtype in FP8_DTYPES if arch in FP8_CONFIGS else ():
+            for dtype in FP8_DTYPES if tile in FP8_CONFIGS.get(arch, {}) else ():
                 for result in DTYPES:
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result)
                             for c in clusters]

@@ -24,9 +24,10 @@
 //   0 direct  the math threads store their accumulators straight to global memory (32-bit
 //             stores), then arrive on an mbarrier (release); the signal thread waits (acquire)
 //             and does the release add. The math threads never wait for the stores to drain.
-//   1 tma     the math threads write the tile, 64 columns at a time, into a ring of
-//             FO_EPI_SLOTS swizzled shared-memory slots (stmatrix), fence the async proxy and
-//             arrive; the store thread issues one TMA store per 64-column block into the packed
+//   1 tma     the math threads write the tile, 64 columns at a time (32 where BN is not a
+//             multiple of 64: 160, 224), into a ring of FO_EPI_SLOTS swizzled shared-memory
+//             slots (stmatrix), fence the async proxy and arrive; the store thread issues one
+//             TMA store per column block into the packed
 //             slot (viewed as a [numel / BN, BN] tensor), frees each slot once the copy has read
 //             it (cp.async.bulk.wait_group.read), and after the tile's last block waits for the
 //             writes themselves (wait_group 0), fences the async proxy and does the release add.
@@ -60,9 +61,15 @@
 //   the tensor cores' accumulators throughout, CUTLASS's FP8FastAccum schedules; 0 promotes them
 //   into fp32 registers every 4 MMAs, which needs twice the accumulator registers),
 //   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
-//   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: 64-column shared-memory slots).
+//   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: shared-memory slots, one column block each).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
 // accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
+// Tiles whose width is not a multiple of 64 (128x160, 128x224) need wgmma shapes that CUTLASS
+// declares only with this macro (m64n160k16, m64n224k16; without it the collective builder
+// would take n32 instructions); other widths select the same instructions with it or without.
+#if defined(FO_TILE_N) && FO_TILE_N % 64 != 0 && !defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
+#endif
 #include "epilogue.cuh"
 #include "gemm_abi.cuh"
 
@@ -123,12 +130,17 @@ enum Epilogue { kDirect = 0, kTma = 1, kVec16 = 2, kNone = 3 };
 constexpr int kEpilogue = FO_EPILOGUE;
 static_assert(kEpilogue >= 0 && kEpilogue <= 3, "FO_EPILOGUE: 0 direct, 1 tma, 2 vec16, 3 none");
 constexpr bool kTmaStore = kEpilogue == kTma;
-static_assert(!kTmaStore || kBN % 64 == 0, "the tma epilogue stores 64-column blocks");
+static_assert(!kTmaStore || kBN % 32 == 0, "the tma epilogue stores 64- or 32-column blocks");
 static_assert(kEpilogue != kVec16 || kBN % 32 == 0, "the vec16 epilogue stores 32-column groups");
-constexpr int kColBlocks = kBN / 64;  // tma: one shared-memory slot and one TMA store each
+// tma: the columns of one block (one shared-memory slot, one TMA store): 64 (128-byte rows,
+// the 128-byte swizzle), or 32 (64-byte rows, the 64-byte swizzle) where BN is not a multiple
+// of 64.
+constexpr int kColW = kBN % 64 == 0 ? 64 : 32;
+constexpr int kColBlocks = kBN / kColW;
 constexpr int kSlots = kTmaStore ? (FO_EPI_SLOTS < kColBlocks ? FO_EPI_SLOTS : kColBlocks) : 0;
 static_assert(!kTmaStore || FO_EPI_SLOTS >= 1, "FO_EPI_SLOTS must be >= 1");
-constexpr int kSlotBytes = kBM * 128;  // kBM rows of 64 16-bit values
+constexpr int kSlotRowBytes = kColW * 2;         // one row of a block: kColW 16-bit values
+constexpr int kSlotBytes = kBM * kSlotRowBytes;  // kBM rows
 
 constexpr bool kFp8 = FO_DTYPE == FO_DTYPE_E4M3;
 static_assert(FO_DTYPE >= 0 && FO_DTYPE <= 2, "FO_DTYPE: 0 bf16, 1 fp16, 2 e4m3");
@@ -163,7 +175,7 @@ using LayoutB = cute::conditional_t<FO_B_COL_MAJOR, cutlass::layout::ColumnMajor
 
 // Pingpong: the two math warpgroups take turns, mainloop then epilogue (depth 2, 2 groups).
 using MathOrderBarrier = cutlass::OrderedSequenceBarrier<2, 2>;
-// Math threads -> store/signal thread. tma: one step per 64-column block, a slot each (the
+// Math threads -> store/signal thread. tma: one step per column block, a slot each (the
 // ring); otherwise one step per tile, 4 tiles may wait, so the math threads practically never
 // block. Each math thread arrives after its own stores (release).
 constexpr int kEpiSteps = kTmaStore ? kColBlocks : 1;
@@ -300,21 +312,24 @@ struct FragWord {
   __host__ __device__ static constexpr int col(int j, int v, int lane) { return 8 * j + 2 * (lane % 4) + v; }
 };
 
-// Byte offset, within a slot, of 16-bit column `col` (0..63) of `row`, given the slot's shared
-// address: 128-byte rows whose 16-byte chunks are permuted by the 128-byte swizzle of the TMA
-// (chunk ^= address bits 7..9). Taking the bits from the address itself keeps the layout the
-// one the TMA reads whatever the slot's alignment.
+// Byte offset, within a slot, of 16-bit column `col` (0..kColW-1) of `row`, given the slot's
+// shared address: rows of kSlotRowBytes whose 16-byte chunks are permuted by the TMA's swizzle
+// of that span (128 bytes: chunk ^= address bits 7..9; 64 bytes: chunk ^= bits 7..8). Taking
+// the bits from the address itself keeps the layout the one the TMA reads whatever the slot's
+// alignment.
 __host__ __device__ constexpr uint32_t slot_offset(uint32_t slot_addr, int row, int col) {
-  return uint32_t(row) * 128u +
-         ((((uint32_t(col) >> 3) ^ (((slot_addr + uint32_t(row) * 128u) >> 7) & 7u)) << 4) |
-          ((uint32_t(col) & 7u) << 1));
+  constexpr uint32_t chunks = uint32_t(kSlotRowBytes) / 16u - 1u;  // 7 or 3
+  const uint32_t row_addr = uint32_t(row) * uint32_t(kSlotRowBytes);
+  return row_addr + ((((uint32_t(col) >> 3) ^ (((slot_addr + row_addr) >> 7) & chunks)) << 4) |
+                     ((uint32_t(col) & 7u) << 1));
 }
 
-// stmatrix .x4 of row block m, chunk pair p of column block cb: matrices k = 0..3 are (row
-// half k & 1, chunk 8 cb + 2 p + (k >> 1)); lane l supplies the address of row l % 8 of
-// matrix l / 8 and the data word of its own quad position in each matrix.
+// stmatrix .x4 of row block m, chunk pair p (0 .. kColW / 16 - 1) of column block cb: matrices
+// k = 0..3 are (row half k & 1, chunk (kColW / 8) cb + 2 p + (k >> 1)); lane l supplies the
+// address of row l % 8 of matrix l / 8 and the data word of its own quad position in each
+// matrix.
 struct StsmStep {
-  int row, col;  // tile row and slot column (0..63) whose address this lane supplies
+  int row, col;  // tile row and slot column (0..kColW-1) whose address this lane supplies
 };
 __host__ __device__ constexpr StsmStep stsm_address(int row_base, int p, int lane) {
   const int k = lane >> 3;
@@ -330,8 +345,8 @@ struct Params {
   int K;
   int tma_store;  // kTmaOff, kTmaPacked or kTmaRows: which tiles the TMA stores, and how
   cute::TmaDescriptor store_map;  // kTmaPacked: the packed buffer as [numel / kBN, kBN], box
-                                  // 64 x kBM; kTmaRows: the buffer as [R][N] (row stride ldo),
-                                  // box 64 x kBM
+                                  // kColW x kBM; kTmaRows: the buffer as [R][N] (row stride
+                                  // ldo), box kColW x kBM
   const int32_t* item_wait;       // allgather: the arrival flag of each item (null: no waits)
   const uint32_t* arrive_flags;
   int num_flags;
@@ -387,11 +402,11 @@ __device__ inline void stage_column_block(const Acc& acc, uint32_t slot, const i
 #pragma unroll
   for (int m = 0; m < kMmaM; ++m) {
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
+    for (int p = 0; p < kColW / 16; ++p) {
       uint32_t r[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int i = word(m, k & 1, 8 * CB + 2 * p + (k >> 1));
+        const int i = word(m, k & 1, (kColW / 8) * CB + 2 * p + (k >> 1));
         r[k] = pack2<Element>(acc(i), acc(i + 1));
       }
       const StsmStep s = stsm_address(row_base[m], p, lane);
@@ -529,12 +544,12 @@ __device__ inline void tma_store_2d(const void* map, uint32_t smem, int col, int
 // nothing to store (kTmaRows: the block lies wholly past N).
 __device__ inline bool tma_store_block(const Params& p, const WorkTile& w, int cb, uint32_t smem) {
   if (p.tma_store == kTmaRows) {
-    const int col = w.col0 + cb * 64;
+    const int col = w.col0 + cb * kColW;
     if (col >= p.table.N) return false;
     tma_store_2d(&p.store_map, smem, col, int(w.offset / p.table.ldo));
     return true;
   }
-  tma_store_2d(&p.store_map, smem, cb * 64, int(w.offset / kBN));
+  tma_store_2d(&p.store_map, smem, cb * kColW, int(w.offset / kBN));
   return true;
 }
 
@@ -992,8 +1007,8 @@ struct StoreMapCache {
 };
 
 // The map of `base` as a `rank`-D tensor (dims innermost first; strides in bytes of dims 1 ..),
-// boxes of 64 columns x kBM rows (x 1), 128-byte swizzle. `usable` = false records that the
-// buffer cannot be described (then every tile takes the direct path).
+// boxes of kColW columns x kBM rows (x 1), the slots' swizzle (128 or 64 bytes). `usable` =
+// false records that the buffer cannot be described (then every tile takes the direct path).
 inline cudaError_t cached_store_map(StoreMapCache& cache, void* base, int rank,
                                     const cuuint64_t* dims, const cuuint64_t* strides,
                                     bool usable, cute::TmaDescriptor* map, bool* usable_out) {
@@ -1004,12 +1019,13 @@ inline cudaError_t cached_store_map(StoreMapCache& cache, void* base, int rank,
   if (!same) {
     cache.valid = false;
     if (usable) {
-      const cuuint32_t box[3] = {64, cuuint32_t(kBM), 1};
+      const cuuint32_t box[3] = {cuuint32_t(kColW), cuuint32_t(kBM), 1};
       const cuuint32_t element_strides[3] = {1, 1, 1};
       CUresult r = cutlass::call_cuTensorMapEncodeTiled(
           &cache.map, FO_OUT_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
           rank, base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+          kSlotRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+          CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
       if (r != CUDA_SUCCESS)
         return fail(cudaErrorInvalidValue,

@@ -6,9 +6,10 @@
 //      8, and the threads cover the tile exactly once;
 //   2. tma: stmatrix (PTX semantics: lanes 8k..8k+7 give the row addresses of matrix k, lane
 //      4r + q holds row r, columns 2q, 2q + 1 of each matrix) into a slot at slot_offset, then a
-//      TMA store with the 128-byte swizzle (16-byte chunk ^= address bits 7..9), for a
-//      1024-byte aligned slot and a merely 128-byte aligned one: every element lands at its
-//      place in the tile's packed slot;
+//      TMA store with the slot rows' swizzle (64-column blocks: 128 bytes, 16-byte chunk ^=
+//      address bits 7..9; 32-column blocks: 64 bytes, chunk ^= bits 7..8), for a 1024-byte
+//      aligned slot and a merely 128-byte aligned one: every element lands at its place in the
+//      tile's packed slot;
 //      (FragWord::row and ::col, which the fp8 scaling uses, say the same);
 //   3. vec16: quad_transpose's butterfly (quad_send_index) gives each lane 16 contiguous bytes
 //      at the column store_full_tile_vec16 writes them to;
@@ -99,7 +100,7 @@ void check_tma(const Coords& c, uint32_t slot_addr) {
     };
     for (int warp = 0; warp < kTileThreads / 32; ++warp)
       for (int m = 0; m < kMmaM; ++m)
-        for (int p = 0; p < 4; ++p)
+        for (int p = 0; p < kColW / 16; ++p)
           for (int k = 0; k < 4; ++k)     // matrix
             for (int r = 0; r < 8; ++r) {  // its row r: address from lane 8k + r
               const int t_addr = 32 * warp + 8 * k + r;
@@ -107,21 +108,23 @@ void check_tma(const Coords& c, uint32_t slot_addr) {
               const uint32_t row_offset = slot_offset(slot_addr, s.row, s.col);
               for (int q = 0; q < 4; ++q) {  // data of lane 4r + q: word k of its stmatrix
                 const int t = 32 * warp + 4 * r + q;
-                const int i = FragWord{}(m, k & 1, 8 * cb + 2 * p + (k >> 1));
+                const int i = FragWord{}(m, k & 1, (kColW / 8) * cb + 2 * p + (k >> 1));
                 for (int v = 0; v < 2; ++v) {
                   const int e = t * c.per_thread + i + v;
                   put(row_offset + 4 * q + 2 * v, tag(c.row[e], c.col[e]));
                 }
               }
             }
-    // The TMA store of box (64 columns, kBM rows) with the 128-byte swizzle.
+    // The TMA store of box (kColW columns, kBM rows) with the swizzle of its row bytes (the
+    // map's: CU_TENSOR_MAP_SWIZZLE_128B for 128-byte rows, _64B for 64-byte ones).
+    const uint32_t row_bytes = kColW * 2, chunk_mask = row_bytes == 128 ? 7 : 3;
     for (int r = 0; r < kBM; ++r)
-      for (int col = 0; col < 64; ++col) {
-        const uint32_t row_addr = slot_addr + uint32_t(r) * 128;
-        const uint32_t chunk = (uint32_t(col) / 8) ^ ((row_addr >> 7) & 7);
+      for (int col = 0; col < kColW; ++col) {
+        const uint32_t row_addr = slot_addr + uint32_t(r) * row_bytes;
+        const uint32_t chunk = (uint32_t(col) / 8) ^ ((row_addr >> 7) & chunk_mask);
         uint16_t got;
-        std::memcpy(&got, &smem[r * 128 + chunk * 16 + (col % 8) * 2], 2);
-        expect(got == tag(r, 64 * cb + col), "tma slot element", r, 64 * cb + col, got);
+        std::memcpy(&got, &smem[r * row_bytes + chunk * 16 + (col % 8) * 2], 2);
+        expect(got == tag(r, kColW * cb + col), "tma slot element", r, kColW * cb + col, got);
       }
   }
 }
@@ -205,14 +208,14 @@ int main() {
   if (g_errors == 0) {
     check_vec16(c);
     check_scales(c);
-    if (kColBlocks > 0 && kBN % 64 == 0) {
+    if (kBN % kColW == 0) {  // column blocks cover the tile (every tma build)
       check_tma(c, 5 * 1024);        // 1024-byte aligned slot
       check_tma(c, 5 * 1024 + 384);  // only 128-byte aligned: the swizzle follows the address
     }
   }
-  std::printf("%s tile %dx%dx%d %s %s epilogue %d slots %d stages %d smem %d bytes\n",
+  std::printf("%s tile %dx%dx%d %s %s epilogue %d slots %d x %d columns stages %d smem %d bytes\n",
               g_errors ? "FAILED" : "ok", kBM, kBN, kBK, kFp8 ? "e4m3" : "16-bit",
-              kPingpong ? "pingpong" : "cooperative", kEpilogue, kSlots,
+              kPingpong ? "pingpong" : "cooperative", kEpilogue, kSlots, kColW,
               int(Mainloop::DispatchPolicy::Stages), kSmemBytes);
   return g_errors ? 1 : 0;
 }

@@ -127,6 +127,41 @@ def test_native_call_with_nccl_matches_float64(op, shape, nccl_group):
 
 
 @needs_cuda
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "all_to_all", "allgather"])
+def test_narrow_tiles_through_the_call(op, nccl_group):
+    """The 128x224 and 128x160 kernels (cooperative, the tma epilogue in 32-column blocks) on
+    the native call path: "rows" plans (tiles written as final rows) and, for allreduce, a
+    "tiles" plan (packed tiles, group sizes that cut bands); ragged shapes (partial last band
+    and column tile, K tails), both layouts of b, bf16 and fp16, poisoned outputs, against
+    float64. The default plan of a shape whose 128x256 waves are ragged takes them."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90a kernels need Hopper")
+    for (m, n, k), want in (((5120, 5120, 4096), (128, 160)), ((6144, 3584, 2048), (128, 224))):
+        assert fo.plan(m, n, k, op="allreduce", dtype=torch.bfloat16, backend="cuda").tile == want
+    cases = [(700, 3584, 264, (128, 224)), (1000, 1234, 520, (128, 160)),
+             (257, 5120, 72, (128, 160)), (900, 7200, 200, (128, 224))]
+    for m, n, k, tile in cases:
+        for dtype in (torch.bfloat16, torch.float16):
+            for col_major in (True, False):
+                plan = fo.plan(m, n, k, op=op, dtype=dtype, backend="cuda", tile=tile)
+                plans = [plan]
+                if op == "allreduce":
+                    plans.append(fo.plan(m, n, k, op=op, dtype=dtype, backend="cuda", tile=tile,
+                                         group_sizes=[3, plan.num_tiles - 3]))
+                    assert (plans[0].layout, plans[1].layout) == ("rows", "tiles")
+                for p in plans:
+                    a, b = _inputs(m, n, k, dtype, col_major)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                    assert fo.overlap(a, b, op, plan=p, out=out) is out
+                    torch.cuda.synchronize()
+                    try:
+                        _check(out, a, b)
+                    except AssertionError as e:
+                        raise AssertionError(f"{op} {m}x{n}x{k} {tile} {dtype} col_major="
+                                             f"{col_major} layout {p.layout}: {e}") from e
+
+
+@needs_cuda
 @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
 @pytest.mark.parametrize("shape", [(1, 4096, 512), (16, 8192, 1024), (7, 127, 33), (300, 96, 64)])
 def test_plain_path_at_world_size_one(op, shape, nccl_group, monkeypatch):

@@ -1,7 +1,7 @@
 """GPU tests of the signaling GEMM's epilogues, through the kernel libraries' C ABI.
 
 Every configuration of CONFIGS (sm90 cooperative and pingpong with the direct and the tma
-epilogue, bf16 and fp16, b column- and row-major, clusters 2x1 / 1x2 / 1x1; fp8: e4m3 a and b
+epilogue, the cooperative 128x224 and 128x160 tiles (32-column tma blocks), bf16 and fp16, b column- and row-major, clusters 2x1 / 1x2 / 1x1; fp8: e4m3 a and b
 with tensor-wise and row/column-wise scales, bf16 and fp16 out, fast and promoted accumulation,
 through fo_gemm_run_scaled; sm80 direct and staged, run on the GPU at hand; and all_to_all's
 builds for unequal blocks, on equal ones here) against a float64 reference (of the dequantized
@@ -57,6 +57,10 @@ SM90 = [
     GemmConfig(epilogue="direct", **PP),
     GemmConfig(epilogue="vec16", **COOP),
     GemmConfig(epilogue="tma", epi_slots=4, cluster_m=1, blocks=True, **COOP),  # all_to_all's
+    # 128x224 and 128x160: the tma epilogue in 32-column blocks (64-byte swizzle)
+    GemmConfig(epilogue="tma", epi_slots=4, tile_n=224),
+    GemmConfig(epilogue="tma", epi_slots=4, tile_n=160, cluster_m=1, dtype="fp16",
+               b_col_major=False),
     # fp8 (issue 23): the product's builds, the direct path everywhere, promoted accumulation
     GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4, **COOP),
     GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="tma", **PP),
