@@ -109,16 +109,20 @@ def supported_tiles(arch: int, scaling: str | None = None,
 # Per-shape tile on sm90. A plan's GEMM takes W waves of its tile (the tiles over the plan's
 # wave size, rounded up): W x (the tile's area / 128x256's) x TILE_COST(tile, K) in units of one
 # wave of the cooperative 128x256 kernel, whose cost is 1. TILE_COST is each kernel's time per
-# unit of work against that one, measured on shapes where both fill whole waves: pingpong
-# 128x128 at 8192x8192 (issue 11 run 2, H200; bf16, fp16 alike: it measured 0.95-1.00x cuBLAS
-# on the three ragged shapes that picked it, against 0.90-0.95x for 128x256, and lost on every
-# shape that does not, where 2 W_coop = W_pp). A ragged last wave of 128x256 tiles wastes up to
-# a whole wave of work; a narrower tile wastes less (or none, where its width divides N).
+# unit of work against that one, measured on shapes where both fill whole waves (H200, bf16
+# and fp16 alike). Pingpong 128x128 at 8192x8192 (issue 11 run 2: it measured 0.95-1.00x
+# cuBLAS on the three ragged shapes that picked it, against 0.90-0.95x for 128x256, and lost on
+# every shape that does not, where 2 W_coop = W_pp). Cooperative 128x224 at 4096x7168 and
+# 128x160 at 4096x5120, K = 256 .. 4096 (`bench/gemm.py --sets tiles`,
+# bench/results/gemm-tiles-h200-20261204-213024.json: 0.80-0.97x of 128x256's speed, rounded
+# up here to the worse dtype); there the ragged shapes that pick them measured 0.97-1.04x
+# cuBLAS (pingpong 0.94-0.99x). A ragged last wave of 128x256 tiles wastes up to a whole wave
+# of work; a narrower tile wastes less (or none, where its width divides N).
 PINGPONG_COST = ((256, 1.25), (512, 1.06), (1024, 1.08), (2048, 1.05), (4096, 1.03), (8192, 1.01))
 TILE_COST = {
     (128, 128): PINGPONG_COST,
-    (128, 224): ((256, 1.04), (1024, 1.03), (4096, 1.02)),
-    (128, 160): ((256, 1.06), (1024, 1.04), (4096, 1.03)),
+    (128, 224): ((256, 1.29), (1024, 1.12), (2048, 1.08), (4096, 1.045)),
+    (128, 160): ((256, 1.33), (1024, 1.10), (2048, 1.07), (4096, 1.045)),
 }
 
 
