@@ -156,7 +156,7 @@ def needed_configs(kernels, variants, dtypes, shapes, scaling=None):
                 plans = [plan_for(*shape, dtype, v.tile, scaling) for shape in shapes]
                 picks = {(p.tile, cluster_for(kernels, v, p)) for p in plans}
             else:
-                tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling))
+                tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling, dtype))
                 picks = {(t, c) for t in tiles for c in (kernels.preferred_cluster(v.arch, t), (1, 1))}
             out += [variant_config(kernels, v, dtype, c, t, scaling) for t, c in sorted(picks)]
     return list(dict.fromkeys(out))

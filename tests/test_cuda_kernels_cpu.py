@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashoverlap_backends.cuda import build, kernels
 from flashoverlap_backends.cuda.build import GemmConfig
@@ -329,6 +330,13 @@ def test_bench_fp8_variants_and_summary():
     assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x128x128_c2x1_cooperative_splitacc_etma"
     assert gemm.variant_config(kernels, product, "bfloat16", (2, 1), (128, 256)) == kernels.gemm_config(
         90, (128, 256), "bfloat16", True, (2, 1))  # 16-bit rows unchanged
+    # without a GPU (--build-only) the product's builds are every tile of the dtype's kernels:
+    # fp8's own, never the 16-bit-only 128x224 / 128x160
+    if not torch.cuda.is_available():
+        fp8 = gemm.needed_configs(kernels, [product], ["float8_e4m3fn"], [(5120, 5120, 4096)])
+        assert {c.tile for c in fp8} == set(kernels.FP8_CONFIGS[90])
+        wide = gemm.needed_configs(kernels, [product], ["bfloat16"], [(5120, 5120, 4096)])
+        assert {c.tile for c in wide} == set(kernels.CONFIGS[90])
     rows = [{"scaling": sc, "warm_product_vs_scaled_mm": r, "warm_splitacc_vs_scaled_mm_split": r / 2,
              "signal_overhead": 0.01, "rel_err": {"product": 3e-3}}
             for sc, r in (("tensorwise", 0.9), ("tensorwise", 1.1), ("rowwise", 1.0), ("rowwise", 1.2))]
