@@ -128,6 +128,38 @@ def every_op(seed: int, backend) -> dict:
     return {"problems": problems, "ran": {k: sorted(v) for k, v in ran.items()}}
 
 
+def narrow_tiles(seed: int) -> dict:
+    """allreduce, reduce_scatter and allgather with explicit plans of the cuda backend's
+    128x224 and 128x160 tiles (their tma epilogue stores 32-column blocks), "rows" plans and,
+    for allreduce, a "tiles" plan (group sizes that cut bands); ragged shapes (partial last band
+    and column tile), both layouts of b, this rank's own inputs, poisoned outputs."""
+    api.forget_prepared()
+    rank, world = rank_world()
+    problems, layouts = [], set()
+    for i, (m, n, k, tile) in enumerate(((700, 3584, 264, (128, 224)),
+                                         (1000, 1234, 520, (128, 160)))):
+        for op in ("allreduce", "reduce_scatter", "allgather"):
+            layout = "col" if (i + len(op)) % 2 == 0 else "row"
+            rows = call_shape(op, world, m)
+            plan = fo.plan(rows, n, k, op=op, world_size=world, dtype=DTYPE, backend="cuda",
+                           tile=tile)
+            plans = [plan]
+            if op == "allreduce":
+                plans.append(fo.plan(rows, n, k, op=op, world_size=world, dtype=DTYPE,
+                                     backend="cuda", tile=tile,
+                                     group_sizes=[3, plan.num_tiles - 3]))
+            for j, p in enumerate(plans):
+                call = 100 * i + 10 * j
+                a, b = operands(seed, rank, rows, n, k, layout, call)
+                want = reference(op, seed, rows, n, k, layout, call)
+                guard, out = poisoned(*want.shape)
+                got = fo.overlap(a, b, op, out=out, plan=p)
+                problems += check(got, want.to(got.device),
+                                  f"{op} {rows}x{n}x{k} tile {tile} {p.layout} (b {layout})", guard)
+                layouts.add(p.layout)
+    return {"problems": problems, "layouts": sorted(layouts)}
+
+
 def moe_sequence(seed: int, calls: int, backend) -> dict:
     """Expert parallelism: every call, each rank's rows and splits are new (skewed, zeros, a
     rank without rows at times), recv_splits given on every other call only, fresh inputs,

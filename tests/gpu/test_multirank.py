@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import multirank_work as work
 from flashoverlap_core.tools.ranks import RankError, RankTimeout, Ranks
@@ -77,6 +78,17 @@ def test_every_op_with_per_rank_inputs(pools, world):
         assert ran[0][op] == ["cuda"], ran[0]
     # skewed splits (a rank without rows at times), automatic choice: the signaling GEMM
     assert ran[0]["all_to_all-skewed-default"] == ["cuda"], ran[0]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_narrow_tiles_with_per_rank_inputs(pools, world):
+    """The 128x224 and 128x160 kernels at W > 1: explicit plans (overlapped, whatever the
+    strategy model would say), "rows" and "tiles" layouts, every rank's own inputs."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90a kernels need Hopper")
+    results = run(pools, world, work.narrow_tiles, 17 + world)
+    no_problems(results, "narrow tiles")
+    assert all(r["layouts"] == ["rows", "tiles"] for r in results), results
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
