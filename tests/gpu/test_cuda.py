@@ -149,7 +149,9 @@ def test_narrow_tiles_through_the_call(op, nccl_group):
                     plans.append(fo.plan(m, n, k, op=op, dtype=dtype, backend="cuda", tile=tile,
                                          group_sizes=[3, plan.num_tiles - 3]))
                     assert (plans[0].layout, plans[1].layout) == ("rows", "tiles")
-                for p in plans:
+                for p, call in ((p, call) for p in plans for call in range(2)):
+                    # fresh inputs and output each call: the second replays the first's graph
+                    # (all_to_all excepted: it is laid out per call)
                     a, b = _inputs(m, n, k, dtype, col_major)
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                     assert fo.overlap(a, b, op, plan=p, out=out) is out
@@ -158,7 +160,8 @@ def test_narrow_tiles_through_the_call(op, nccl_group):
                         _check(out, a, b)
                     except AssertionError as e:
                         raise AssertionError(f"{op} {m}x{n}x{k} {tile} {dtype} col_major="
-                                             f"{col_major} layout {p.layout}: {e}") from e
+                                             f"{col_major} layout {p.layout} call {call}: "
+                                             f"{e}") from e
 
 
 @needs_cuda
