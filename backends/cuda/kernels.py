@@ -170,13 +170,8 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
         waves = max(1, -(-tiles // wave_size))
         return waves * t[0] * t[1] / (tile[0] * tile[1]) * tile_cost(t, spec.k)
 
-    candidates = supported_tiles(arch, spec.scaling, spec.dtype) - {tile}
-    best = tile, cost(tile)
-    for t in sorted(candidates):
-        c = cost(t)
-        if c < best[1] - 1e-9:
-            best = t, c
-    return best[0]
+    # min keeps the first of equal costs: DEFAULT_TILE, listed first
+    return min([tile] + sorted(supported_tiles(arch, spec.scaling, spec.dtype) - {tile}), key=cost)
 
 
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
