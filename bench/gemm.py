@@ -34,7 +34,9 @@ scales (block-wise: torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWis
 scales laid out for it once, outside the timing; where this torch or device lacks it, the
 tensor-wise _scaled_mm on the same a and w, and each row's "scaled_mm_baseline" says which), out dtype and
 accumulation (use_fast_accum=True, as the product accumulates); "plain" is the product without
-counters; --variants adds builds as above (fast accumulation); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
+counters; --variants adds builds as above (fast accumulation; tensor- and row-wise rows), and
+blk128-EPILOGUE / blk256-EPILOGUE (e.g. blk256-tma: the block-scaled kernel's 128x128 or
+128x256 tile; block-wise rows only); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
 ("splitacc", cooperative 128x128: 128x256 spills) against _scaled_mm(use_fast_accum=False).
 Correctness: sampled tiles against float64 of the dequantized inputs. summary.fp8 has
 min_vs_scaled_mm and median_vs_scaled_mm (warm, product) over every row, and per scaling.
@@ -80,8 +82,10 @@ TILE_SHAPES = [(4096, n, k) for n in (7168, 5120) for k in (256, 1024, 2048, 409
 SETS = {"facts": FACTS_SHAPES, "llm": LLM_SHAPES, "ragged": RAGGED_SHAPES, "ksweep": KSWEEP,
         "tiles": TILE_SHAPES}
 TILES = {"coop": (90, (128, 256)), "pp": (90, (128, 128)), "sm80": (80, (128, 128)),
-         "coop128": (90, (128, 128)), "coop224": (90, (128, 224)), "coop160": (90, (128, 160))}
+         "coop128": (90, (128, 128)), "coop224": (90, (128, 224)), "coop160": (90, (128, 160)),
+         "blk128": (90, (128, 128)), "blk256": (90, (128, 256))}  # blk: block-scaled fp8 only
 SCHEDULES = {"coop128": "cooperative"}  # a kind whose schedule is not the kernel table's
+BLOCK_KIND = "blk"  # kinds of TILES for block-wise fp8 rows (kernels.FP8_BLOCK_CONFIGS' tiles)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -366,7 +370,15 @@ def scaled_mm(a, w, sa, sb, fast_accum: bool):
                                     use_fast_accum=fast_accum)
 
 
-BLOCKWISE_VARIANTS = ("product", "plain")  # the block-scaled kernel has one tile and schedule
+BLOCKWISE_VARIANTS = ("product", "plain")  # and the blk variants: the block-scaled kernels
+
+
+def for_scaling(variants, scaling):
+    """The variants that run ``scaling``'s rows: block-wise takes product, plain and the
+    block-scaled kernels' (blk...) variants; tensor- and row-wise every other one."""
+    blockwise = scaling == "blockwise"
+    return [v for v in variants if v.name in BLOCKWISE_VARIANTS
+            or v.name.startswith(BLOCK_KIND) == blockwise]
 
 
 def measure_fp8(kernels, shape, scaling, variants, args, flush, comm) -> dict:
@@ -375,8 +387,7 @@ def measure_fp8(kernels, shape, scaling, variants, args, flush, comm) -> dict:
     against torch's block-wise scaled_mm (blockwise_scaled_mm says what runs where it lacks it)."""
     a, w, sa, sb = fp8_inputs(shape, scaling)
     dtype = str(a.dtype).removeprefix("torch.")
-    if scaling == "blockwise":
-        variants = [v for v in variants if v.name in BLOCKWISE_VARIANTS]
+    variants = for_scaling(variants, scaling)
     gemms = {v.name: Gemm(kernels, v, a, w, dtype, (sa, sb), scaling) for v in variants}
     if scaling == "blockwise":
         fn, baseline = blockwise_scaled_mm(a, w, sa, sb)
@@ -551,7 +562,13 @@ def main(argv=None):
                         "scales vs torch._scaled_mm")
     p.add_argument("--fp8-split", action="store_true",
                    help="with --fp8: also the kernel without fast accumulation")
+    p.add_argument("--scalings", default=",".join(SCALINGS),
+                   help="with --fp8: the kinds of scales to run (default: all; fewer is a subset)")
     args = p.parse_args(argv)
+    scalings = [x for x in args.scalings.split(",") if x]
+    if not scalings or set(scalings) - set(SCALINGS):
+        p.error(f"--scalings: a comma-separated list of {', '.join(SCALINGS)}, got {args.scalings!r}")
+    args.scalings = [x for x in SCALINGS if x in scalings]
     if args.quick:
         args.dtypes, args.reps, args.cold, args.names = "bfloat16", min(args.reps, 30), False, False
         args.inner = min(args.inner, 5)
@@ -570,6 +587,8 @@ def main(argv=None):
     variants = [parse_variant(n if n != "plain" else "product-plain", product_arch)
                 for n in dict.fromkeys(names)]
     variants = [replace(v, name="plain") if v.name == "product-plain" else v for v in variants]
+    if any(v.name.startswith(BLOCK_KIND) for v in variants):
+        p.error(f"{BLOCK_KIND}... variants are block-scaled fp8 kernels: use them with --fp8")
     dtypes = args.dtypes.split(",")
     prepared = prepare_run(args, kernels, build, variants, dtypes)
     if prepared is None:
@@ -609,7 +628,7 @@ def main(argv=None):
 
 
 def main_fp8(args, kernels, build):
-    """--fp8: every shape of the sets (ksweep only if named) x both scalings."""
+    """--fp8: every shape of the sets (ksweep only if named) x the scalings (--scalings)."""
     # the block-scaled kernel is measured even while the backend does not pick it by default
     # (FLASHOVERLAP_CUDA_FP8_BLOCK: see backends/cuda); the JSON's summary says so
     os.environ.setdefault("FLASHOVERLAP_CUDA_FP8_BLOCK", "1")
@@ -618,14 +637,16 @@ def main_fp8(args, kernels, build):
         variants.append(Variant("splitacc", 90, (128, 128), schedule="cooperative",
                                 fast_accum=False))
     variants += [parse_variant(n, 90) for n in args.variants.split(",") if n]  # e.g. coop-tma
-    prepared = prepare_run(args, kernels, build, variants, [kernels.FP8_DTYPES[0]],
-                           [v for v in variants if v.name in BLOCKWISE_VARIANTS])
+    scaled = [x for x in args.scalings if x != "blockwise"]  # the scaled (not block) kernels'
+    prepared = prepare_run(args, kernels, build, for_scaling(variants, "rowwise") if scaled else [],
+                           [kernels.FP8_DTYPES[0]],
+                           for_scaling(variants, "blockwise") if "blockwise" in args.scalings else ())
     if prepared is None:
         return
     shapes, comm, flush = prepared
     rows = []
     for set_name, shape in shapes:
-        for scaling in SCALINGS:
+        for scaling in args.scalings:
             row = {"set": set_name, **measure_fp8(kernels, shape, scaling, variants, args, flush, comm)}
             rows.append(row)
             print(f"{set_name} {shape[0]}x{shape[1]}x{shape[2]} fp8 {scaling}: "

@@ -23,6 +23,8 @@ run_one() {
     fp8-conf) stage fp8-conformance ${FO_FP8_CONF_SECONDS:-300} $PY -m pytest -q -p no:cacheprovider -rs --pyargs flashoverlap_core.testing.test_fp8 --fo-backend cuda --fo-shared-devices --fo-world-sizes ${FO_FP8_WORLDS:-1,2,3,4} --junitxml "$OUT/fp8-conformance.xml" ;;
     cuda-tests) stage cuda-tests ${FO_CUDA_TESTS_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 tests/gpu/test_cuda.py ${FO_CUDA_K:+-k "$FO_CUDA_K"} ;;
     plain) stage plain-path 90 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda.py -k "plain_path or native_call" ;;
+    # tests/gpu/test_cuda_fp8.py by name (FO_FP8_K), e.g. wide_tile
+    fp8-k) stage fp8-k ${FO_FP8_SECONDS:-120} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py -k "${FO_FP8_K:?}" ;;
     fp8all) stage fp8-all 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py ;;
     # issue 33's all_to_all pairing failure: many W = 2 runs at once, a variant each (ci/a2a_race.sh)
     a2a-race) stage a2a-race ${FO_RACE_SECONDS:-300} bash ci/a2a_race.sh ;;

@@ -83,7 +83,7 @@ def test_fp8_all_to_all_has_its_own_builds_from_their_own_source(monkeypatch):
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
     made = [c for c in kernels.all_configs([90]) if c.blocks and c.dtype in build.FP8_DTYPES]
     tiles = set(kernels.FP8_CONFIGS[90])
-    block_tiles = set(kernels.FP8_BLOCK_CONFIGS[90])
+    block_tiles = {kernels.default_block_tile(90)}  # the others are built when a plan names them
     assert {(c.tile, c.block_scaled, c.out_dtype, c.cluster_m, c.cluster_n, c.b_col_major)
             for c in made} == (
         {(t, False, out, 1, 1, True) for t in tiles for out in ("bf16", "fp16")}
@@ -120,8 +120,8 @@ def test_fp8_allgather_has_its_own_builds_from_their_own_source(monkeypatch):
              c.blocks) for c in made} == (
         {(t, False, out, cl, True, False) for t in kernels.FP8_CONFIGS[90] for out in outs
          for cl in clusters(t)}
-        | {(t, True, out, cl, True, False) for t in kernels.FP8_BLOCK_CONFIGS[90] for out in outs
-           for cl in clusters(t)})
+        | {(t, True, out, cl, True, False) for t in [kernels.default_block_tile(90)]
+           for out in outs for cl in clusters(t)})
     assert len(made) == 12 and not [c for c in kernels.all_configs([80]) if c.gather]
     others = [c for c in kernels.all_configs([90, 80]) if not c.gather]
     for config in made:
@@ -234,7 +234,7 @@ def test_prebuild_covers_every_tile_a_default_plan_picks(monkeypatch):
     assert tiles == {(90, t) for t in kernels.CONFIGS[90]} | {(80, kernels.DEFAULT_TILE[80])}
     assert {(90, (128, 224)), (90, (128, 160))} <= tiles
     fp8 = {c.tile for c in kernels.all_configs([90]) if c.dtype in build.FP8_DTYPES}
-    assert fp8 == set(kernels.FP8_CONFIGS[90]) | set(kernels.FP8_BLOCK_CONFIGS[90])
+    assert fp8 == set(kernels.FP8_CONFIGS[90]) | {kernels.default_block_tile(90)}
 
 
 def test_environment_selects_the_epilogue(monkeypatch):
@@ -345,6 +345,24 @@ def test_bench_fp8_variants_and_summary():
     assert (out["min_vs_scaled_mm_rowwise"], out["median_vs_scaled_mm_tensorwise"]) == (1.0, 1.0)
     assert out["splitacc_min_vs_scaled_mm_split"] == 0.45
     assert out["max_rel_err"] == {"product": 3e-3} and out["rows"] == 4
+
+
+def test_bench_block_scaled_variants_run_block_wise_rows_only():
+    """blk128-/blk256- variants are the block-scaled kernels' tiles: they run the block-wise
+    rows (with product and plain), never the tensor- or row-wise ones, which run every other
+    variant."""
+    gemm = _bench_gemm()
+    product, plain = gemm.Variant("product", 90, None), gemm.Variant("plain", 90, None, signal=False)
+    wide, coop = gemm.parse_variant("blk256-tma1", 90), gemm.parse_variant("coop-tma", 90)
+    variants = [product, plain, wide, coop]
+    assert gemm.for_scaling(variants, "blockwise") == [product, plain, wide]
+    assert gemm.for_scaling(variants, "rowwise") == gemm.for_scaling(variants, "tensorwise") == [
+        product, plain, coop]
+    cfg = gemm.variant_config(kernels, wide, "float8_e4m3fn", (2, 1), scaling="blockwise")
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_block128_etma1"
+    narrow = gemm.variant_config(kernels, gemm.parse_variant("blk128-tma", 90), "float8_e4m3fn",
+                                 (1, 1), scaling="blockwise")
+    assert (narrow.tile, narrow.block_scaled) == ((128, 128), True)
 
 
 def test_bench_fixed_cost_fit_recovers_the_intercept():

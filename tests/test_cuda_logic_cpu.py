@@ -443,12 +443,20 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
     assert "-DFO_FP8_BLOCK=1" in build.gemm_defines(cfg)
     assert not any(d.startswith("-DFO_FP8_BLOCK") for d in build.gemm_defines(
         kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1))))
-    assert kernels.supported_tiles(90, "blockwise") == {(128, 128)}
+    assert kernels.supported_tiles(90, "blockwise") == {(128, 128), (128, 256)}
+    assert kernels.default_block_tile(90) == (128, 128)  # 128x256 only where a plan names it
+    wide = kernels.gemm_config(90, (128, 256), "float8_e4m3fn", True, (2, 1),
+                               out_dtype="bfloat16", scaling="blockwise")
+    assert (wide.block_scaled, wide.tile_n, wide.tile_k, wide.schedule) == (
+        True, 256, 128, "cooperative")
     assert kernels.supported_tiles(80, "blockwise") == set()
     assert any(c.block_scaled for c in build.CHECK_CONFIGS)
     assert any(c.block_scaled for c in build.SELFTEST_CONFIGS)
-    with pytest.raises(ValueError, match="block_scaled needs the cooperative schedule"):
-        build.GemmConfig(tile_k=128, dtype="e4m3", block_scaled=True)  # 128x256
+    build.GemmConfig(tile_k=128, dtype="e4m3", block_scaled=True)  # 128x256: two column blocks
+    for bad in (dict(tile_n=224), dict(tile_n=128, schedule="pingpong"), dict(tile_k=64),
+                dict(tile_m=64, tile_n=128)):
+        with pytest.raises(ValueError, match="block_scaled needs the cooperative schedule"):
+            build.GemmConfig(**{"tile_k": 128, "dtype": "e4m3", "block_scaled": True, **bad})
     with pytest.raises(ValueError, match="block_scaled applies to e4m3 builds"):
         build.GemmConfig(tile_n=128, tile_k=128, block_scaled=True)
     # run by default; FLASHOVERLAP_CUDA_FP8_BLOCK=0 declines it (block-wise calls then run

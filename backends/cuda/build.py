@@ -159,12 +159,14 @@ class GemmConfig:
             out.append("e4m3 b must be column-major (fp8 wgmma reads both operands K-major)")
         if self.tile_k % 32:
             out.append(f"e4m3 tile_k must be a multiple of 32 (one fp8 wgmma), got {self.tile_k}")
-        if self.block_scaled and (self.schedule != "cooperative" or self.tile_k != 128
-                                  or self.tile_n != 128 or not self.fast_accum):
-            out.append("block_scaled needs the cooperative schedule, tile_k = tile_n = 128 (one "
-                       "group of 128 k per K tile, one 128-column block of b per tile) and "
-                       f"fast_accum (its main loop promotes per group), got {self.schedule} "
-                       f"{self.tile_m}x{self.tile_n}x{self.tile_k}, fast_accum={self.fast_accum}")
+        if self.block_scaled and (self.schedule != "cooperative" or self.tile_m != 128
+                                  or self.tile_k != 128 or self.tile_n not in (128, 256)
+                                  or not self.fast_accum):
+            out.append("block_scaled needs the cooperative schedule, 128 x (128 or 256) x 128 "
+                       "tiles (one group of 128 k per K tile, one or two 128-column blocks of b "
+                       "per tile) and fast_accum (its main loop promotes per group), got "
+                       f"{self.schedule} {self.tile_m}x{self.tile_n}x{self.tile_k}, "
+                       f"fast_accum={self.fast_accum}")
         if self.gather and self.blocks:
             out.append("gather (allgather's fo_gemm_run_ex_scaled) and blocks (all_to_all's "
                        "fo_gemm_run_blocks_scaled) are builds of their own: not both")
@@ -538,9 +540,10 @@ CHECK_CONFIGS = (
     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True),
     default_config(80),
     default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
-    # fp8 all_to_all's (gemm_sm90_blocks_scaled.cu): block-wise, and row-wise pingpong
-    GemmConfig(tile_n=128, tile_k=128, cluster_m=1, dtype="e4m3", epilogue="tma",
-               block_scaled=True, blocks=True),
+    # fp8 all_to_all's (gemm_sm90_blocks_scaled.cu): block-wise (the 128x256 tile: two
+    # column blocks of b per tile), and row-wise pingpong
+    GemmConfig(tile_k=128, cluster_m=1, dtype="e4m3", epilogue="tma", block_scaled=True,
+               blocks=True),
     GemmConfig(tile_n=128, tile_k=128, cluster_m=1, dtype="e4m3", out_dtype="fp16",
                schedule="pingpong", epilogue="tma", blocks=True),
     # fp8 allgather's (gemm_sm90_ex_scaled.cu): row-wise cooperative (not in CI's list)
@@ -557,17 +560,18 @@ CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they nam
     CHECK_CONFIGS[3],  # sm90 pingpong 128x128, fp16, b row-major, cluster 1x2, tma
     CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled), tma with 4 slots
     replace(CHECK_CONFIGS[8], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
-    CHECK_CONFIGS[9],  # sm90 cooperative 128x128x128, e4m3 block-scaled, 1x1, tma, blocks
+    CHECK_CONFIGS[9],  # sm90 cooperative 128x256x128, e4m3 block-scaled, 1x1, tma, blocks
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128; cooperative 128x224 (the tma
 # epilogue's 32-column blocks, 64-byte swizzle); e4m3 row-wise and block-wise (cooperative
-# 128x128: the rows its main loop scales by).
+# 128x128 and 128x256: the rows its main loop scales by, and its column blocks).
 SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"),
                     GemmConfig(tile_n=224, epilogue="tma", epi_slots=4),
                     GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4),
                     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma",
-                               block_scaled=True))
+                               block_scaled=True),
+                    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True))
 
 
 def selftest_job(config: GemmConfig) -> Job:

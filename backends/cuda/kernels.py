@@ -60,11 +60,14 @@ FP8_CONFIGS = {
          (128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
 }
 # fp8 with block-wise scales (1x128 groups of a along K, 128x128 blocks of b; sm90 only): the
-# scales are applied in the main loop, per K tile of 128 (one group), into a second set of
-# accumulators, which doubles their registers: one tile, cooperative 128x128x128 (one block of
-# b per tile), the 2x1 cluster, the tma epilogue. Not measured yet on a GPU.
+# scales are applied in the main loop, per K tile of 128 (one group) and 128-column block of b,
+# into a second set of accumulators: cooperative 128x128x128 (one block of b per tile; the
+# default, the first entry) and 128x256x128 (two blocks, multiplied one after the other into
+# the same 64 partial accumulators per thread: 3 mainloop stages; not measured on a GPU yet, so
+# only plans that name it take it), the 2x1 cluster, the tma epilogue.
 FP8_BLOCK_CONFIGS = {
-    90: {(128, 128): Kernel(128, (2, 1), "cooperative", "tma")},
+    90: {(128, 128): Kernel(128, (2, 1), "cooperative", "tma"),
+         (128, 256): Kernel(128, (2, 1), "cooperative", "tma")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
@@ -150,7 +153,7 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     weighs the waves of its expected rows (``spec.rows_hint``), and takes DEFAULT_TILE without
     them."""
     if spec is not None and spec.scaling == "blockwise" and arch in FP8_BLOCK_CONFIGS:
-        return next(iter(FP8_BLOCK_CONFIGS[arch]))  # its one tile
+        return default_block_tile(arch)
     tile = DEFAULT_TILE[arch]
     if arch != 90 or spec is None or not wave_size:
         return tile
@@ -172,6 +175,11 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
 
     # min keeps the first of equal costs: DEFAULT_TILE, listed first
     return min([tile] + sorted(supported_tiles(arch, spec.scaling, spec.dtype) - {tile}), key=cost)
+
+
+def default_block_tile(arch: int) -> tuple[int, int]:
+    """The tile of block-wise fp8 plans that name none: FP8_BLOCK_CONFIGS' first."""
+    return next(iter(FP8_BLOCK_CONFIGS[arch]))
 
 
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
@@ -235,7 +243,7 @@ def all_configs(archs) -> list[build.GemmConfig]:
                     # fp8 allgather's (fo_gemm_run_ex_scaled)
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result, gather=True)
                             for c in clusters]
-        for tile in FP8_BLOCK_CONFIGS.get(arch, {}):  # block-wise fp8
+        for tile in [default_block_tile(arch)] if arch in FP8_BLOCK_CONFIGS else []:  # block-wise
             for dtype in FP8_DTYPES:
                 for result in DTYPES:
                     clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])

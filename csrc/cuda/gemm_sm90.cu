@@ -160,10 +160,15 @@ constexpr bool kFastAccum = kFp8 && FO_FP8_FAST_ACCUM;
 // schedule); the math threads run their own K loop (block_scaled_mainloop).
 constexpr bool kBlockScaled = kFp8 && FO_FP8_BLOCK;
 static_assert(!FO_FP8_BLOCK || kFp8, "FO_FP8_BLOCK is for e4m3 builds");
-static_assert(!kBlockScaled || (FO_SCHEDULE == 0 && kBK == FO_SCALE_BLOCK && kBN == FO_SCALE_BLOCK &&
+static_assert(!kBlockScaled || (FO_SCHEDULE == 0 && kBM == 128 && kBK == FO_SCALE_BLOCK &&
+                                (kBN == FO_SCALE_BLOCK || kBN == 2 * FO_SCALE_BLOCK) &&
                                 FO_FP8_FAST_ACCUM),
-              "block-wise scales: the cooperative schedule, one 128 group per K tile and one 128 "
-              "block of b per tile (tile_k = tile_n = 128), FO_FP8_FAST_ACCUM 1");
+              "block-wise scales: the cooperative schedule, 128 rows, one 128 group per K tile "
+              "(tile_k = 128), one or two 128-column blocks of b per tile (tile_n = 128 or 256), "
+              "FO_FP8_FAST_ACCUM 1");
+// Block-wise: the 128-column blocks of b in one tile (each has its own scale_b per K tile); the
+// main loop multiplies a K tile one column block at a time (block_scaled_mainloop).
+constexpr int kScaleCols = kBlockScaled ? kBN / FO_SCALE_BLOCK : 1;
 using KernelSchedule = cute::conditional_t<
     kPingpong,
     cute::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
@@ -220,8 +225,9 @@ __host__ __device__ inline ScaleCopy scale_copy(const fo_gemm_scales& sc, const 
 constexpr int kScaleStages = 8;  // at least the mainloop's stages (static_assert below)
 struct alignas(16) BlockScaleStage {
   float a[kBM];  // scale_a of the tile's rows for this group of 128 k (rows past its end: 0)
-  float b[4];    // b[0]: scale_b of this group and the tile's 128 columns
-};
+  float b[4];    // b[c], c < kScaleCols: scale_b of this group and the tile's column block c
+};               // (a block past N: 0)
+static_assert(kScaleCols <= 4, "scale_b slots of a stage");
 struct alignas(16) BlockScaleStorage {
   BlockScaleStage stage[kScaleStages];
 };
@@ -274,6 +280,23 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA, kAlignIn, ElementIn,
     LayoutB, kAlignIn, float, TileShape, ClusterShape, Stages, KernelSchedule>::CollectiveOp;
 using TiledMma = typename Mainloop::TiledMma;
+// Block-wise scales: the wgmmas of one 128-column block of the tile (the TiledMma of a
+// 128 x 128 x 128 tile, the cooperative schedule's two warpgroups along M). A 128x256 tile's
+// K tile is two batches of them, each into the same 64 partial accumulators per thread, so the
+// math threads hold 128 + 64 accumulators (two full m64n256 fragments would be 256 and spill).
+// (A template, so that other builds never instantiate it.)
+template <bool Block, class = void>
+struct ColBlockMma {
+  using type = TiledMma;
+};
+template <class V>
+struct ColBlockMma<true, V> {
+  using type = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<ElementIn, ElementIn, float, Shape<Int<kBM>, Int<FO_SCALE_BLOCK>, Int<kBK>>,
+                           GMMA::Major::K, GMMA::Major::K>(),
+      Layout<Shape<_2, _1, _1>>{}));
+};
+using ColMma = typename ColBlockMma<kBlockScaled>::type;
 static_assert(!kBlockScaled || int(Mainloop::DispatchPolicy::Stages) <= kScaleStages,
               "block-wise scales: more mainloop stages than scale slots (raise kScaleStages)");
 // Producer arrivals on a stage's full barrier: the TMA leader's, and for block-wise scales
@@ -628,7 +651,7 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
   for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
     const WorkTile w = stored_item(p.table, base, rank);
     const float* a_rows = sc.a + (w.valid ? int64_t(w.row0) * sc.a_stride[0] : 0);
-    const float* b_col = sc.b + (w.valid ? int64_t(w.n_blk) * sc.b_stride[1] : 0);
+    const float* b_col = sc.b + (w.valid ? int64_t(w.n_blk) * kScaleCols * sc.b_stride[1] : 0);
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipeline.producer_acquire(write_state);
@@ -640,9 +663,12 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
                      copy ? a_rows + int64_t(i) * sc.a_stride[0] + int64_t(kt) * sc.a_stride[1] : sc.a,
                      copy);
       }
-      if (lane == 0)
-        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.b[0]),
-                     w.valid ? b_col + int64_t(kt) * sc.b_stride[0] : sc.b, w.valid);
+      if (lane < kScaleCols) {  // column block `lane` of the tile (past N: 0, nothing read)
+        const bool copy = w.valid && lane * FO_SCALE_BLOCK < w.cols;
+        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.b[lane]),
+                     copy ? b_col + int64_t(lane) * sc.b_stride[1] + int64_t(kt) * sc.b_stride[0] : sc.b,
+                     copy);
+      }
       pipeline.producer_commit(write_state, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++write_state;
     }
@@ -654,33 +680,41 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
 constexpr int kBlockOffsetBarrier = 2;  // 2 and 3 (0 and 1: the row-wise scales' groups)
 
 // Math threads (cooperative: both warpgroups share the tile): the tile's K loop with block-wise
-// scales. Per K tile (one group of 128 k): wait for the stage (A, B and the scales), run its
-// wgmmas into `part` from zero, read this thread's row scales and the tile's column scale from
-// the stage while they run, wait for them, free the stage, and add part times scale_a(row) *
-// scale_b into `acc` (fp32). The two warpgroups run half a K tile apart: warpgroup 1 issues its
-// first K tile's wgmmas when warpgroup 0's have finished (a named barrier per tile, the id by
-// the tile's parity `parity`, so that warpgroup 0 cannot arrive twice on one id before
-// warpgroup 1 has waited on it: its epilogue of tile t + 1 needs warpgroup 1's of tile t), so
-// each warpgroup promotes while the other's wgmmas keep the tensor cores busy; in step, both
-// would promote at once with the tensor cores idle (the loop measured 0.69-0.94x torch's
-// block-wise kernel that way). Leaves read_state past the tile's K tiles; frees every stage it
-// used (no mma_tail).
+// scales. Per K tile (one group of 128 k): wait for the stage (A, B and the scales); then per
+// 128-column block c of the tile (kScaleCols: 1 or 2), run its wgmmas into `part` from zero,
+// read this thread's row scales and the block's column scale from the stage while they run,
+// wait for them (after the last block: free the stage), and add part times scale_a(row) *
+// scale_b(c) into the block's columns of `acc` (fp32). The two warpgroups run half a batch
+// apart: warpgroup 1 issues its first wgmmas of the tile when warpgroup 0's first batch has
+// finished (a named barrier per tile, the id by the tile's parity `parity`, so that warpgroup 0
+// cannot arrive twice on one id before warpgroup 1 has waited on it: its epilogue of tile t + 1
+// needs warpgroup 1's of tile t), so each warpgroup promotes while the other's wgmmas keep the
+// tensor cores busy; in step, both would promote at once with the tensor cores idle (the loop
+// measured 0.69-0.94x torch's block-wise kernel that way). Leaves read_state past the tile's K
+// tiles; frees every stage it used (no mma_tail).
+// `part` is ColMma's fragment of one column block: its value i is acc's value i + c * 64 (the
+// block's columns in the full fragment: FragWord with kMmaM = 1; the layout self-test checks it).
 template <class Acc>
 __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, PipelineState& read_state,
                                              Acc& acc, int k_tiles, int math_thread,
                                              typename Mainloop::TensorStorage& storage,
                                              const BlockScaleStage* stages,
                                              const int (&row_base)[kMmaM], int lane, int parity) {
-  constexpr FragWord word{};
-  TiledMma tiled_mma;
+  static_assert(kMmaM == 1, "block-wise: one row block per math thread (128-row tiles)");
+  constexpr int kPart = FO_SCALE_BLOCK / 2;  // ColMma's accumulators per thread
+  ColMma col_mma;
   Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), typename Mainloop::SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), typename Mainloop::SmemLayoutB{});
   // A and B fragments are the same for every thread of a warpgroup: slice by its first thread
   const int warp_group = __shfl_sync(0xffffffff, math_thread / 128, 0);
-  auto wg_mma = tiled_mma.get_slice(warp_group * 128);
-  Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-  Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-  auto part = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+  auto wg_mma = col_mma.get_slice(warp_group * 128);
+  Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, 1, MMA_K, PIPE)
+  Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, kScaleCols, MMA_K, PIPE)
+  static_assert(int(decltype(size<1>(tCrA))::value) == 1 &&
+                int(decltype(size<1>(tCrB))::value) == kScaleCols, "column blocks");
+  auto part = partition_fragment_C(col_mma, Shape<Int<kBM>, Int<FO_SCALE_BLOCK>>{});
+  static_assert(int(decltype(size(part))::value) == kPart &&
+                int(decltype(size(acc))::value) == kPart * kScaleCols, "accumulators");
 #pragma unroll
   for (int i = 0; i < int(size(acc)); ++i) acc(i) = 0.0f;
   const uint32_t offset_barrier = kBlockOffsetBarrier + parity;
@@ -690,38 +724,41 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
   for (int kt = 0; kt < k_tiles; ++kt) {
     pipeline.consumer_wait(read_state);
     const int stage = read_state.index();
-    warpgroup_fence_operand(part);
-    warpgroup_arrive();
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-    for (int k = 0; k < int(size<2>(tCrA)); ++k) {
-      cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), part);
-      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
     const BlockScaleStage& st = stages[stage];
-    const float sb = st.b[0];
-    float scale[kMmaM][2];
+    float row_scale[2];
 #pragma unroll
-    for (int m = 0; m < kMmaM; ++m) {
+    for (int c = 0; c < kScaleCols; ++c) {
+      warpgroup_fence_operand(part);
+      warpgroup_arrive();
+      col_mma.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) scale[m][h] = st.a[FragWord::row(row_base[m], h, lane)] * sb;
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(part);
-    pipeline.consumer_release(read_state);
-    ++read_state;
-    // warpgroup 0's first K tile is done: warpgroup 1 issues its own while this one promotes
-    if (kt == 0 && warp_group == 0) cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
+      for (int k = 0; k < int(size<2>(tCrA)); ++k) {
+        cute::gemm(col_mma, tCrA(_, 0, k, stage), tCrB(_, c, k, stage), part(_, 0, 0));
+        col_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      if (c == 0) {
 #pragma unroll
-    for (int m = 0; m < kMmaM; ++m) {
+        for (int h = 0; h < 2; ++h) row_scale[h] = st.a[FragWord::row(row_base[0], h, lane)];
+      }
+      const float sb = st.b[c];
+      const float scale[2] = {row_scale[0] * sb, row_scale[1] * sb};
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(part);
+      if (c == kScaleCols - 1) {
+        pipeline.consumer_release(read_state);
+        ++read_state;
+      }
+      // warpgroup 0's first batch is done: warpgroup 1 issues its own while this one promotes
+      if (kt == 0 && c == 0 && warp_group == 0)
+        cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
-          const int i = word(m, h, j);
-          acc(i) += part(i) * scale[m][h];
-          acc(i + 1) += part(i + 1) * scale[m][h];
+        for (int j = 0; j < FO_SCALE_BLOCK / 8; ++j) {
+          const int i = 2 * h + 4 * j;  // FragWord of a 128-column fragment
+          acc(i + c * kPart) += part(i) * scale[h];
+          acc(i + 1 + c * kPart) += part(i + 1) * scale[h];
         }
       }
     }

@@ -15,7 +15,11 @@
 //      at the column store_full_tile_vec16 writes them to;
 //   4. fp8 builds: what stage_scales copies (scale_copy), read back as apply_scales reads it,
 //      multiplies every accumulator of a full, partial or filler tile by scale_a of its row
-//      times scale_b of its column (each per row/column or tensor-wise), and by 0 outside.
+//      times scale_b of its column (each per row/column or tensor-wise), and by 0 outside;
+//   5. block-scaled builds: value i of ColMma's fragment of column block c (what
+//      block_scaled_mainloop promotes) is the tile element of the full fragment's value
+//      i + 64 c, 128 c columns to the left, and ColMma's B partition of column block c, K
+//      block k, stage s starts at row 128 c, column 32 k of that stage's B tile.
 // Build: nvcc <flags of build.py> -DFO_LAYOUT_SELFTEST [config -D macros] gemm_sm90_selftest.cu
 // -o selftest && ./selftest  (prints "ok ..." and exits 0, or lists the first mismatches).
 #define FO_LAYOUT_SELFTEST 1
@@ -200,6 +204,39 @@ void check_scales(const Coords& c) {
   }
 }
 
+void check_column_blocks(const Coords& c) {
+  if constexpr (kBlockScaled) {
+    constexpr int kPart = FO_SCALE_BLOCK / 2;
+    ColMma col_mma;
+    for (int t = 0; t < kTileThreads; ++t) {
+      auto coord = col_mma.get_slice(t).partition_C(
+          make_identity_tensor(make_shape(Int<kBM>{}, Int<FO_SCALE_BLOCK>{})));
+      expect(int(size(coord)) == kPart, "column block accumulators", t, int(size(coord)), 0);
+      for (int cb = 0; cb < kScaleCols; ++cb)
+        for (int i = 0; i < kPart; ++i) {
+          const int e = t * c.per_thread + i + cb * kPart;
+          expect(int(get<0>(coord(i))) == c.row[e], "column block row", t, cb, i);
+          expect(int(get<1>(coord(i))) + FO_SCALE_BLOCK * cb == c.col[e], "column block column",
+                 t, cb, i);
+        }
+    }
+    // the B tiles' layout without its swizzle (which the wgmma descriptors apply by address)
+    const ElementIn* base = nullptr;
+    Tensor sB = make_tensor(make_gmem_ptr(base), typename Mainloop::SmemLayoutB{}.layout_b());
+    for (int wg = 0; wg < 2; ++wg) {
+      Tensor tCsB = col_mma.get_slice(wg * 128).partition_B(sB);  // (MMA, kScaleCols, MMA_K, PIPE)
+      expect(int(size<1>(tCsB)) == kScaleCols, "column blocks of B", wg, int(size<1>(tCsB)), 0);
+      for (int cb = 0; cb < int(size<1>(tCsB)); ++cb)
+        for (int k = 0; k < int(size<2>(tCsB)); ++k)
+          for (int st = 0; st < int(size<3>(tCsB)); ++st) {
+            const auto got = &tCsB(0, cb, k, st) - base;
+            const auto want = &sB(FO_SCALE_BLOCK * cb, (kBK / int(size<2>(tCsB))) * k, st) - base;
+            expect(got == want, "B column block origin", cb, k, st);
+          }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -208,6 +245,7 @@ int main() {
   if (g_errors == 0) {
     check_vec16(c);
     check_scales(c);
+    check_column_blocks(c);
     if (kBN % kColW == 0) {  // column blocks cover the tile (every tma build)
       check_tma(c, 5 * 1024);        // 1024-byte aligned slot
       check_tma(c, 5 * 1024 + 384);  // only 128-byte aligned: the swizzle follows the address

@@ -471,12 +471,44 @@ def test_fp8_blockwise_collectives_on_a_nccl_group(op, shape, nccl_group):
     assert (call["backend"], call["runner"]) == ("cuda", "CudaCall"), call
 
 
-def test_fp8_blockwise_plans_take_its_tile_only():
+def test_fp8_blockwise_plans_take_its_tiles_only():
     plan = fo.plan(1000, 1000, 512, dtype=F8, scaling="blockwise", backend="cuda")
     assert (plan.tile, plan.scaling) == ((128, 128), "blockwise")
     _call(1000, 1000, 512, "blockwise", "bfloat16", plan=plan)
     with pytest.raises(ValueError, match="no CUDA kernel with block-wise fp8 scales"):
-        fo.plan(1000, 1000, 512, dtype=F8, scaling="blockwise", tile=(128, 256), backend="cuda")
+        fo.plan(1000, 1000, 512, dtype=F8, scaling="blockwise", tile=(128, 224), backend="cuda")
+
+
+# N: whole 256-column tiles; a last tile whose second 128-column block is partial (1000), has
+# 2 columns (386), or lies past N (100, 1100: its scale_b is zero-filled, never read); K: whole
+# groups, a partial last group (1000) and one group (72)
+WIDE_SHAPES = [(1024, 1024, 1024), (1000, 1000, 1000), (300, 386, 72), (777, 100, 520),
+               (4097, 1100, 384)]
+
+
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_blockwise_wide_tile_matches_float64(shape):
+    """The block-scaled 128x256 kernel (two 128-column blocks of b per tile, each multiplied
+    into the same partial accumulators and promoted by its own scale_b), through explicit plans:
+    both result dtypes, both layouts, and a graph replay with fresh inputs."""
+    m, n, k = shape
+    for out_name in ("bfloat16", "float16"):
+        for layout in ("torch", "rows"):
+            plan = fo.plan(m, n, k, dtype=F8, scaling="blockwise", tile=(128, 256),
+                           backend="cuda", out_dtype=OUT[out_name])
+            for _ in range(2):
+                _call(m, n, k, "blockwise", out_name, layout=layout, plan=plan)
+            call = fo.prepared_calls()[-1]
+            assert (call["backend"], call["runner"]) == ("cuda", "CudaCall"), call
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
+def test_fp8_blockwise_wide_tile_on_a_nccl_group(op, nccl_group):
+    m, n, k = 1000, 1000, 1000
+    plan = fo.plan(m, n, k, op=op, dtype=F8, scaling="blockwise", tile=(128, 256),
+                   backend="cuda", out_dtype=torch.bfloat16)
+    for _ in range(3):
+        _call(m, n, k, "blockwise", "bfloat16", op=op, group=nccl_group, plan=plan)
 
 
 def test_fp8_blockwise_plain_path_runs_torchs_blockwise_gemm(monkeypatch):
