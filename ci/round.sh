@@ -13,6 +13,9 @@ run_one() {
   local s=$1
   case $s in
     build) stage build ${FO_BUILD_SECONDS:-200} flashoverlap build --backend cuda --jobs 16 ;;
+    # the block-scaled 128x256 builds (not prebuilt by default: kernels.FP8_BLOCK_CONFIGS), for
+    # fp8-k (FO_FP8_K=wide_tile) and the bench's blk256 variants
+    build-wide) stage build-wide ${FO_BUILD_SECONDS:-200} $PY -c "from flashoverlap_backends.cuda import build, kernels; from dataclasses import replace; c = kernels.block_scaled_configs(90, (128, 256)); build.prebuild(c + [replace(x, epi_slots=1) for x in c[:1]], jobs=16)" ;;
     epilogue) FO_GEMM_TEST_CONFIGS=${FO_GEMM_TEST_CONFIGS:--e4m3} stage epilogue 170 $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemm_epilogue.py ;;
     moe-tests) FO_STRESS_RUNS=100 FO_CONCURRENT_ROUNDS=100 FO_REPEAT_CALLS=500 stage moe-tests 150 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_moe.py tests/gpu/test_cuda.py -k "all_to_all or moe or world1 or lazy" ;;
     fp8) FO_GEMM_TEST_CONFIGS=e4m3 stage fp8-tests ${FO_FP8_SECONDS:-120} $PY -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_fp8.py tests/gpu/test_gemm_epilogue.py -k "e4m3 or test_cuda_fp8" ;;

@@ -243,18 +243,25 @@ def all_configs(archs) -> list[build.GemmConfig]:
                     # fp8 allgather's (fo_gemm_run_ex_scaled)
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result, gather=True)
                             for c in clusters]
-        for tile in [default_block_tile(arch)] if arch in FP8_BLOCK_CONFIGS else []:  # block-wise
-            for dtype in FP8_DTYPES:
-                for result in DTYPES:
-                    clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
-                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
-                                        scaling="blockwise")
-                            for c in clusters]
-                    out.append(gemm_config(arch, tile, dtype, True, blocks=True, out_dtype=result,
-                                           scaling="blockwise"))  # all_to_all's
-                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
-                                        scaling="blockwise", gather=True)
-                            for c in clusters]  # allgather's
+        if arch in FP8_BLOCK_CONFIGS:  # block-wise fp8: the default tile's
+            out += block_scaled_configs(arch, default_block_tile(arch))
+    return out
+
+
+def block_scaled_configs(arch: int, tile) -> list[build.GemmConfig]:
+    """The block-scaled fp8 builds of ``tile`` (FP8_BLOCK_CONFIGS): either result dtype, the
+    preferred and the 1x1 cluster, all_to_all's (1x1, unequal blocks) and allgather's."""
+    out = []
+    clusters = dict.fromkeys([preferred_cluster(arch, tile), (1, 1)])
+    for dtype in FP8_DTYPES:
+        for result in DTYPES:
+            out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result, scaling="blockwise")
+                    for c in clusters]
+            out.append(gemm_config(arch, tile, dtype, True, blocks=True, out_dtype=result,
+                                   scaling="blockwise"))  # all_to_all's
+            out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
+                                scaling="blockwise", gather=True)
+                    for c in clusters]  # allgather's
     return out
 
 

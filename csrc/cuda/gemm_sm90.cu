@@ -677,7 +677,7 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
 
 // Named barriers (CUTLASS user ids, tile parity added) with which the second math warpgroup of
 // a block-scaled build starts each tile's K loop once the first has finished its first K tile.
-constexpr int kBlockOffsetBarrier = 2;  // 2 and 3 (0 and 1: the row-wise scales' groups)
+[[maybe_unused]] constexpr int kBlockOffsetBarrier = 2;  // 2 and 3 (0 and 1: the row-wise scales' groups)
 
 // Math threads (cooperative: both warpgroups share the tile): the tile's K loop with block-wise
 // scales. Per K tile (one group of 128 k): wait for the stage (A, B and the scales); then per
