@@ -8,8 +8,12 @@ output (the post-communication reorder, which "rows" plans do not have).
 
 Rows: tokens x (N, K) x op x dtype. Ops: allreduce, reduce_scatter, all_to_all (equal splits),
 allgather, and ``fo.overlap_add_rmsnorm`` against ``a @ b`` + allreduce + a torch.compile'd
-add + ``rms_norm``; bf16, and fp8 (e4m3, row-wise scales) for allreduce and reduce_scatter (the
-ops with a native fp8 path on cuda). Each row also records the signaling GEMM alone against
+add + ``rms_norm``; bf16, and fp8 (e4m3, row-wise scales) for the four collectives (each has a
+native fp8 path on cuda; the plain form: ``torch._scaled_mm``, and allgather gathers the e4m3
+rows and their scales first). ``--dtypes ...,fp8b`` adds block-wise fp8 rows (1x128 and 128x128
+scales, in the layouts torch's block-wise ``scaled_mm`` takes, laid out once; the plain form is
+that GEMM, or where this torch lacks it tensor-wise ``_scaled_mm``, and each row's
+``plain_gemm`` says which): not in the default run. Each row also records the signaling GEMM alone against
 cuBLAS on the same shape (its ``gemm_ratio``; both GEMMs alone, CUDA-graph replays, timed in
 the row's own alternation so that they run at the row's clocks): where that is below 0.97 the
 row's bound is the GEMM's own ratio minus 0.01 (issue 30). An allreduce row records the call's workspace bytes
@@ -37,7 +41,7 @@ Until 2026-12-04 the batch started on an idle device, which counted the first ca
 on the short rows that way, not through its device time. A host-bound call is still timed at
 the host's pace.
 
-    python bench/overhead.py [--tokens 1,16,64,256,1024,4096,16384] [--ops ...] [--dtypes bf16,fp8]
+    python bench/overhead.py [--tokens 1,16,64,256,1024,4096,16384] [--ops ...] [--dtypes bf16,fp8[,fp8b]]
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ from common import (device_tag, graph, nccl_group_of_one, steady_times, table, t
 
 SHAPES = ((8192, 1024), (8192, 3584), (4096, 7168), (7168, 2048), (5120, 3456))
 OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather", "add_rmsnorm")
-FP8_OPS = ("allreduce", "reduce_scatter")
+FP8_OPS = ("allreduce", "reduce_scatter", "all_to_all", "allgather")
+FP8_KINDS = {"fp8": "rowwise", "fp8b": "blockwise"}  # --dtypes names of fp8 rows: their scales
 TARGET_MIN, TARGET_MEDIAN, NORM_TARGET, WORKSPACE_FRACTION = 0.97, 0.99, 1.0, 0.01
 DECODE_MAX, DECODE_TARGET = 256, 0.98  # decode rows: tokens <= DECODE_MAX, the default call
 STRATEGY_ENV = "FLASHOVERLAP_STRATEGY"
@@ -88,13 +93,16 @@ class GemmAlone:
 
     def __init__(self, a, b, dtype: str, scales):
         backend = fo.registry.get("cuda")
+        fp8 = dtype in FP8_KINDS
         plan = fo.plan(a.shape[0], b.shape[1], a.shape[1], "allreduce", 1, a.dtype, backend="cuda",
-                       **({"out_dtype": torch.bfloat16} if dtype == "fp8" else {}))
+                       **({"out_dtype": torch.bfloat16} if fp8 else {}),
+                       **({"scaling": "blockwise"} if dtype == "fp8b" else {}))
         self.packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
         self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
 
         def signaling():
-            backend.launch_gemm(plan, a, b, self.packed, counters=self.counters, scales=scales)
+            backend.launch_gemm(plan, a, b, self.packed, counters=self.counters,
+                                scales=scales.fo if scales is not None else None)
 
         self.graphs = {"fo_gemm": graph(signaling, 1),
                        "cublas_gemm": graph(lambda: plain_product(a, b, scales), 1)}
@@ -105,23 +113,79 @@ class GemmAlone:
         return times["cublas_gemm"][0] / times["fo_gemm"][0]
 
 
+class Scales:
+    """An fp8 row's scales: ``fo`` = (scale_a, scale_b) as the call takes them; block-wise
+    ones in the layouts torch's block-wise ``scaled_mm`` takes (laid out once, here), which fo
+    reads in place; ``plain_gemm``: what the plain form's GEMM is."""
+
+    def __init__(self, kind: str, m: int, n: int, k: int):
+        from flashoverlap_core import fp8
+
+        self.kind = kind
+        if kind == "rowwise":
+            self.fo = (torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5)
+            self.torch_b = None
+            self.plain_gemm = "torch._scaled_mm row-wise"
+            return
+        kb, nb = fp8.blocks(k), fp8.blocks(n)
+        sa, sb = torch.rand(m, kb, device="cuda") + 0.5, torch.rand(kb, nb, device="cuda") + 0.5
+        tsa, tsb = fp8.torch_blockwise_scales(sa, sb, k)
+        self.fo = (tsa, tsb[:kb])  # views of torch's layouts: fo takes any strides
+        self.torch_b = tsb
+        self.blockwise = fp8.blockwise_available(torch.device("cuda"))
+        self.plain_gemm = ("torch.nn.functional.scaled_mm block-wise" if self.blockwise else
+                           "torch._scaled_mm tensor-wise (this torch has no block-wise scaled_mm)")
+
+    def product(self, a, b, scale_a=None):
+        """The plain form's GEMM of ``a`` (``scale_a``: its own rows' scales, e.g. gathered;
+        block-wise in torch's layout)."""
+        sa = self.fo[0] if scale_a is None else scale_a
+        if self.kind == "rowwise":
+            return torch._scaled_mm(a, b, sa, self.fo[1], out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+        if not self.blockwise:
+            one = torch.ones((), device=a.device)
+            return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)
+        kinds = F.ScalingType
+        return F.scaled_mm(a, b, sa, kinds.BlockWise1x128, self.torch_b, kinds.BlockWise128x128,
+                           output_dtype=torch.bfloat16)
+
+
 def operands(m, n, k, dtype: str):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    if dtype != "fp8":
+    if dtype not in FP8_KINDS:
         return a, w.t(), None
     a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    sa = torch.rand(m, 1, device="cuda") + 0.5
-    sb = torch.rand(1, n, device="cuda") + 0.5
-    return a8, w8.t(), (sa, sb)
+    return a8, w8.t(), Scales(FP8_KINDS[dtype], m, n, k)
 
 
-def plain_product(a, b, scales):
-    """The GEMM a user would write: ``a @ b``, or ``torch._scaled_mm`` for fp8 (bf16 out)."""
+def plain_product(a, b, scales, scale_a=None):
+    """The GEMM a user would write: ``a @ b``, or for fp8 torch's scaled GEMM (bf16 out)."""
     if scales is None:
         return a @ b
-    return torch._scaled_mm(a, b, scales[0], scales[1], out_dtype=torch.bfloat16,
-                            use_fast_accum=True)
+    return scales.product(a, b, scale_a)
+
+
+def gathered_scale_a(scale_a: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's scale_a rows, in its layout: row-wise [W m, 1]; block-wise [W m, kb] with
+    strides (1, W m), torch's (each rank's [m, kb] is outer-dim-major: gathered as [kb, m])."""
+    world = dist.get_world_size(group)
+    m, kb = scale_a.shape
+    if kb == 1:
+        out = scale_a.new_empty(world * m, 1)
+        dist.all_gather_into_tensor(out, scale_a.contiguous(), group=group)
+        return out
+    parts = scale_a.new_empty(world * kb, m)
+    dist.all_gather_into_tensor(parts, scale_a.t().contiguous(), group=group)
+    return rows_of_ranks(parts, world)
+
+
+def rows_of_ranks(parts: torch.Tensor, world: int) -> torch.Tensor:
+    """Each rank's [kb, m] (its scale_a transposed), stacked [W kb, m] as all_gather puts
+    them, as the [W m, kb] scale_a of all their rows, rank by rank, strides (1, W m)."""
+    kb, m = parts.shape[0] // world, parts.shape[1]
+    return parts.view(world, kb, m).permute(1, 0, 2).reshape(kb, world * m).t()
 
 
 def inner_calls(m: int, n: int, k: int) -> int:
@@ -132,7 +196,7 @@ def inner_calls(m: int, n: int, k: int) -> int:
 def calls(op: str, a, b, scales, compiled_norm):
     """(fo call, plain call, output rows) of one row."""
     m, n = a.shape[0], b.shape[1]
-    kw = {} if scales is None else {"scale_a": scales[0], "scale_b": scales[1],
+    kw = {} if scales is None else {"scale_a": scales.fo[0], "scale_b": scales.fo[1],
                                     "out_dtype": torch.bfloat16}
 
     def product(x=a):
@@ -155,13 +219,18 @@ def calls(op: str, a, b, scales, compiled_norm):
             out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
             dist.all_to_all_single(out, product(), [m], [m])
             return out
-        return (lambda: fo.overlap(a, b, op="all_to_all", send_splits=[m], recv_splits=[m])), plain
+        return (lambda: fo.overlap(a, b, op="all_to_all", send_splits=[m], recv_splits=[m],
+                                   **kw)), plain
     if op == "allgather":
         def plain():
             gathered = torch.empty_like(a)
-            dist.all_gather_into_tensor(gathered, a)
-            return gathered @ b
-        return (lambda: fo.overlap(a, b, op="allgather")), plain
+            if scales is None:
+                dist.all_gather_into_tensor(gathered, a)
+                return gathered @ b
+            # e4m3 rows move as bytes, with their scales
+            dist.all_gather_into_tensor(gathered.view(torch.uint8), a.view(torch.uint8))
+            return plain_product(gathered, b, scales, gathered_scale_a(scales.fo[0], None))
+        return (lambda: fo.overlap(a, b, op="allgather", **kw)), plain
     residual = torch.randn(m, n, device=a.device, dtype=torch.bfloat16)
     weight = torch.randn(n, device=a.device, dtype=torch.bfloat16)
 
@@ -234,6 +303,8 @@ def measure_row(kind: str, op: str, dtype: str, a, b, scales, compiled_norm,
            "gemm_ratio": None if ratio is None else round(ratio, 4), "bound": round(bound, 4),
            "met": plain_ms / fo_ms >= bound,
            "fo_host_us": round(fo_host, 1), "plain_host_us": round(plain_host, 1)}
+    if scales is not None:
+        row["plain_gemm"] = scales.plain_gemm
     if op == "allreduce" and kind == "prefill":
         row["workspace_fraction"] = workspace_fraction(m, n)
     return row
@@ -400,6 +471,9 @@ def main(argv=None) -> int:
             (profile_back_to_back if args.back_to_back else profile_rows)(wanted)
         dist.destroy_process_group()
         return 0
+    unknown = set(args.dtypes.split(",")) - {"bf16", *FP8_KINDS}
+    if unknown:
+        parser.error(f"--dtypes: unknown {sorted(unknown)}; known: bf16, {', '.join(FP8_KINDS)}")
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     nccl_group_of_one("overhead")
@@ -424,7 +498,7 @@ def main(argv=None) -> int:
                     # it says nothing
                     gemms = GemmAlone(a, b, dtype, scales) if kind == "prefill" else None
                     for op in args.ops.split(","):
-                        if dtype == "fp8" and op not in FP8_OPS:
+                        if dtype in FP8_KINDS and op not in FP8_OPS:
                             continue
                         row = measure_row(kind, op, dtype, a, b, scales, compiled_norm, gemms)
                         rows.append(row)

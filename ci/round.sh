@@ -68,7 +68,7 @@ run_one() {
     # on FO_MG_WORLD GPUs, one rank each: MoE all_to_all steps and the Llama-style TP MLP block
     moe-mg) stage moe-w${FO_MG_WORLD:-2} ${FO_MOE_SECONDS:-200} $PY bench/moe.py --world-size ${FO_MG_WORLD:-2} ;;
     e2e-mg) stage e2e-w${FO_MG_WORLD:-2} ${FO_E2E_SECONDS:-200} $PY bench/e2e_mlp.py --world-size ${FO_MG_WORLD:-2} ${FO_E2E_ARGS:-} ;;
-    overhead) stage overhead ${FO_OVERHEAD_SECONDS:-400} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
+    overhead) stage overhead ${FO_OVERHEAD_SECONDS:-540} $PY bench/overhead.py ${FO_OVERHEAD_ARGS:-} ;;
     gather) stage gather-tests ${FO_GATHER_SECONDS:-240} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_allgather.py ${FO_GATHER_K:+-k "$FO_GATHER_K"} ;;
     # Nsight Compute on the fp8 kernels (bench/fp8_ncu.py): the report and its details as CSV
     ncu-fp8) stage ncu-fp8 ${FO_NCU_SECONDS:-240} ncu --profile-from-start off --nvtx --set ${FO_NCU_SET:-full} \

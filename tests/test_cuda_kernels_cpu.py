@@ -365,6 +365,25 @@ def test_bench_block_scaled_variants_run_block_wise_rows_only():
     assert (narrow.tile, narrow.block_scaled) == ((128, 128), True)
 
 
+def test_overhead_bench_gathers_block_scales_in_torchs_layout():
+    """bench/overhead.py's plain fp8 allgather: every rank's block-wise scale_a ([m, kb],
+    outer-dim-major), gathered as [kb, m] parts, becomes the [W m, kb] scale_a of all the rows,
+    rank by rank, in the same layout."""
+    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "bench" / "overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    m, kb, world = 5, 3, 3
+    ranks = [torch.rand(kb, m).t() for _ in range(world)]  # [m, kb], strides (1, m)
+    parts = torch.cat([r.t().contiguous() for r in ranks])  # what all_gather_into_tensor makes
+    got = module.rows_of_ranks(parts, world)
+    assert torch.equal(got, torch.cat(ranks)) and got.stride() == (1, world * m)
+    assert set(module.FP8_OPS) == {"allreduce", "reduce_scatter", "all_to_all", "allgather"}
+
+
 def test_bench_fixed_cost_fit_recovers_the_intercept():
     gemm = _bench_gemm()
     rows = [{"K": k, "waves": {"product": 8}, "warm_x_ms": (50 + 0.25 * k) / 1e3} for k in (256, 1024, 4096)]
