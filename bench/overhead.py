@@ -157,7 +157,15 @@ def operands(m, n, k, dtype: str):
     if dtype not in FP8_KINDS:
         return a, w.t(), None
     a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    return a8, w8.t(), Scales(FP8_KINDS[dtype], m, n, k)
+    scales = Scales(FP8_KINDS[dtype], m, n, k)
+    if scales.kind == "blockwise" and scales.blockwise:
+        try:  # torch's block-wise GEMM may refuse a shape: then the tensor-wise one, recorded
+            scales.product(a8, w8.t())
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            scales.blockwise = False
+            scales.plain_gemm = (f"torch._scaled_mm tensor-wise (torch's block-wise scaled_mm "
+                                 f"refused it: {str(e).splitlines()[0][:120]})")
+    return a8, w8.t(), scales
 
 
 def plain_product(a, b, scales, scale_a=None):
