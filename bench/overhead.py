@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flashoverlap_core as fo
-from flashoverlap_core import api
+from flashoverlap_core import api, fp8
 from common import (device_tag, graph, nccl_group_of_one, steady_times, table, trace_events,
                     write_result)
 
@@ -93,9 +93,9 @@ class GemmAlone:
 
     def __init__(self, a, b, dtype: str, scales):
         backend = fo.registry.get("cuda")
-        fp8 = dtype in FP8_KINDS
+        scaled = dtype in FP8_KINDS
         plan = fo.plan(a.shape[0], b.shape[1], a.shape[1], "allreduce", 1, a.dtype, backend="cuda",
-                       **({"out_dtype": torch.bfloat16} if fp8 else {}),
+                       **({"out_dtype": torch.bfloat16} if scaled else {}),
                        **({"scaling": "blockwise"} if dtype == "fp8b" else {}))
         self.packed = torch.empty(plan.packed_numel, dtype=plan.result_dtype, device=a.device)
         self.counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=a.device)
@@ -119,12 +119,10 @@ class Scales:
     reads in place; ``plain_gemm``: what the plain form's GEMM is."""
 
     def __init__(self, kind: str, m: int, n: int, k: int):
-        from flashoverlap_core import fp8
-
         self.kind = kind
         if kind == "rowwise":
             self.fo = (torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5)
-            self.torch_b = None
+            self.torch_b, self.blockwise = None, False
             self.plain_gemm = "torch._scaled_mm row-wise"
             return
         kb, nb = fp8.blocks(k), fp8.blocks(n)
@@ -146,9 +144,8 @@ class Scales:
         if not self.blockwise:
             one = torch.ones((), device=a.device)
             return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)
-        kinds = F.ScalingType
-        return F.scaled_mm(a, b, sa, kinds.BlockWise1x128, self.torch_b, kinds.BlockWise128x128,
-                           output_dtype=torch.bfloat16)
+        # the scales are in torch's layouts already: fp8.blockwise_mm copies nothing
+        return fp8.blockwise_mm(a, b, sa, self.torch_b, torch.bfloat16)
 
 
 def operands(m, n, k, dtype: str):
@@ -158,7 +155,7 @@ def operands(m, n, k, dtype: str):
         return a, w.t(), None
     a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
     scales = Scales(FP8_KINDS[dtype], m, n, k)
-    if scales.kind == "blockwise" and scales.blockwise:
+    if scales.blockwise:
         try:  # torch's block-wise GEMM may refuse a shape: then the tensor-wise one, recorded
             scales.product(a8, w8.t())
         except (RuntimeError, NotImplementedError, ValueError) as e:
