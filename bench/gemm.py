@@ -36,7 +36,8 @@ tensor-wise _scaled_mm on the same a and w, and each row's "scaled_mm_baseline" 
 accumulation (use_fast_accum=True, as the product accumulates); "plain" is the product without
 counters; --variants adds builds as above (fast accumulation; tensor- and row-wise rows), and
 blk128-EPILOGUE / blk256-EPILOGUE (e.g. blk256-tma: the block-scaled kernel's 128x128 or
-128x256 tile; block-wise rows only); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
+128x256 tile; block-wise rows only; a -cpa suffix, e.g. blk128-tma-cpa, copies scale_a with
+cp.async instead of TMA); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
 ("splitacc", cooperative 128x128: 128x256 spills) against _scaled_mm(use_fast_accum=False).
 Correctness: sampled tiles against float64 of the dequantized inputs. summary.fp8 has
 min_vs_scaled_mm and median_vs_scaled_mm (warm, product) over every row, and per scaling.
@@ -104,21 +105,27 @@ class Variant:
     signal: bool = True
     schedule: str | None = None  # None: the table's
     fast_accum: bool = True  # fp8 only
+    scale_tma: bool = True  # block-scaled fp8 only: False (a "-cpa" name) copies scale_a with
+    # the scale warp's cp.async, never TMA (GemmConfig.scale_tma)
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
+    base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
+    if not scale_tma and not base.startswith(BLOCK_KIND):
+        raise ValueError(f"variant {name!r}: -cpa (scale_a by cp.async) is for the block-scaled "
+                         f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
     if base == "product":
         return Variant(name, product_arch, None, signal=signal)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
-                         f"{{{'|'.join(TILES)}}}-EPILOGUE[SLOTS][-plain], e.g. coop-tma4")
+                         f"{{{'|'.join(TILES)}}}-EPILOGUE[SLOTS][-cpa][-plain], e.g. coop-tma4")
     slots = 0
     if epi.startswith("tma") and epi[3:].isdigit():  # tma4: the tma epilogue with 4 slots
         epi, slots = "tma", int(epi[3:])
     arch, tile = TILES[kind]
-    return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind))
+    return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -129,6 +136,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, epilogue=v.epilogue, epi_slots=v.slots)
     if v.schedule is not None:
         cfg = replace(cfg, schedule=v.schedule)
+    if cfg.block_scaled:
+        cfg = replace(cfg, scale_tma=v.scale_tma)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

@@ -363,6 +363,14 @@ def test_bench_block_scaled_variants_run_block_wise_rows_only():
     narrow = gemm.variant_config(kernels, gemm.parse_variant("blk128-tma", 90), "float8_e4m3fn",
                                  (1, 1), scaling="blockwise")
     assert (narrow.tile, narrow.block_scaled) == ((128, 128), True)
+    cpa = gemm.parse_variant("blk128-tma-cpa", 90)
+    assert (cpa.tile, cpa.scale_tma, cpa.signal) == ((128, 128), False, True)
+    assert gemm.for_scaling([cpa, coop], "blockwise") == [cpa]
+    cfg = gemm.variant_config(kernels, cpa, "float8_e4m3fn", (2, 1), scaling="blockwise")
+    assert build.config_name(cfg).endswith("_block128_cpa_etma"), build.config_name(cfg)
+    assert not gemm.parse_variant("blk128-tma-cpa-plain", 90).signal
+    with pytest.raises(ValueError, match="-cpa"):
+        gemm.parse_variant("coop-tma-cpa", 90)
 
 
 def test_overhead_bench_gathers_block_scales_in_torchs_layout():

@@ -457,8 +457,16 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
                 dict(tile_m=64, tile_n=128)):
         with pytest.raises(ValueError, match="block_scaled needs the cooperative schedule"):
             build.GemmConfig(**{"tile_k": 128, "dtype": "e4m3", "block_scaled": True, **bad})
-    with pytest.raises(ValueError, match="block_scaled applies to e4m3 builds"):
+    with pytest.raises(ValueError, match="block_scaled and scale_tma apply to e4m3 builds"):
         build.GemmConfig(tile_n=128, tile_k=128, block_scaled=True)
+    # scale_a by the scale warp's cp.async only (FO_SCALE_TMA=0): a build of its own
+    cpa = build.GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", block_scaled=True,
+                           epilogue="tma", scale_tma=False)
+    assert build.config_name(cpa).endswith("_block128_cpa_etma"), build.config_name(cpa)
+    assert "-DFO_SCALE_TMA=0" in build.gemm_defines(cpa)
+    assert not any("FO_SCALE_TMA" in f for f in build.gemm_defines(replace_config(cpa, scale_tma=True)))
+    with pytest.raises(ValueError, match="scale_tma=False applies to block_scaled builds"):
+        build.GemmConfig(tile_k=128, dtype="e4m3", scale_tma=False)
     # run by default; FLASHOVERLAP_CUDA_FP8_BLOCK=0 declines it (block-wise calls then run
     # dequantized)
     monkeypatch.delenv("FLASHOVERLAP_CUDA_FP8_BLOCK", raising=False)

@@ -78,6 +78,8 @@ class GemmConfig:
     # FP8FastAccum), or (False) promote into fp32 registers every 4 MMAs ("splitacc")
     block_scaled: bool = False  # e4m3 with block-wise scales (1x128 groups of a, 128x128 blocks
     # of b) applied in the main loop, promoted every 128 k (FO_FP8_BLOCK; cooperative 128x128x128)
+    scale_tma: bool = True  # block_scaled: scale_a's K tiles by TMA where its layout allows;
+    # False: always the scale warp's cp.async copies (FO_SCALE_TMA=0, name suffix _cpa)
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
     # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
     # the source alone tells it apart, so every other build keeps its name and cached object)
@@ -141,8 +143,8 @@ class GemmConfig:
     def _fp8_problems(self) -> list[str]:
         if self.dtype not in FP8_DTYPES:
             out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
-            if self.block_scaled:
-                out.append("block_scaled applies to e4m3 builds")
+            if self.block_scaled or not self.scale_tma:
+                out.append("block_scaled and scale_tma apply to e4m3 builds")
             if self.gather:
                 out.append("gather applies to e4m3 builds (a 16-bit allgather runs "
                            "fo_gemm_run_ex, which every build has)")
@@ -167,6 +169,8 @@ class GemmConfig:
                        "per tile) and fast_accum (its main loop promotes per group), got "
                        f"{self.schedule} {self.tile_m}x{self.tile_n}x{self.tile_k}, "
                        f"fast_accum={self.fast_accum}")
+        if not self.scale_tma and not self.block_scaled:
+            out.append("scale_tma=False applies to block_scaled builds (how their scales load)")
         if self.gather and self.blocks:
             out.append("gather (allgather's fo_gemm_run_ex_scaled) and blocks (all_to_all's "
                        "fo_gemm_run_blocks_scaled) are builds of their own: not both")
@@ -208,7 +212,7 @@ def config_name(config: GemmConfig) -> str:
     if not config.fast_accum:
         name += "_splitacc"
     if config.block_scaled:
-        name += "_block128"
+        name += "_block128" + ("" if config.scale_tma else "_cpa")
     if config.stages:
         name += f"_s{config.stages}"
     if config.epilogue != "direct":
@@ -350,7 +354,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         ["-DFO_BLOCKS=1"] if config.blocks else []) + (
         [f"-DFO_OUT_DTYPE={OUT_DTYPES[config.out_dtype]}",
          f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else []) + (
-        ["-DFO_FP8_BLOCK=1"] if config.block_scaled else [])
+        ["-DFO_FP8_BLOCK=1"] if config.block_scaled else []) + (
+        ["-DFO_SCALE_TMA=0"] if not config.scale_tma else [])
 
 
 @dataclass(frozen=True)

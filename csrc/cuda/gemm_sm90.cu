@@ -49,11 +49,12 @@
 // is multiplied into a fresh set of wgmma accumulators, which the math threads then add into
 // their fp32 result times scale_a of the row and scale_b of the tile's 128 columns (a
 // block-scaled accumulation, as CUTLASS's sm90 blockwise-scaled fp8 mainloop does it). The
-// scales of each K tile ride the mainloop pipeline: warp 2 of the producer warpgroup copies
-// them (cp.async) into the stage's slot and arrives on the stage's full barrier when they have
-// landed, so a stage is full when its A and B tiles and its scales are. One build: cooperative
-// 128x128x128 (the second set of accumulators doubles their registers; one 128-column tile is
-// one block of b).
+// scales of each K tile ride the mainloop pipeline: warp 2 of the producer warpgroup loads
+// them into the stage's slot (scale_a by one TMA load where its layout allows, else cp.async
+// per row; scale_b by cp.async) and arrives on the stage's full barrier, so a stage is full
+// when its A and B tiles and its scales are. Cooperative 128x128x128 or 128x256x128 (the
+// second set of accumulators doubles their registers; a 256-column tile multiplies its two
+// 128-column blocks of b one after the other).
 //
 // One configuration per compilation, chosen with -D macros (defaults in brackets):
 //   FO_TILE_M/N/K [128/256/64], FO_CLUSTER_M/N [2/1], FO_DTYPE [0 = bf16, 1 = fp16, 2 = e4m3],
@@ -61,7 +62,8 @@
 //   the tensor cores' accumulators throughout, CUTLASS's FP8FastAccum schedules; 0 promotes them
 //   into fp32 registers every 4 MMAs, which needs twice the accumulator registers),
 //   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
-//   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: shared-memory slots, one column block each).
+//   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: shared-memory slots, one column block each),
+//   FO_SCALE_TMA [1] (block-wise: scale_a by TMA where its layout allows; 0: always cp.async).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
 // accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
 // Tiles whose width is not a multiple of 64 (128x160, 128x224) need wgmma shapes that CUTLASS
@@ -114,6 +116,9 @@
 #endif
 #ifndef FO_FP8_BLOCK
 #define FO_FP8_BLOCK 0  // 1: e4m3 with block-wise scales applied in the main loop (above)
+#endif
+#ifndef FO_SCALE_TMA
+#define FO_SCALE_TMA 1  // block-wise: scale_a's K tiles by TMA where its layout allows (above)
 #endif
 
 namespace fo::sm90 {
@@ -169,6 +174,9 @@ static_assert(!kBlockScaled || (FO_SCHEDULE == 0 && kBM == 128 && kBK == FO_SCAL
 // Block-wise: the 128-column blocks of b in one tile (each has its own scale_b per K tile); the
 // main loop multiplies a K tile one column block at a time (block_scaled_mainloop).
 constexpr int kScaleCols = kBlockScaled ? kBN / FO_SCALE_BLOCK : 1;
+// Block-wise: whether scale_a may come by TMA (kernel_params decides per call from its layout).
+constexpr bool kScaleTma = kBlockScaled && FO_SCALE_TMA;
+static_assert(FO_SCALE_TMA == 0 || FO_SCALE_TMA == 1, "FO_SCALE_TMA: 0 or 1");
 using KernelSchedule = cute::conditional_t<
     kPingpong,
     cute::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
@@ -223,12 +231,13 @@ __host__ __device__ inline ScaleCopy scale_copy(const fo_gemm_scales& sc, const 
 // Block-wise scales: the scales of one K tile of one tile, per mainloop stage (filled by the
 // producer warpgroup's warp 2, read by the math threads after the stage's full barrier).
 constexpr int kScaleStages = 8;  // at least the mainloop's stages (static_assert below)
-struct alignas(16) BlockScaleStage {
-  float a[kBM];  // scale_a of the tile's rows for this group of 128 k (rows past its end: 0)
+struct alignas(128) BlockScaleStage {  // (128: a TMA load's destination)
+  float a[kBM];  // scale_a of the tile's rows for this group of 128 k (rows past M: 0; cp.async
+                 // copies: rows past the tile's end 0 too)
   float b[4];    // b[c], c < kScaleCols: scale_b of this group and the tile's column block c
 };               // (a block past N: 0)
 static_assert(kScaleCols <= 4, "scale_b slots of a stage");
-struct alignas(16) BlockScaleStorage {
+struct alignas(128) BlockScaleStorage {
   BlockScaleStage stage[kScaleStages];
 };
 using Fp8ScaleStorage = cute::conditional_t<kBlockScaled, BlockScaleStorage, ScaleStorage>;
@@ -270,7 +279,7 @@ constexpr int kCarveout = int(sizeof(ItemSlots)) + 16 +
                           int(sizeof(typename MathOrderBarrier::SharedStorage) +
                               sizeof(typename EpiPipeline::SharedStorage)) + 32 +
                           (kTmaStore ? int(sizeof(EpiSlots)) + 1024 : 0) +
-                          (kFp8 ? int(sizeof(Fp8ScaleStorage)) + 16 : 0);
+                          (kFp8 ? int(sizeof(Fp8ScaleStorage) + alignof(Fp8ScaleStorage)) : 0);
 
 using Stages = cute::conditional_t<FO_STAGES == 0,
                                    cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
@@ -302,7 +311,12 @@ static_assert(!kBlockScaled || int(Mainloop::DispatchPolicy::Stages) <= kScaleSt
 // Producer arrivals on a stage's full barrier: the TMA leader's, and for block-wise scales
 // one per lane of the warp that copies the stage's scales (cp.async ... arrive.noinc).
 constexpr int kScaleLoaderWarp = 2;  // of the producer warpgroup (0: TMA loads, 1: store/signal)
-constexpr int kStageProducers = int(Mainloop::NumProducerThreadEvents) + (kBlockScaled ? 32 : 0);
+// (scale_a by TMA: the scale warp's lane 0 alone, after its scale_b copies have landed; the
+// TMA's bytes count in the stage's transaction bytes.)
+constexpr int kScaleWarpArrivals = kBlockScaled ? 32 : 0;
+__host__ __device__ constexpr int stage_producers(bool scale_tma) {
+  return int(Mainloop::NumProducerThreadEvents) + (scale_tma ? 1 : kScaleWarpArrivals);
+}
 static_assert(int(Mainloop::DispatchPolicy::Stages) + 2 <= kItemSlots,
               "more mainloop stages than item slots allow (raise kItemSlots)");
 using MainloopPipeline = typename Mainloop::MainloopPipeline;
@@ -374,6 +388,8 @@ struct Params {
   const uint32_t* arrive_flags;
   int num_flags;
   fo_gemm_scales scales;          // fp8 builds: scale_a and scale_b (flashoverlap_cuda.h)
+  int scale_tma;                  // block-wise: scale_a's K tiles by TMA (scale_map)
+  cute::TmaDescriptor scale_map;  // scale_a as [groups][M] (M contiguous), box kBM x 1
 };
 
 struct SharedStorage {
@@ -639,14 +655,23 @@ __device__ inline BlockScaleStage* block_scale_stages(Epi& epi) {
 }
 
 // Producer warp kScaleLoaderWarp, lane `lane`: for every K tile of every item of this CTA, in
-// the order the TMA warp loads them, waits for the stage to be free, copies the tile's scale_a
-// of group kt (kBM rows; rows past the tile's end and a filler item's: 0) and scale_b of group
-// kt and the tile's column block into the stage's slot, and arrives on the stage's full
-// barrier once its copies have landed (so the stage fills only when the scales are there).
+// the order the TMA warp loads them, waits for the stage to be free, loads the tile's scale_a
+// of group kt (kBM rows) and scale_b of group kt and the tile's column blocks into the stage's
+// slot, and arrives on the stage's full barrier once its copies have landed (so the stage fills
+// only when the scales are there). scale_a:
+// - p.scale_tma (scale_a M-contiguous, its groups 16 bytes apart): lane 0 alone adds the box's
+//   bytes to the stage's transaction count and loads the kBM rows from row0 with one TMA load
+//   (rows past M zero-filled; rows of the next block of an all_to_all's a are loaded too, and
+//   multiply rows that are never stored), then copies scale_b and arrives (cp.async ... noinc);
+// - otherwise each lane copies every 32nd row with 4-byte cp.async (rows past the tile's end
+//   and a filler item's zero-filled, nothing read) and arrives.
+// A column block past N gets scale_b 0 and reads nothing.
 __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipeline,
                                          BlockScaleStage* stages, int64_t first_base,
                                          int64_t round_stride, int rank, int k_tiles, int lane) {
   const fo_gemm_scales& sc = p.scales;
+  const bool tma = kScaleTma && p.scale_tma;
+  if (tma && lane != 0) return;
   PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
   for (int64_t base = first_base; base < p.table.num_items; base += round_stride) {
     const WorkTile w = stored_item(p.table, base, rank);
@@ -656,17 +681,30 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipeline.producer_acquire(write_state);
       BlockScaleStage& st = stages[write_state.index()];
-#pragma unroll
-      for (int i = lane; i < kBM; i += 32) {
-        const bool copy = w.valid && i < w.rows;
-        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.a[i]),
-                     copy ? a_rows + int64_t(i) * sc.a_stride[0] + int64_t(kt) * sc.a_stride[1] : sc.a,
-                     copy);
+      if constexpr (kScaleTma) {
+        if (tma) {
+          uint64_t* full = pipeline.producer_get_barrier(write_state);
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, uint32_t(sizeof(st.a)));
+          cute::SM90_TMA_LOAD_2D::copy(&p.scale_map, full,
+                                       uint64_t(cute::TMA::CacheHintSm90::EVICT_LAST), st.a,
+                                       w.row0, kt);
+        }
       }
-      if (lane < kScaleCols) {  // column block `lane` of the tile (past N: 0, nothing read)
-        const bool copy = w.valid && lane * FO_SCALE_BLOCK < w.cols;
-        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.b[lane]),
-                     copy ? b_col + int64_t(lane) * sc.b_stride[1] + int64_t(kt) * sc.b_stride[0] : sc.b,
+      if (!tma) {
+#pragma unroll
+        for (int i = lane; i < kBM; i += 32) {
+          const bool copy = w.valid && i < w.rows;
+          cp_async_f32(cute::cast_smem_ptr_to_uint(&st.a[i]),
+                       copy ? a_rows + int64_t(i) * sc.a_stride[0] + int64_t(kt) * sc.a_stride[1] : sc.a,
+                       copy);
+        }
+      }
+      // column block c of the tile, by lane c (TMA: lane 0 copies every block)
+#pragma unroll
+      for (int c = tma ? 0 : lane; c < kScaleCols; c += tma ? 1 : 32) {
+        const bool copy = w.valid && c * FO_SCALE_BLOCK < w.cols;
+        cp_async_f32(cute::cast_smem_ptr_to_uint(&st.b[c]),
+                     copy ? b_col + int64_t(c) * sc.b_stride[1] + int64_t(kt) * sc.b_stride[0] : sc.b,
                      copy);
       }
       pipeline.producer_commit(write_state, cutlass::arch::cpasync_barrier_arrive_noinc);
@@ -787,6 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
   if (thread_idx == 0) {
     Mainloop::prefetch_tma_descriptors(p.mainloop);
     if (kTmaStore && p.tma_store) cute::prefetch_tma_descriptor(&p.store_map);
+    if (kScaleTma && p.scale_tma) cute::prefetch_tma_descriptor(&p.scale_map);
   }
 
   typename MainloopPipeline::Params pp;
@@ -796,7 +835,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
   if (warp_group > 0) pp.role = MainloopPipeline::ThreadCategory::Consumer;
   pp.is_leader = thread_in_group == 0;
   pp.num_consumers = kTileThreads;
-  pp.num_producers = kStageProducers;
+  pp.num_producers = stage_producers(kScaleTma && p.scale_tma);
   pp.transaction_bytes = p.mainloop.tma_transaction_bytes;
   MainloopPipeline pipeline(ss.pipelines.mainloop, pp, ClusterShape{});
 
@@ -1032,8 +1071,8 @@ inline typename Mainloop::Params mainloop_params(const void* a, const void* b, i
   return cache.mainloop;
 }
 
-// One TMA store map, encoded again only when what it describes changes (a prepared call's
-// output is usually the same buffer from call to call).
+// One TMA map, encoded again only when what it describes changes (a prepared call's output and
+// scales are usually the same buffers from call to call).
 struct StoreMapCache {
   std::mutex mutex;
   bool valid = false, usable = false;
@@ -1043,12 +1082,17 @@ struct StoreMapCache {
   cute::TmaDescriptor map;
 };
 
+// What a TMA map's boxes are: the tma epilogue's (kColW columns x kBM rows (x 1) of the output
+// dtype, the slots' swizzle: 128 or 64 bytes), or block-wise scale_a's (kBM float32 rows x 1
+// group, no swizzle).
+enum class MapKind { kStore, kScaleA };
+
 // The map of `base` as a `rank`-D tensor (dims innermost first; strides in bytes of dims 1 ..),
-// boxes of kColW columns x kBM rows (x 1), the slots' swizzle (128 or 64 bytes). `usable` =
-// false records that the buffer cannot be described (then every tile takes the direct path).
-inline cudaError_t cached_store_map(StoreMapCache& cache, void* base, int rank,
-                                    const cuuint64_t* dims, const cuuint64_t* strides,
-                                    bool usable, cute::TmaDescriptor* map, bool* usable_out) {
+// boxes as `kind` says. `usable` = false records that the buffer cannot be described (then
+// every tile takes the direct path, or the scales their cp.async copies).
+inline cudaError_t cached_map(StoreMapCache& cache, MapKind kind, void* base, int rank,
+                              const cuuint64_t* dims, const cuuint64_t* strides,
+                              bool usable, cute::TmaDescriptor* map, bool* usable_out) {
   std::lock_guard<std::mutex> lock(cache.mutex);
   bool same = cache.valid && cache.base == base && cache.rank == rank && cache.usable == usable;
   for (int i = 0; same && i < rank; ++i)
@@ -1056,19 +1100,23 @@ inline cudaError_t cached_store_map(StoreMapCache& cache, void* base, int rank,
   if (!same) {
     cache.valid = false;
     if (usable) {
-      const cuuint32_t box[3] = {cuuint32_t(kColW), cuuint32_t(kBM), 1};
+      const bool store = kind == MapKind::kStore;
+      const cuuint32_t box[3] = {cuuint32_t(store ? kColW : kBM), cuuint32_t(store ? kBM : 1), 1};
       const cuuint32_t element_strides[3] = {1, 1, 1};
       CUresult r = cutlass::call_cuTensorMapEncodeTiled(
-          &cache.map, FO_OUT_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+          &cache.map,
+          !store ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+          : FO_OUT_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
           rank, base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          kSlotRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+          !store ? CU_TENSOR_MAP_SWIZZLE_NONE
+          : kSlotRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
           CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
       if (r != CUDA_SUCCESS)
         return fail(cudaErrorInvalidValue,
-                    "fo_gemm_run: cuTensorMapEncodeTiled failed (CUresult %d) for the %d-D output "
-                    "at %p (%llu x %llu elements)", int(r), rank, base,
-                    (unsigned long long)dims[0], (unsigned long long)dims[1]);
+                    "fo_gemm_run: cuTensorMapEncodeTiled failed (CUresult %d) for the %d-D %s "
+                    "at %p (%llu x %llu elements)", int(r), rank, store ? "output" : "scale_a",
+                    base, (unsigned long long)dims[0], (unsigned long long)dims[1]);
     }
     cache.usable = usable, cache.base = base, cache.rank = rank;
     for (int i = 0; i < rank; ++i) cache.dims[i] = dims[i];
@@ -1089,7 +1137,7 @@ inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* m
   const cuuint64_t dims[2] = {cuuint64_t(kBN), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(kBN) * sizeof(Element)};
   const bool fits = aligned16(packed) && rows >= kBM && rows < (int64_t(1) << 32);
-  return cached_store_map(cache, packed, 2, dims, strides, fits, map, usable);
+  return cached_map(cache, MapKind::kStore, packed, 2, dims, strides, fits, map, usable);
 }
 
 // The TMA store map of tiles written as rows (ldo != 0): the buffer as a 2-D tensor [rows][N]
@@ -1103,7 +1151,27 @@ inline cudaError_t rows_store_map(void* out, int64_t rows, int N, int64_t ldo,
   const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
   const bool fits = aligned16(out) && row_bytes % 16 == 0 && rows >= kBM && rows < (int64_t(1) << 32);
-  return cached_store_map(cache, out, 2, dims, strides, fits, map, usable);
+  return cached_map(cache, MapKind::kStore, out, 2, dims, strides, fits, map, usable);
+}
+
+// Block-wise scale_a [M, groups] as TMA loads it: a 2-D tensor [groups][M], M contiguous (torch's
+// outer-dim-major layout, strides (1, >= M)), boxes of kBM rows of one group, rows past M
+// zero-filled. Not usable (cp.async copies instead) where TMA cannot describe it: rows not
+// contiguous, a base not 16-byte aligned, groups not a multiple of 16 bytes apart (with more
+// than one group), or too many rows.
+inline cudaError_t scale_a_map(const fo_gemm_scales& sc, int64_t M, int K,
+                               cute::TmaDescriptor* map, bool* usable) {
+  static StoreMapCache cache;
+  const int64_t groups = (int64_t(K) + FO_SCALE_BLOCK - 1) / FO_SCALE_BLOCK;
+  const int64_t group_bytes = groups > 1 ? sc.a_stride[1] * int64_t(sizeof(float))
+                                         : (M * int64_t(sizeof(float)) + 15) / 16 * 16;
+  const cuuint64_t dims[2] = {cuuint64_t(M), cuuint64_t(groups)};
+  const cuuint64_t strides[1] = {cuuint64_t(group_bytes)};
+  const bool fits = sc.a_stride[0] == 1 && aligned16(sc.a) && group_bytes % 16 == 0 &&
+                    group_bytes >= M * int64_t(sizeof(float)) && M >= 1 &&
+                    M < (int64_t(1) << 31) && groups < (int64_t(1) << 31);
+  return cached_map(cache, MapKind::kScaleA, const_cast<float*>(sc.a), 2, dims, strides, fits,
+                    map, usable);
 }
 
 }  // namespace fo::sm90
@@ -1176,6 +1244,14 @@ static cudaError_t kernel_params(const Args& args, Params* params) {
   params->arrive_flags = args.arrive_flags;
   params->num_flags = args.num_flags;
   if (args.scales) params->scales = *args.scales;
+  if constexpr (kScaleTma) {  // (check_limits has checked that the call has block-wise scales)
+    bool usable = false;
+    cudaError_t err = args.scales ? scale_a_map(*args.scales, args.M(), args.K,
+                                                &params->scale_map, &usable)
+                                  : cudaSuccess;
+    if (err != cudaSuccess) return err;
+    params->scale_tma = usable ? 1 : 0;
+  }
   if constexpr (kTmaStore) {
     bool usable = false;
     cudaError_t err = args.ldo

@@ -356,7 +356,10 @@ def _block_inputs(m, n, k, seed, layout="torch"):
     """e4m3 a and b = w.t(), block-wise scales: scale_a [m, ceil(k/128)] (``layout`` "torch":
     outer-dim-major, strides (1, m), as torch keeps it; "rows": row-major) and scale_b
     [ceil(k/128), ceil(n/128)] as weight_scale.t() of a checkpoint's [ceil(n/128), ceil(k/128)]
-    ("padded": F.scaled_mm's [round_up(ceil(k/128), 4), ceil(n/128)], its pad rows huge)."""
+    ("padded": F.scaled_mm's [round_up(ceil(k/128), 4), ceil(n/128)], its pad rows huge).
+    scale_a as the kernel loads it: "torch" with m a multiple of 4 by TMA, else by cp.async;
+    "spaced": outer-dim-major, its groups round_up(m, 4) + 4 floats apart (TMA), the gap huge;
+    "shifted": outer-dim-major at a base 4 bytes past a 16-byte boundary (cp.async)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     kb, nb = -(-k // 128), -(-n // 128)
     a = (torch.randn(m, k, device="cuda", generator=g) * 2).to(F8)
@@ -365,6 +368,10 @@ def _block_inputs(m, n, k, seed, layout="torch"):
     sb = (torch.rand(nb, kb, device="cuda", generator=g) + 0.25).t()
     if layout == "torch":
         sa = sa.t().contiguous().t()
+    if layout in ("spaced", "shifted"):
+        space = -(-m // 4) * 4 + 4
+        store = torch.full((kb * space + 1,), 1e30, device="cuda")
+        sa = store.as_strided((m, kb), (1, space), 1 if layout == "shifted" else 0).copy_(sa)
     if layout == "padded":
         rows = -(-kb // 4) * 4
         padded = torch.full((nb, rows), 1e30, device="cuda")
@@ -455,9 +462,16 @@ def test_fp8_blockwise_one_rank_matches_float64(shape, out_name):
     assert (call["backend"], call["runner"]) == ("cuda", "CudaCall"), call
 
 
-@pytest.mark.parametrize("layout", ["torch", "rows", "padded"])
+@pytest.mark.parametrize("layout", ["torch", "rows", "padded", "spaced", "shifted"])
 def test_fp8_blockwise_scale_layouts(layout):
-    _call(1000, 1000, 1000, "blockwise", "bfloat16", layout=layout)
+    """Every scale layout; scale_a by TMA (torch's at m = 1000, spaced) and by cp.async (rows,
+    shifted, torch's at m = 777), 128x128 and 128x256 tiles, and a replay with fresh values."""
+    for m in (1000, 777):
+        for tile in ((128, 128), (128, 256)):
+            plan = fo.plan(m, 1000, 1000, dtype=F8, scaling="blockwise", tile=tile,
+                           backend="cuda", out_dtype=torch.bfloat16)
+            for _ in range(2):
+                _call(m, 1000, 1000, "blockwise", "bfloat16", layout=layout, plan=plan)
 
 
 @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
