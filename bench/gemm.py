@@ -37,7 +37,7 @@ accumulation (use_fast_accum=True, as the product accumulates); "plain" is the p
 counters; --variants adds builds as above (fast accumulation; tensor- and row-wise rows), and
 blk128-EPILOGUE / blk256-EPILOGUE (e.g. blk256-tma: the block-scaled kernel's 128x128 or
 128x256 tile; block-wise rows only; a -cpa suffix, e.g. blk128-tma-cpa, copies scale_a with
-cp.async instead of TMA); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
+cp.async instead of TMA; a -kNN suffix, e.g. coop-tma4-k64, takes K tiles of NN); --fp8-split adds the kernel that promotes its accumulators into fp32 registers
 ("splitacc", cooperative 128x128: 128x256 spills) against _scaled_mm(use_fast_accum=False).
 Correctness: sampled tiles against float64 of the dequantized inputs. summary.fp8 has
 min_vs_scaled_mm and median_vs_scaled_mm (warm, product) over every row, and per scaling.
@@ -107,11 +107,16 @@ class Variant:
     fast_accum: bool = True  # fp8 only
     scale_tma: bool = True  # block-scaled fp8 only: False (a "-cpa" name) copies scale_a with
     # the scale warp's cp.async, never TMA (GemmConfig.scale_tma)
+    tile_k: int = 0  # 0: the table's; a "-kNN" name: K tiles of NN (e.g. fp8 coop-tma4-k64)
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
+    head, _, last = base.rpartition("-")
+    tile_k = 0
+    if head and last[:1] == "k" and last[1:].isdigit():  # -k64: the K tile
+        base, tile_k = head, int(last[1:])
     if not scale_tma and not base.startswith(BLOCK_KIND):
         raise ValueError(f"variant {name!r}: -cpa (scale_a by cp.async) is for the block-scaled "
                          f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
@@ -120,12 +125,14 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
-                         f"{{{'|'.join(TILES)}}}-EPILOGUE[SLOTS][-cpa][-plain], e.g. coop-tma4")
+                         f"{{{'|'.join(TILES)}}}-EPILOGUE[SLOTS][-kTILE_K][-cpa][-plain], e.g. "
+                         "coop-tma4")
     slots = 0
     if epi.startswith("tma") and epi[3:].isdigit():  # tma4: the tma epilogue with 4 slots
         epi, slots = "tma", int(epi[3:])
     arch, tile = TILES[kind]
-    return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma)
+    return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
+                   tile_k=tile_k)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -138,6 +145,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, schedule=v.schedule)
     if cfg.block_scaled:
         cfg = replace(cfg, scale_tma=v.scale_tma)
+    if v.tile_k:
+        cfg = replace(cfg, tile_k=v.tile_k)  # (GemmConfig checks it)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

@@ -371,6 +371,14 @@ def test_bench_block_scaled_variants_run_block_wise_rows_only():
     assert not gemm.parse_variant("blk128-tma-cpa-plain", 90).signal
     with pytest.raises(ValueError, match="-cpa"):
         gemm.parse_variant("coop-tma-cpa", 90)
+    k64 = gemm.parse_variant("coop-tma4-k64", 90)
+    assert (k64.tile, k64.epilogue, k64.slots, k64.tile_k) == ((128, 256), "tma", 4, 64)
+    cfg = gemm.variant_config(kernels, k64, "float8_e4m3fn", (2, 1))
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x64_c2x1_cooperative_etma4"
+    assert gemm.parse_variant("coop-tma4", 90).tile_k == 0
+    with pytest.raises(ValueError, match="tile_k"):  # a K tile the kernel cannot take
+        gemm.variant_config(kernels, gemm.parse_variant("coop-tma4-k48", 90), "float8_e4m3fn",
+                            (2, 1))
 
 
 def test_overhead_bench_gathers_block_scales_in_torchs_layout():
