@@ -681,16 +681,15 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipeline.producer_acquire(write_state);
       BlockScaleStage& st = stages[write_state.index()];
-      if constexpr (kScaleTma) {
-        if (tma) {
+      if (tma) {
+        if constexpr (kScaleTma) {
           uint64_t* full = pipeline.producer_get_barrier(write_state);
           cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, uint32_t(sizeof(st.a)));
           cute::SM90_TMA_LOAD_2D::copy(&p.scale_map, full,
                                        uint64_t(cute::TMA::CacheHintSm90::EVICT_LAST), st.a,
                                        w.row0, kt);
         }
-      }
-      if (!tma) {
+      } else {
 #pragma unroll
         for (int i = lane; i < kBM; i += 32) {
           const bool copy = w.valid && i < w.rows;
@@ -1071,9 +1070,28 @@ inline typename Mainloop::Params mainloop_params(const void* a, const void* b, i
   return cache.mainloop;
 }
 
-// One TMA map, encoded again only when what it describes changes (a prepared call's output and
-// scales are usually the same buffers from call to call).
-struct StoreMapCache {
+// How a TMA map cuts its tensor: the element type, the box (innermost first) and the swizzle;
+// `what` names the tensor in errors.
+struct MapBoxes {
+  CUtensorMapDataType dtype;
+  cuuint32_t box[2];
+  CUtensorMapSwizzle swizzle;
+  const char* what;
+};
+// The tma epilogue's: kColW columns x kBM rows of the output, the slots' swizzle (128 or 64
+// bytes); block-wise scale_a's: kBM float32 rows of one group, no swizzle.
+constexpr MapBoxes kStoreBoxes = {
+    FO_OUT_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    {cuuint32_t(kColW), cuuint32_t(kBM)},
+    kSlotRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, "output"};
+constexpr MapBoxes kScaleABoxes = {CU_TENSOR_MAP_DATA_TYPE_FLOAT32, {cuuint32_t(kBM), 1},
+                                   CU_TENSOR_MAP_SWIZZLE_NONE, "scale_a"};
+
+// One TMA map of one kind of boxes, encoded again only when what it describes changes (a
+// prepared call's output and scales are usually the same buffers from call to call).
+struct MapCache {
+  explicit MapCache(const MapBoxes& b) : boxes(b) {}
+  const MapBoxes boxes;
   std::mutex mutex;
   bool valid = false, usable = false;
   void* base = nullptr;
@@ -1082,17 +1100,13 @@ struct StoreMapCache {
   cute::TmaDescriptor map;
 };
 
-// What a TMA map's boxes are: the tma epilogue's (kColW columns x kBM rows (x 1) of the output
-// dtype, the slots' swizzle: 128 or 64 bytes), or block-wise scale_a's (kBM float32 rows x 1
-// group, no swizzle).
-enum class MapKind { kStore, kScaleA };
-
 // The map of `base` as a `rank`-D tensor (dims innermost first; strides in bytes of dims 1 ..),
-// boxes as `kind` says. `usable` = false records that the buffer cannot be described (then
-// every tile takes the direct path, or the scales their cp.async copies).
-inline cudaError_t cached_map(StoreMapCache& cache, MapKind kind, void* base, int rank,
-                              const cuuint64_t* dims, const cuuint64_t* strides,
-                              bool usable, cute::TmaDescriptor* map, bool* usable_out) {
+// cut as the cache's boxes say (x 1 in a third dim). `usable` = false records that the buffer
+// cannot be described (then every tile takes the direct path, or the scales their cp.async
+// copies).
+inline cudaError_t cached_map(MapCache& cache, void* base, int rank, const cuuint64_t* dims,
+                              const cuuint64_t* strides, bool usable, cute::TmaDescriptor* map,
+                              bool* usable_out) {
   std::lock_guard<std::mutex> lock(cache.mutex);
   bool same = cache.valid && cache.base == base && cache.rank == rank && cache.usable == usable;
   for (int i = 0; same && i < rank; ++i)
@@ -1100,23 +1114,18 @@ inline cudaError_t cached_map(StoreMapCache& cache, MapKind kind, void* base, in
   if (!same) {
     cache.valid = false;
     if (usable) {
-      const bool store = kind == MapKind::kStore;
-      const cuuint32_t box[3] = {cuuint32_t(store ? kColW : kBM), cuuint32_t(store ? kBM : 1), 1};
+      const MapBoxes& b = cache.boxes;
+      const cuuint32_t box[3] = {b.box[0], b.box[1], 1};
       const cuuint32_t element_strides[3] = {1, 1, 1};
       CUresult r = cutlass::call_cuTensorMapEncodeTiled(
-          &cache.map,
-          !store ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-          : FO_OUT_DTYPE == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-          rank, base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          !store ? CU_TENSOR_MAP_SWIZZLE_NONE
-          : kSlotRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-          CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+          &cache.map, b.dtype, rank, base, dims, strides, box, element_strides,
+          CU_TENSOR_MAP_INTERLEAVE_NONE, b.swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
       if (r != CUDA_SUCCESS)
         return fail(cudaErrorInvalidValue,
                     "fo_gemm_run: cuTensorMapEncodeTiled failed (CUresult %d) for the %d-D %s "
-                    "at %p (%llu x %llu elements)", int(r), rank, store ? "output" : "scale_a",
-                    base, (unsigned long long)dims[0], (unsigned long long)dims[1]);
+                    "at %p (%llu x %llu elements)", int(r), rank, b.what, base,
+                    (unsigned long long)dims[0], (unsigned long long)dims[1]);
     }
     cache.usable = usable, cache.base = base, cache.rank = rank;
     for (int i = 0; i < rank; ++i) cache.dims[i] = dims[i];
@@ -1132,12 +1141,12 @@ inline cudaError_t cached_map(StoreMapCache& cache, MapKind kind, void* base, in
 // an offset that is a multiple of kBN is its rows offset / kBN ..). Not usable (no TMA store)
 // when the buffer cannot be described: not 16-byte aligned, or smaller than one tile.
 inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* map, bool* usable) {
-  static StoreMapCache cache;
+  static MapCache cache(kStoreBoxes);
   const int64_t rows = numel / kBN;
   const cuuint64_t dims[2] = {cuuint64_t(kBN), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(kBN) * sizeof(Element)};
   const bool fits = aligned16(packed) && rows >= kBM && rows < (int64_t(1) << 32);
-  return cached_map(cache, MapKind::kStore, packed, 2, dims, strides, fits, map, usable);
+  return cached_map(cache, packed, 2, dims, strides, fits, map, usable);
 }
 
 // The TMA store map of tiles written as rows (ldo != 0): the buffer as a 2-D tensor [rows][N]
@@ -1146,12 +1155,12 @@ inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* m
 // bytes, or fewer than kBM rows.
 inline cudaError_t rows_store_map(void* out, int64_t rows, int N, int64_t ldo,
                                   cute::TmaDescriptor* map, bool* usable) {
-  static StoreMapCache cache;
+  static MapCache cache(kStoreBoxes);
   const int64_t row_bytes = ldo * int64_t(sizeof(Element));
   const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
   const bool fits = aligned16(out) && row_bytes % 16 == 0 && rows >= kBM && rows < (int64_t(1) << 32);
-  return cached_map(cache, MapKind::kStore, out, 2, dims, strides, fits, map, usable);
+  return cached_map(cache, out, 2, dims, strides, fits, map, usable);
 }
 
 // Block-wise scale_a [M, groups] as TMA loads it: a 2-D tensor [groups][M], M contiguous (torch's
@@ -1161,7 +1170,7 @@ inline cudaError_t rows_store_map(void* out, int64_t rows, int N, int64_t ldo,
 // than one group), or too many rows.
 inline cudaError_t scale_a_map(const fo_gemm_scales& sc, int64_t M, int K,
                                cute::TmaDescriptor* map, bool* usable) {
-  static StoreMapCache cache;
+  static MapCache cache(kScaleABoxes);
   const int64_t groups = (int64_t(K) + FO_SCALE_BLOCK - 1) / FO_SCALE_BLOCK;
   const int64_t group_bytes = groups > 1 ? sc.a_stride[1] * int64_t(sizeof(float))
                                          : (M * int64_t(sizeof(float)) + 15) / 16 * 16;
@@ -1170,8 +1179,7 @@ inline cudaError_t scale_a_map(const fo_gemm_scales& sc, int64_t M, int K,
   const bool fits = sc.a_stride[0] == 1 && aligned16(sc.a) && group_bytes % 16 == 0 &&
                     group_bytes >= M * int64_t(sizeof(float)) && M >= 1 &&
                     M < (int64_t(1) << 31) && groups < (int64_t(1) << 31);
-  return cached_map(cache, MapKind::kScaleA, const_cast<float*>(sc.a), 2, dims, strides, fits,
-                    map, usable);
+  return cached_map(cache, const_cast<float*>(sc.a), 2, dims, strides, fits, map, usable);
 }
 
 }  // namespace fo::sm90
