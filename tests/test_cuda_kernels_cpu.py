@@ -83,7 +83,7 @@ def test_fp8_all_to_all_has_its_own_builds_from_their_own_source(monkeypatch):
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
     made = [c for c in kernels.all_configs([90]) if c.blocks and c.dtype in build.FP8_DTYPES]
     tiles = set(kernels.FP8_CONFIGS[90])
-    block_tiles = {kernels.default_block_tile(90)}  # the others are built when a plan names them
+    block_tiles = set(kernels.FP8_BLOCK_CONFIGS[90])  # every tile default_tile may pick
     assert {(c.tile, c.block_scaled, c.out_dtype, c.cluster_m, c.cluster_n, c.b_col_major)
             for c in made} == (
         {(t, False, out, 1, 1, True) for t in tiles for out in ("bf16", "fp16")}
@@ -120,9 +120,9 @@ def test_fp8_allgather_has_its_own_builds_from_their_own_source(monkeypatch):
              c.blocks) for c in made} == (
         {(t, False, out, cl, True, False) for t in kernels.FP8_CONFIGS[90] for out in outs
          for cl in clusters(t)}
-        | {(t, True, out, cl, True, False) for t in [kernels.default_block_tile(90)]
+        | {(t, True, out, cl, True, False) for t in kernels.FP8_BLOCK_CONFIGS[90]
            for out in outs for cl in clusters(t)})
-    assert len(made) == 12 and not [c for c in kernels.all_configs([80]) if c.gather]
+    assert len(made) == 16 and not [c for c in kernels.all_configs([80]) if c.gather]
     others = [c for c in kernels.all_configs([90, 80]) if not c.gather]
     for config in made:
         plain = replace(config, gather=False)
@@ -234,7 +234,7 @@ def test_prebuild_covers_every_tile_a_default_plan_picks(monkeypatch):
     assert tiles == {(90, t) for t in kernels.CONFIGS[90]} | {(80, kernels.DEFAULT_TILE[80])}
     assert {(90, (128, 224)), (90, (128, 160))} <= tiles
     fp8 = {c.tile for c in kernels.all_configs([90]) if c.dtype in build.FP8_DTYPES}
-    assert fp8 == set(kernels.FP8_CONFIGS[90]) | {kernels.default_block_tile(90)}
+    assert fp8 == set(kernels.FP8_CONFIGS[90]) | set(kernels.FP8_BLOCK_CONFIGS[90])
 
 
 def test_environment_selects_the_epilogue(monkeypatch):

@@ -418,24 +418,36 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
     gather = {build.config_name(c) for c in kernels.all_configs([90]) if c.gather}
     assert gather == {n + "_gather" for n in names if not n.endswith("_blocks")} | {
-        f"sm90_e4m3_{o}_bcol_128x128x128_{c}_cooperative_block128_etma_gather"
-        for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")}  # fp8 allgather's (issue 32)
+        f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128_etma_gather"
+        for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
+        for n in (128, 256)}  # fp8 allgather's (issue 32)
     blocks = {build.config_name(c) for c in kernels.all_configs([90])
               if c.block_scaled and not c.gather}
-    assert blocks == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_cooperative_block128_etma"
-                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")} | {
-                      f"sm90_e4m3_{o}_bcol_128x128x128_c1x1_cooperative_block128_etma_blocks"
-                      for o in ("bf16", "fp16")}
+    assert blocks == {f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128_etma"
+                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1") for n in (128, 256)} | {
+                      f"sm90_e4m3_{o}_bcol_128x{n}x128_c1x1_cooperative_block128_etma_blocks"
+                      for o in ("bf16", "fp16") for n in (128, 256)}
 
 
 def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
-    """A block-wise spec gets the one block-scaled tile (128x128), its plans name their
-    scaling, other tiles are refused for it, and its build defines FO_FP8_BLOCK; sm80 declines
-    block-wise fp8 saying so."""
+    """A block-wise spec gets a block-scaled tile (128x256, or 128x128 where 128x256's
+    ragged waves cost more: BLOCK_TILE_COST), its plans name their scaling, other tiles are
+    refused for it, and its build defines FO_FP8_BLOCK; sm80 declines block-wise fp8 saying
+    so."""
     monkeypatch.setenv(ENV_ARCH, "90")
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
     spec = fp8_spec(m=4096, n=4096, k=4096, scaling="blockwise")
-    assert kernels.default_tile(90, spec, 128) == (128, 128)
+    assert kernels.default_tile(90, spec, 128) == (128, 256)  # 4 whole waves of 128x256
+    # 32 tiles of 128x256 are one wave that half the SMs run: 64 of 128x128 take as long, at
+    # half the work each
+    small = fp8_spec(m=256, n=4096, k=4096, scaling="blockwise")
+    assert kernels.default_tile(90, small, 128) == (128, 128)
+    # 5120x5120: 6.25 waves of 128x256 (7) against 12.5 of 128x128 (13 x 0.5 x 1.25)
+    assert kernels.default_tile(90, fp8_spec(m=5120, n=5120, k=4096, scaling="blockwise"),
+                                128) == (128, 256)
+    # the 16-bit costs do not apply: 128x224 and 128x160 have no block-scaled build
+    assert kernels.default_tile(90, fp8_spec(m=4096, n=7168, k=4096, scaling="blockwise"),
+                                128) in kernels.FP8_BLOCK_CONFIGS[90]
     cfg = kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1), out_dtype="bfloat16",
                               scaling="blockwise")
     assert (cfg.block_scaled, cfg.schedule, cfg.tile_k, cfg.epilogue) == (
@@ -444,7 +456,7 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
     assert not any(d.startswith("-DFO_FP8_BLOCK") for d in build.gemm_defines(
         kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1))))
     assert kernels.supported_tiles(90, "blockwise") == {(128, 128), (128, 256)}
-    assert kernels.default_block_tile(90) == (128, 128)  # 128x256 only where a plan names it
+    assert kernels.default_block_tile(90) == (128, 256)  # 128x128 where its waves cost less
     wide = kernels.gemm_config(90, (128, 256), "float8_e4m3fn", True, (2, 1),
                                out_dtype="bfloat16", scaling="blockwise")
     assert (wide.block_scaled, wide.tile_n, wide.tile_k, wide.schedule) == (

@@ -61,13 +61,14 @@ FP8_CONFIGS = {
 }
 # fp8 with block-wise scales (1x128 groups of a along K, 128x128 blocks of b; sm90 only): the
 # scales are applied in the main loop, per K tile of 128 (one group) and 128-column block of b,
-# into a second set of accumulators: cooperative 128x128x128 (one block of b per tile; the
-# default, the first entry) and 128x256x128 (two blocks, multiplied one after the other into
-# the same 64 partial accumulators per thread: 3 mainloop stages; not measured on a GPU yet, so
-# only plans that name it take it), the 2x1 cluster, the tma epilogue.
+# into a second set of accumulators: cooperative 128x256x128 (two blocks of b per tile,
+# multiplied one after the other into the same 64 partial accumulators per thread: 3 mainloop
+# stages; the default, the first entry) and 128x128x128 (one block; 5 stages), the 2x1 cluster,
+# the tma epilogue with 2 slots. default_tile picks 128x128 where 128x256's ragged last wave
+# costs more than 128x128's slower waves (BLOCK_TILE_COST).
 FP8_BLOCK_CONFIGS = {
-    90: {(128, 128): Kernel(128, (2, 1), "cooperative", "tma"),
-         (128, 256): Kernel(128, (2, 1), "cooperative", "tma")},
+    90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma"),
+         (128, 128): Kernel(128, (2, 1), "cooperative", "tma")},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
@@ -129,10 +130,19 @@ TILE_COST = {
 }
 
 
-def tile_cost(tile, k: int) -> float:
-    """TILE_COST of ``tile`` at the largest measured K <= k (the smallest K's below the first);
-    1 for the cooperative 128x256 kernel (and any tile without measurements)."""
-    table = TILE_COST.get(tuple(tile), ())
+# The block-scaled fp8 kernels' cost per unit of work against their 128x256 tile's, as
+# TILE_COST (H200, bench/results/gemm-fp8-h200-20261205-041002.json, the 128x128 build's speed
+# against 128x256's on shapes that fill whole waves of both: 0.78-0.88x).
+BLOCK_TILE_COST = {
+    (128, 128): ((1024, 1.13), (2048, 1.2), (4096, 1.25), (8192, 1.28)),
+}
+
+
+def tile_cost(tile, k: int, costs: dict | None = None) -> float:
+    """``costs``' (TILE_COST's) entry for ``tile`` at the largest measured K <= k (the smallest
+    K's below the first); 1 for the reference tile, 128x256 (and any tile without
+    measurements)."""
+    table = (TILE_COST if costs is None else costs).get(tuple(tile), ())
     cost = table[0][1] if table else 1.0
     for at, value in table:
         if k >= at:
@@ -149,12 +159,13 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     """The tile of a default plan: DEFAULT_TILE, or on sm90, given the call (an OverlapSpec:
     m, n, k, op, world_size, send_splits, dtype) and the plan's wave size, the tile of the
     call's dtype whose waves cost least (TILE_COST; DEFAULT_TILE on a tie): pingpong's 128x128
-    or a narrower cooperative tile where the waves' raggedness makes up for its cost. all_to_all
+    or a narrower cooperative tile where the waves' raggedness makes up for its cost; block-wise
+    fp8 the same way among its kernels (BLOCK_TILE_COST, default_block_tile first). all_to_all
     weighs the waves of its expected rows (``spec.rows_hint``), and takes DEFAULT_TILE without
     them."""
-    if spec is not None and spec.scaling == "blockwise" and arch in FP8_BLOCK_CONFIGS:
-        return default_block_tile(arch)
-    tile = DEFAULT_TILE[arch]
+    block = spec is not None and spec.scaling == "blockwise" and arch in FP8_BLOCK_CONFIGS
+    tile = default_block_tile(arch) if block else DEFAULT_TILE[arch]
+    costs = BLOCK_TILE_COST if block else TILE_COST
     if arch != 90 or spec is None or not wave_size:
         return tile
     blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
@@ -171,7 +182,7 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     def cost(t) -> float:
         tiles = sum(-(-rows // t[0]) for rows in blocks) * -(-spec.n // t[1])
         waves = max(1, -(-tiles // wave_size))
-        return waves * t[0] * t[1] / (tile[0] * tile[1]) * tile_cost(t, spec.k)
+        return waves * t[0] * t[1] / (tile[0] * tile[1]) * tile_cost(t, spec.k, costs)
 
     # min keeps the first of equal costs: DEFAULT_TILE, listed first
     return min([tile] + sorted(supported_tiles(arch, spec.scaling, spec.dtype) - {tile}), key=cost)
@@ -243,8 +254,8 @@ def all_configs(archs) -> list[build.GemmConfig]:
                     # fp8 allgather's (fo_gemm_run_ex_scaled)
                     out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result, gather=True)
                             for c in clusters]
-        if arch in FP8_BLOCK_CONFIGS:  # block-wise fp8: the default tile's
-            out += block_scaled_configs(arch, default_block_tile(arch))
+        for tile in FP8_BLOCK_CONFIGS.get(arch, {}):  # block-wise fp8: every tile default_tile picks
+            out += block_scaled_configs(arch, tile)
     return out
 
 

@@ -141,11 +141,13 @@ def narrow_tiles(seed: int) -> dict:
         for op in ("allreduce", "reduce_scatter", "allgather"):
             layout = "col" if (i + len(op)) % 2 == 0 else "row"
             rows = call_shape(op, world, m)
-            plan = fo.plan(rows, n, k, op=op, world_size=world, dtype=DTYPE, backend="cuda",
+            # an allgather plan's M is the gathered output's: every rank's rows
+            plan_m = rows * world if op == "allgather" else rows
+            plan = fo.plan(plan_m, n, k, op=op, world_size=world, dtype=DTYPE, backend="cuda",
                            tile=tile)
             plans = [plan]
             if op == "allreduce":
-                plans.append(fo.plan(rows, n, k, op=op, world_size=world, dtype=DTYPE,
+                plans.append(fo.plan(plan_m, n, k, op=op, world_size=world, dtype=DTYPE,
                                      backend="cuda", tile=tile,
                                      group_sizes=[3, plan.num_tiles - 3]))
             for j, p in enumerate(plans):
