@@ -1152,14 +1152,16 @@ inline cudaError_t store_map(void* packed, int64_t numel, cute::TmaDescriptor* m
 // The TMA store map of tiles written as rows (ldo != 0): the buffer as a 2-D tensor [rows][N]
 // (row stride ldo), whose bounds clip a tile at N and at the last row. Not usable when the
 // buffer cannot be described: not 16-byte aligned, a row stride that is not a multiple of 16
-// bytes, or fewer than kBM rows.
+// bytes, fewer than kBM rows or fewer than kColW columns (a map's box may not be larger than
+// its tensor: such a map is malformed, and a load or store through it may fault).
 inline cudaError_t rows_store_map(void* out, int64_t rows, int N, int64_t ldo,
                                   cute::TmaDescriptor* map, bool* usable) {
   static MapCache cache(kStoreBoxes);
   const int64_t row_bytes = ldo * int64_t(sizeof(Element));
   const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
-  const bool fits = aligned16(out) && row_bytes % 16 == 0 && rows >= kBM && rows < (int64_t(1) << 32);
+  const bool fits = aligned16(out) && row_bytes % 16 == 0 && rows >= kBM && N >= int(kColW) &&
+                    rows < (int64_t(1) << 32);
   return cached_map(cache, out, 2, dims, strides, fits, map, usable);
 }
 
@@ -1167,7 +1169,9 @@ inline cudaError_t rows_store_map(void* out, int64_t rows, int N, int64_t ldo,
 // outer-dim-major layout, strides (1, >= M)), boxes of kBM rows of one group, rows past M
 // zero-filled. Not usable (cp.async copies instead) where TMA cannot describe it: rows not
 // contiguous, a base not 16-byte aligned, groups not a multiple of 16 bytes apart (with more
-// than one group), or too many rows.
+// than one group), fewer rows than the box (kBM: a map whose box is larger than its tensor is
+// malformed; loads through it faulted with an illegal instruction on the H200, M = 4 and 21),
+// or too many rows.
 inline cudaError_t scale_a_map(const fo_gemm_scales& sc, int64_t M, int K,
                                cute::TmaDescriptor* map, bool* usable) {
   static MapCache cache(kScaleABoxes);
@@ -1177,7 +1181,7 @@ inline cudaError_t scale_a_map(const fo_gemm_scales& sc, int64_t M, int K,
   const cuuint64_t dims[2] = {cuuint64_t(M), cuuint64_t(groups)};
   const cuuint64_t strides[1] = {cuuint64_t(group_bytes)};
   const bool fits = sc.a_stride[0] == 1 && aligned16(sc.a) && group_bytes % 16 == 0 &&
-                    group_bytes >= M * int64_t(sizeof(float)) && M >= 1 &&
+                    group_bytes >= M * int64_t(sizeof(float)) && M >= kBM &&
                     M < (int64_t(1) << 31) && groups < (int64_t(1) << 31);
   return cached_map(cache, const_cast<float*>(sc.a), 2, dims, strides, fits, map, usable);
 }

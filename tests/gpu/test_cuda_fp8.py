@@ -465,8 +465,9 @@ def test_fp8_blockwise_one_rank_matches_float64(shape, out_name):
 @pytest.mark.parametrize("layout", ["torch", "rows", "padded", "spaced", "shifted"])
 def test_fp8_blockwise_scale_layouts(layout):
     """Every scale layout; scale_a by TMA (torch's at m = 1000, spaced) and by cp.async (rows,
-    shifted, torch's at m = 777), 128x128 and 128x256 tiles, and a replay with fresh values."""
-    for m in (1000, 777):
+    shifted, torch's at m = 777, and m = 64: fewer rows than a tile, which a TMA map's box may
+    not exceed), 128x128 and 128x256 tiles, and a replay with fresh values."""
+    for m in (1000, 777, 64):
         for tile in ((128, 128), (128, 256)):
             plan = fo.plan(m, 1000, 1000, dtype=F8, scaling="blockwise", tile=tile,
                            backend="cuda", out_dtype=torch.bfloat16)
