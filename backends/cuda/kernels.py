@@ -54,7 +54,7 @@ CONFIGS = {
 # fp8 (e4m3 a and b, sm90 only): K tiles of 128 (128 bytes: one 128-byte swizzle row), the
 # same tiles, clusters, schedules and epilogues as the 16-bit kernels, so a plan picks its tile
 # the same way; fast accumulation (CUTLASS's FP8FastAccum, what vLLM and TransformerEngine's
-# forward GEMMs use). Not measured yet on a GPU.
+# forward GEMMs use); measured in docs/results.md "fp8".
 FP8_CONFIGS = {
     90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma", tma_slots=4),
          (128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
