@@ -79,6 +79,10 @@ run_one() {
              if [ "${FO_NCU_SOURCE:-0}" = 1 ]; then
                ncu --import "$OUT/fp8-ncu.ncu-rep" --csv --page source --print-source sass \
                  >"$OUT/fp8-ncu-source.csv" 2>&1 || true
+               $PY bench/ncu_source.py "$OUT/fp8-ncu-source.csv" --top 30 \
+                 --json "$OUT/fp8-ncu-source-extract.json" --source "bench/fp8_ncu.py ${FO_NCU_ARGS:-}" \
+                 >"$OUT/fp8-ncu-source-extract.txt" 2>&1 || true
+               head -c 600 "$OUT/fp8-ncu-source.csv" >>"$LOG"
              fi ;;
     # Nsight Compute on one all_to_all call (bench/a2a_ncu.py): its table kernel and GEMM
     ncu-a2a) stage ncu-a2a ${FO_NCU_SECONDS:-120} ncu --profile-from-start off --set ${FO_NCU_SET:-full} \
