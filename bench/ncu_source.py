@@ -51,7 +51,6 @@ def tables(lines):
     for record in csv.reader(lines):
         if not record:
             continue
-        joined = ",".join(record)
         if any("Address" in c for c in record) and any(c.strip() == "Source" for c in record):
             if header is not None:
                 out.append((title, header, rows))
@@ -61,7 +60,7 @@ def tables(lines):
             if header is not None and rows:
                 out.append((title, header, rows))
                 header, rows = None, []
-            title = joined.strip() or title
+            title = ",".join(record).strip() or title
             continue
         rows.append(record)
     if header is not None:
