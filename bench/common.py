@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -26,9 +27,17 @@ RESULTS = Path(os.environ.get("FO_RESULTS_DIR", Path(__file__).resolve().parent 
 FLUSH_BYTES = 256 << 20  # written before a cold replay: more than the H200's 50 MB of L2
 
 
-def device_tag() -> str:
-    """The current GPU's short name for result file names ("NVIDIA H200" -> "h200")."""
-    return torch.cuda.get_device_name().split()[-1].lower()
+def device_tag(name: str | None = None) -> str:
+    """A GPU's short name for result file names: its model ("NVIDIA H200" -> "h200",
+    "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100"), else its last word.
+    ``name``: the current device's."""
+    name = torch.cuda.get_device_name() if name is None else name
+    words = name.split()
+    for word in words:
+        model = re.match(r"[A-Za-z]+\d+[A-Za-z]*", word)
+        if model and word.upper() != "NVIDIA":
+            return model.group(0).lower()
+    return words[-1].lower() if words else "gpu"
 
 
 def median_ms(fn, warmup: int = 5, iters: int = 20, device_type: str = "cuda",

@@ -24,7 +24,11 @@ with null counters (signaling's cost). --variants adds builds: {coop|pp|sm80}-{e
 e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (pingpong
 128x128), coop128-tma (cooperative 128x128), coop224-tma4 and coop160-tma4 (cooperative
 128x224, 128x160), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
-(the Ampere kernel, run here); "-plain" after any name drops its counters.
+(the Ampere kernel, run here); "-plain" after any name drops its counters; "-cMxN" builds it
+with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-swN" plans it with
+raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
+plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
+names the build that ran).
 
 fp8 (--fp8, its own run and JSON, gemm-fp8-<device>-<date>.json): the same shapes with float8
 e4m3 a and w (b = w.t()), tensor-wise (0-dim), row-wise ([M, 1] and [1, N]) and block-wise
@@ -108,20 +112,31 @@ class Variant:
     scale_tma: bool = True  # block-scaled fp8 only: False (a "-cpa" name) copies scale_a with
     # the scale warp's cp.async, never TMA (GemmConfig.scale_tma)
     tile_k: int = 0  # 0: the table's; a "-kNN" name: K tiles of NN (e.g. fp8 coop-tma4-k64)
+    cluster: tuple[int, int] | None = None  # None: the table's; a "-cMxN" name: an M x N cluster
+    swizzle: int = 0  # 0: the backend's schedule; a "-swN" name: raster "n", N bands at a time
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
-    head, _, last = base.rpartition("-")
-    tile_k = 0
-    if head and last[:1] == "k" and last[1:].isdigit():  # -k64: the K tile
-        base, tile_k = head, int(last[1:])
+    tile_k, cluster, swizzle = 0, None, 0
+    while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle)
+        head, _, last = base.rpartition("-")
+        if not head:
+            break
+        if last[:1] == "k" and last[1:].isdigit():
+            base, tile_k = head, int(last[1:])
+        elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
+            base, swizzle = head, int(last[2:])
+        elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
+            base, cluster = head, tuple(int(x) for x in last[1:].split("x", 1))
+        else:
+            break
     if not scale_tma and not base.startswith(BLOCK_KIND):
         raise ValueError(f"variant {name!r}: -cpa (scale_a by cp.async) is for the block-scaled "
                          f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
     if base == "product":
-        return Variant(name, product_arch, None, signal=signal)
+        return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -132,7 +147,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
         epi, slots = "tma", int(epi[3:])
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
-                   tile_k=tile_k)
+                   tile_k=tile_k, cluster=cluster, swizzle=swizzle)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -150,19 +165,23 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 
-def plan_for(m, n, k, dtype, tile, scaling=None):
+def plan_for(m, n, k, dtype, tile, scaling=None, swizzle=0):
     """The cuda backend's plan (tile None: the backend's choice for this shape); fp8 with the
-    result in FP8_OUT (``scaling`` "blockwise": the block-scaled kernel's)."""
+    result in FP8_OUT (``scaling`` "blockwise": the block-scaled kernel's); ``swizzle`` > 0:
+    raster "n" with that many bands at a time instead of the backend's schedule."""
     import flashoverlap_core as fo
+    from flashoverlap_core.tiles import Schedule
 
     out = getattr(torch, FP8_OUT) if dtype.startswith("float8") else None
     return fo.plan(m, n, k, op="custom", dtype=getattr(torch, dtype), tile=tile, backend="cuda",
-                   out_dtype=out, scaling=scaling)
+                   out_dtype=out, scaling=scaling,
+                   schedule=Schedule("n", swizzle) if swizzle else None)
 
 
 def cluster_for(kernels, v: Variant, plan, items=None):
-    """The variant's preferred cluster if the plan's order fits it, else 1x1 (as the backend)."""
-    cluster = kernels.preferred_cluster(v.arch, plan.tile)
+    """The variant's cluster (its -cMxN, else the table's) if the plan's order fits it, else 1x1
+    (as the backend)."""
+    cluster = v.cluster or kernels.preferred_cluster(v.arch, plan.tile)
     items = plan.item_table()[0] if items is None else items
     return cluster if kernels.cluster_fits(items, cluster) else (1, 1)
 
@@ -175,11 +194,12 @@ def needed_configs(kernels, variants, dtypes, shapes, scaling=None):
     for v in variants:
         for dtype in dtypes:
             if torch.cuda.is_available():
-                plans = [plan_for(*shape, dtype, v.tile, scaling) for shape in shapes]
+                plans = [plan_for(*shape, dtype, v.tile, scaling, v.swizzle) for shape in shapes]
                 picks = {(p.tile, cluster_for(kernels, v, p)) for p in plans}
             else:
                 tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling, dtype))
-                picks = {(t, c) for t in tiles for c in (kernels.preferred_cluster(v.arch, t), (1, 1))}
+                picks = {(t, c) for t in tiles
+                         for c in (v.cluster or kernels.preferred_cluster(v.arch, t), (1, 1))}
             out += [variant_config(kernels, v, dtype, c, t, scaling) for t, c in sorted(picks)]
     return list(dict.fromkeys(out))
 
@@ -190,7 +210,8 @@ class Gemm:
     def __init__(self, kernels, v: Variant, a, w, dtype_name, scales=None, scaling=None):
         m, k = a.shape
         blockwise = scaling == "blockwise"
-        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile, "blockwise" if blockwise else None)
+        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile, "blockwise" if blockwise else None,
+                             v.swizzle)
         items, groups = self.plan.item_table()
         self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items),
                                      self.plan.tile, self.plan.scaling)
