@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap_core as fo
-from common import table, write_result
+from common import device_tag, table, write_result
 from flashoverlap_core.tools.args import shape_arg, shapes_arg
 
 SHAPES = "1x4096x4096,8x4096x4096,128x8192x4096,3072x6144x5120,4096x4096x4096,12288x4096x1536,8192x8192x8192,16384x8192x1024"
@@ -294,7 +294,7 @@ def main() -> None:
                               and summary["cpu_callable_minus_plan_us"] <= 15)
         dist.destroy_process_group()
     print(summary, flush=True)
-    device = "h200" if rows and "H200" in torch.cuda.get_device_name() else ("cpu" if not rows else "gpu")
+    device = device_tag() if rows else "cpu"
     write_result(f"callpath-{device}", rows, {"summary": summary, "collective": "nccl, 1 rank",
                                               "dtype": "bfloat16"},
                  device_type="cuda" if rows else "cpu")

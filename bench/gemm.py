@@ -702,7 +702,7 @@ def main_fp8(args, kernels, build):
     if wrong:
         print(f"WARNING: wrong results (sampled tiles' relative error >= 1e-2): {wrong}")
     if not args.no_json and int(os.environ.get("RANK", "0")) == 0:
-        device = torch.cuda.get_device_name().split()[-1].lower()
+        device = device_tag()
         write_result(f"gemm-fp8-{device}", rows, {
             "summary": result, "variants": [v.name for v in variants],
             "method": "CUDA-graph replays between events, kernels alternated, "

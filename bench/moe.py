@@ -36,7 +36,7 @@ from flashoverlap_core import api
 from flashoverlap_core.devices import current_device
 from flashoverlap_core.tools.args import at_least
 from flashoverlap_core.tools.ranks import Ranks
-from common import table, write_result
+from common import device_tag, table, write_result
 from multigpu import MULTICAST_OFF, topology_record
 
 FFN = {4096: 14336, 7168: 2048}
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
                "times_valid": not (topology or {}).get("shared_devices", False)}
     print(summary)
     device = args.device
-    if device == "cuda" and "H200" in torch.cuda.get_device_name():
-        device = "h200"
+    if device == "cuda":
+        device = device_tag()
     write_result(f"moe-{device}", rows, {"summary": summary, "dtype": dtype,
                                          "world_size": args.world_size, "topology": topology,
                                          "routing": f"top-{TOP_K}, one hot rank x{HOT}"},
