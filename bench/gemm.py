@@ -25,7 +25,8 @@ e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (
 128x128), coop128-tma (cooperative 128x128), coop224-tma4 and coop160-tma4 (cooperative
 128x224, 128x160), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters; "-cMxN" builds it
-with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-swN" plans it with
+with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-sN" with N
+mainloop stages instead of as many as fit (GemmConfig.stages), "-swN" plans it with
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
@@ -113,19 +114,22 @@ class Variant:
     # the scale warp's cp.async, never TMA (GemmConfig.scale_tma)
     tile_k: int = 0  # 0: the table's; a "-kNN" name: K tiles of NN (e.g. fp8 coop-tma4-k64)
     cluster: tuple[int, int] | None = None  # None: the table's; a "-cMxN" name: an M x N cluster
+    stages: int = 0  # 0: as many as fit; a "-sN" name: N mainloop stages (e.g. pp-tma-s6)
     swizzle: int = 0  # 0: the backend's schedule; a "-swN" name: raster "n", N bands at a time
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
-    tile_k, cluster, swizzle = 0, None, 0
-    while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle)
-        head, _, last = base.rpartition("-")
+    tile_k, cluster, swizzle, stages = 0, None, 0, 0
+    while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
+        head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
             break
         if last[:1] == "k" and last[1:].isdigit():
             base, tile_k = head, int(last[1:])
+        elif last[:1] == "s" and last[1:].isdigit():
+            base, stages = head, int(last[1:])
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
@@ -136,7 +140,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
         raise ValueError(f"variant {name!r}: -cpa (scale_a by cp.async) is for the block-scaled "
                          f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
     if base == "product":
-        return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle)
+        return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle,
+                       stages=stages)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -147,7 +152,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
         epi, slots = "tma", int(epi[3:])
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
-                   tile_k=tile_k, cluster=cluster, swizzle=swizzle)
+                   tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -162,6 +167,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, scale_tma=v.scale_tma)
     if v.tile_k:
         cfg = replace(cfg, tile_k=v.tile_k)  # (GemmConfig checks it)
+    if v.stages:
+        cfg = replace(cfg, stages=v.stages)  # (GemmConfig checks it)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 
