@@ -26,7 +26,8 @@ e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (
 128x224, 128x160), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters; "-cMxN" builds it
 with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-sN" with N
-mainloop stages instead of as many as fit (GemmConfig.stages), "-swN" plans it with
+mainloop stages instead of as many as fit (GemmConfig.stages), "-scw" (fp8) has a producer
+warp stage each item's scales (GemmConfig.scale_warp), "-swN" plans it with
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
@@ -116,12 +117,13 @@ class Variant:
     cluster: tuple[int, int] | None = None  # None: the table's; a "-cMxN" name: an M x N cluster
     stages: int = 0  # 0: as many as fit; a "-sN" name: N mainloop stages (e.g. pp-tma-s6)
     swizzle: int = 0  # 0: the backend's schedule; a "-swN" name: raster "n", N bands at a time
+    scale_warp: bool = False  # fp8: a "-scw" name: a producer warp stages the scales
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
-    tile_k, cluster, swizzle, stages = 0, None, 0, 0
+    tile_k, cluster, swizzle, stages, scale_warp = 0, None, 0, 0, False
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -130,6 +132,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, tile_k = head, int(last[1:])
         elif last[:1] == "s" and last[1:].isdigit():
             base, stages = head, int(last[1:])
+        elif last == "scw":
+            base, scale_warp = head, True
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
@@ -141,7 +145,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
                          f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
     if base == "product":
         return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle,
-                       stages=stages)
+                       stages=stages, scale_warp=scale_warp)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -152,7 +156,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
         epi, slots = "tma", int(epi[3:])
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
-                   tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages)
+                   tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,
+                   scale_warp=scale_warp)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -169,6 +174,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, tile_k=v.tile_k)  # (GemmConfig checks it)
     if v.stages:
         cfg = replace(cfg, stages=v.stages)  # (GemmConfig checks it)
+    if v.scale_warp:
+        cfg = replace(cfg, scale_warp=True)  # (GemmConfig checks it)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

@@ -324,7 +324,7 @@ def test_bench_fp8_variants_and_summary():
     gemm = _bench_gemm()
     product = gemm.Variant("product", 90, None)
     cfg = gemm.variant_config(kernels, product, "float8_e4m3fn", (2, 1), (128, 256))
-    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_etma4"
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_scw_etma4"  # the scale warp (FP8_CONFIGS)
     split = gemm.Variant("splitacc", 90, (128, 128), schedule="cooperative", fast_accum=False)
     cfg = gemm.variant_config(kernels, split, "float8_e4m3fn", (2, 1))
     assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x128x128_c2x1_cooperative_splitacc_etma"
@@ -374,11 +374,31 @@ def test_bench_block_scaled_variants_run_block_wise_rows_only():
     k64 = gemm.parse_variant("coop-tma4-k64", 90)
     assert (k64.tile, k64.epilogue, k64.slots, k64.tile_k) == ((128, 256), "tma", 4, 64)
     cfg = gemm.variant_config(kernels, k64, "float8_e4m3fn", (2, 1))
-    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x64_c2x1_cooperative_etma4"
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x64_c2x1_cooperative_scw_etma4"
     assert gemm.parse_variant("coop-tma4", 90).tile_k == 0
     with pytest.raises(ValueError, match="tile_k"):  # a K tile the kernel cannot take
         gemm.variant_config(kernels, gemm.parse_variant("coop-tma4-k48", 90), "float8_e4m3fn",
                             (2, 1))
+
+
+def test_bench_variant_suffixes_cluster_swizzle_stages_scale_warp():
+    """bench/gemm.py's suffixes, in any order: -cMxN (cluster), -swN (the plan's swizzle), -sN
+    (mainloop stages), -scw (fp8: the scale warp); each reaches the build's name."""
+    gemm = _bench_gemm()
+    v = gemm.parse_variant("pp-tma1-c2x2-sw2-s6-scw", 90)
+    assert (v.tile, v.slots, v.cluster, v.swizzle, v.stages, v.scale_warp) == (
+        (128, 128), 1, (2, 2), 2, 6, True)
+    assert gemm.parse_variant("pp-tma-scw-sw4-c4x1", 90).cluster == (4, 1)
+    product = gemm.parse_variant("product-scw-plain", 90)
+    assert (product.tile, product.scale_warp, product.signal) == (None, True, False)
+    cfg = gemm.variant_config(kernels, v, "float8_e4m3fn", v.cluster)
+    assert build.config_name(cfg) == (
+        "sm90_e4m3_bf16_bcol_128x128x128_c2x2_pingpong_s6_scw_etma1"), build.config_name(cfg)
+    assert "-DFO_SCALE_WARP=1" in build.gemm_defines(cfg)
+    assert "-DFO_SCALE_WARP=1" not in build.gemm_defines(
+        gemm.variant_config(kernels, gemm.parse_variant("pp-tma", 90), "float8_e4m3fn", (2, 1)))
+    with pytest.raises(ValueError, match="scale_warp"):  # 16-bit builds have no scales
+        gemm.variant_config(kernels, gemm.parse_variant("coop-tma-scw", 90), "bfloat16", (2, 1))
 
 
 def test_overhead_bench_gathers_block_scales_in_torchs_layout():

@@ -402,18 +402,18 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
             assert not cfg.problems()
     names = {build.config_name(c) for c in kernels.all_configs([90])
              if c.dtype == "e4m3" and not c.block_scaled and not c.gather}
-    assert names == {"sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_etma4",
-                     "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_etma4",
+    assert names == {"sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_scw_etma4",
+                     "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_scw_etma4",
                      "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_etma",
                      "sm90_e4m3_bf16_bcol_128x128x128_c1x1_pingpong_etma",
-                     "sm90_e4m3_fp16_bcol_128x256x128_c2x1_cooperative_etma4",
-                     "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_etma4",
+                     "sm90_e4m3_fp16_bcol_128x256x128_c2x1_cooperative_scw_etma4",
+                     "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_scw_etma4",
                      "sm90_e4m3_fp16_bcol_128x128x128_c2x1_pingpong_etma",
                      "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma",
                      # fp8 all_to_all's (issue 32): unequal destination blocks, 1x1
-                     "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_etma4_blocks",
+                     "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_scw_etma4_blocks",
                      "sm90_e4m3_bf16_bcol_128x128x128_c1x1_pingpong_etma_blocks",
-                     "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_etma4_blocks",
+                     "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_scw_etma4_blocks",
                      "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma_blocks"}
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
     gather = {build.config_name(c) for c in kernels.all_configs([90]) if c.gather}
@@ -469,7 +469,7 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
                 dict(tile_m=64, tile_n=128)):
         with pytest.raises(ValueError, match="block_scaled needs the cooperative schedule"):
             build.GemmConfig(**{"tile_k": 128, "dtype": "e4m3", "block_scaled": True, **bad})
-    with pytest.raises(ValueError, match="block_scaled and scale_tma apply to e4m3 builds"):
+    with pytest.raises(ValueError, match="block_scaled, scale_tma and scale_warp apply to e4m3 builds"):
         build.GemmConfig(tile_n=128, tile_k=128, block_scaled=True)
     # scale_a by the scale warp's cp.async only (FO_SCALE_TMA=0): a build of its own
     cpa = build.GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", block_scaled=True,

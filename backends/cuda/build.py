@@ -80,6 +80,9 @@ class GemmConfig:
     # of b) applied in the main loop, promoted every 128 k (FO_FP8_BLOCK; cooperative 128x128x128)
     scale_tma: bool = True  # block_scaled: scale_a's K tiles by TMA where its layout allows;
     # False: always the scale warp's cp.async copies (FO_SCALE_TMA=0, name suffix _cpa)
+    scale_warp: bool = False  # e4m3 tensor-/row-wise (sm90): a producer warp stages each item's
+    # scales, tracked by its first stage's barrier (FO_SCALE_WARP=1, name suffix _scw), instead
+    # of the math threads before the item's main loop
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
     # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
     # the source alone tells it apart, so every other build keeps its name and cached object)
@@ -143,8 +146,8 @@ class GemmConfig:
     def _fp8_problems(self) -> list[str]:
         if self.dtype not in FP8_DTYPES:
             out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
-            if self.block_scaled or not self.scale_tma:
-                out.append("block_scaled and scale_tma apply to e4m3 builds")
+            if self.block_scaled or not self.scale_tma or self.scale_warp:
+                out.append("block_scaled, scale_tma and scale_warp apply to e4m3 builds")
             if self.gather:
                 out.append("gather applies to e4m3 builds (a 16-bit allgather runs "
                            "fo_gemm_run_ex, which every build has)")
@@ -161,6 +164,9 @@ class GemmConfig:
             out.append("e4m3 b must be column-major (fp8 wgmma reads both operands K-major)")
         if self.tile_k % 32:
             out.append(f"e4m3 tile_k must be a multiple of 32 (one fp8 wgmma), got {self.tile_k}")
+        if self.scale_warp and self.block_scaled:
+            out.append("scale_warp is for tensor- and row-wise scales (a block-scaled build's "
+                       "scale warp already loads its scales)")
         if self.block_scaled and (self.schedule != "cooperative" or self.tile_m != 128
                                   or self.tile_k != 128 or self.tile_n not in (128, 256)
                                   or not self.fast_accum):
@@ -215,6 +221,8 @@ def config_name(config: GemmConfig) -> str:
         name += "_block128" + ("" if config.scale_tma else "_cpa")
     if config.stages:
         name += f"_s{config.stages}"
+    if config.scale_warp:
+        name += "_scw"
     if config.epilogue != "direct":
         name += f"_e{config.epilogue}{config.epi_slots or ''}"
     if config.blocks:
@@ -355,7 +363,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         [f"-DFO_OUT_DTYPE={OUT_DTYPES[config.out_dtype]}",
          f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else []) + (
         ["-DFO_FP8_BLOCK=1"] if config.block_scaled else []) + (
-        ["-DFO_SCALE_TMA=0"] if not config.scale_tma else [])
+        ["-DFO_SCALE_TMA=0"] if not config.scale_tma else []) + (
+        ["-DFO_SCALE_WARP=1"] if config.scale_warp else [])
 
 
 @dataclass(frozen=True)

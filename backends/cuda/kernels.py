@@ -32,6 +32,7 @@ class Kernel:
     schedule: str
     epilogue: str = "direct"
     tma_slots: int = 0  # shared-memory slots whenever the epilogue is "tma" (0: the kernel's 2)
+    scale_warp: bool = False  # e4m3 tensor-/row-wise: a producer warp stages each item's scales
 
 
 # (tile_m, tile_n) -> Kernel, per architecture. A plan whose tile order does not fit the cluster
@@ -55,8 +56,12 @@ CONFIGS = {
 # same tiles, clusters, schedules and epilogues as the 16-bit kernels, so a plan picks its tile
 # the same way; fast accumulation (CUTLASS's FP8FastAccum, what vLLM and TransformerEngine's
 # forward GEMMs use); measured in docs/results.md "fp8".
+# The cooperative build stages each item's row- and column-wise scales from a producer warp
+# (scale_warp): its math threads otherwise waited for the item table's L2 round trip before
+# every tile's first wgmma (1.5-5% row-wise at K <= 4096 on an H100, docs/results.md "fp8");
+# the pingpong build's math warpgroups wait for their turn there anyway (no gain measured).
 FP8_CONFIGS = {
-    90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma", tma_slots=4),
+    90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma", tma_slots=4, scale_warp=True),
          (128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
 }
 # fp8 with block-wise scales (1x128 groups of a along K, 128x128 blocks of b; sm90 only): the
@@ -227,7 +232,8 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             b_col_major=b_col_major, schedule=kernel.schedule,
                             epilogue=epilogue, epi_slots=slots, blocks=blocks,
                             out_dtype=out_dtype or "", block_scaled=block_scaled,
-                            gather=gather and dtype in FP8_DTYPES)
+                            gather=gather and dtype in FP8_DTYPES,
+                            scale_warp=kernel.scale_warp and not block_scaled)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:

@@ -120,6 +120,9 @@
 #ifndef FO_SCALE_TMA
 #define FO_SCALE_TMA 1  // block-wise: scale_a's K tiles by TMA where its layout allows (above)
 #endif
+#ifndef FO_SCALE_WARP
+#define FO_SCALE_WARP 0  // e4m3 tensor-/row-wise: 1: producer warp 2 stages each item's scales
+#endif
 
 namespace fo::sm90 {
 using namespace cute;
@@ -210,8 +213,18 @@ struct TileScales {
   float cols[kBN];
 };
 static_assert(sizeof(TileScales) == (kBM + kBN) * sizeof(float), "rows then columns, unpadded");
+// FO_SCALE_WARP=1 (kScaleWarp): producer warp kScaleLoaderWarp copies each item's row and
+// column scales into slot n % kScaleSlots of a ring (n: the item's ordinal in the CTA), tracked
+// by the full barrier of the item's first stage, so the math threads neither load the item
+// nor issue copies before a tile's main loop (the cooperative builds otherwise wait there for
+// the item table's L2 round trip on every tile). A slot is written again kScaleSlots items
+// later, after that item's first stage is acquired: as for the item slots (kItemSlots, below),
+// the producer has then begun at most item n + 1 + stages while item n's math threads read
+// their slot (static_assert below).
+constexpr bool kScaleWarp = FO_SCALE_WARP && kFp8 && !kBlockScaled;
+constexpr int kScaleSlots = kScaleWarp ? (kPingpong || kBK < 128 ? 8 : 6) : 1;
 struct alignas(16) ScaleStorage {
-  TileScales tile[kMathGroups][2];
+  TileScales tile[kScaleWarp ? kScaleSlots : kMathGroups * 2];
 };
 
 // Entry i of a tile's TileScales (rows, then columns, as one array): what stage_scales copies
@@ -313,10 +326,14 @@ static_assert(!kBlockScaled || int(Mainloop::DispatchPolicy::Stages) <= kScaleSt
 constexpr int kScaleLoaderWarp = 2;  // of the producer warpgroup (0: TMA loads, 1: store/signal)
 // (scale_a by TMA: the scale warp's lane 0 alone, after its scale_b copies have landed; the
 // TMA's bytes count in the stage's transaction bytes.)
-constexpr int kScaleWarpArrivals = kBlockScaled ? 32 : 0;
-__host__ __device__ constexpr int stage_producers(bool scale_tma) {
-  return int(Mainloop::NumProducerThreadEvents) + (scale_tma ? 1 : kScaleWarpArrivals);
+constexpr int kScaleWarpArrivals = kBlockScaled || kScaleWarp ? 32 : 0;
+// row_scales: a kScaleWarp build with row- or column-wise scales (the scale warp runs).
+__host__ __device__ constexpr int stage_producers(bool scale_tma, bool row_scales = false) {
+  return int(Mainloop::NumProducerThreadEvents) +
+         (kBlockScaled ? (scale_tma ? 1 : kScaleWarpArrivals) : row_scales ? kScaleWarpArrivals : 0);
 }
+static_assert(!kScaleWarp || int(Mainloop::DispatchPolicy::Stages) + 2 <= kScaleSlots,
+              "more mainloop stages than scale slots allow (raise kScaleSlots)");
 static_assert(int(Mainloop::DispatchPolicy::Stages) + 2 <= kItemSlots,
               "more mainloop stages than item slots allow (raise kItemSlots)");
 using MainloopPipeline = typename Mainloop::MainloopPipeline;
@@ -564,7 +581,13 @@ __device__ inline void apply_scales(Acc& acc, const TileScales& s, const int (&r
 // name it).
 template <class Epi>
 __device__ inline TileScales* scale_buffer(Epi& epi, int group, int parity) {
-  if constexpr (kFp8 && !kBlockScaled) return &epi.scales.tile[group][parity];
+  if constexpr (kFp8 && !kBlockScaled) return &epi.scales.tile[group * 2 + parity];
+  else return nullptr;
+}
+// kScaleWarp: the slot of the CTA's item `ordinal`.
+template <class Epi>
+__device__ inline TileScales* scale_slot(Epi& epi, int ordinal) {
+  if constexpr (kScaleWarp) return &epi.scales.tile[ordinal % kScaleSlots];
   else return nullptr;
 }
 
@@ -712,6 +735,39 @@ __device__ inline void load_block_scales(const Params& p, MainloopPipeline& pipe
   }
 }
 
+// Producer warp kScaleLoaderWarp of a kScaleWarp build with row- or column-wise scales, lane
+// `lane`: for every item of this CTA, in the order the TMA warp loads them, and every K tile of
+// it, waits for the stage to be free and arrives on its full barrier once this lane's copies
+// have landed (cp.async ... noinc); at the item's first K tile it first copies the item's
+// scales (scale_copy: a tensor-wise one repeated, rows past the tile's end, columns past N and
+// a filler item's zero-filled) into the item's slot. So the math threads, which wait for every
+// stage of the item, see the scales after its main loop.
+template <class Epi>
+__device__ inline void load_row_scales(const Params& p, MainloopPipeline& pipeline, Epi& epi,
+                                       int64_t first_base, int64_t round_stride, int rank,
+                                       int k_tiles, int lane) {
+  const fo_gemm_scales& sc = p.scales;
+  PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+  int ordinal = 0;
+  for (int64_t base = first_base; base < p.table.num_items; base += round_stride, ++ordinal) {
+    const WorkTile w = stored_item(p.table, base, rank);
+    float* slot = reinterpret_cast<float*>(scale_slot(epi, ordinal));
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipeline.producer_acquire(write_state);
+      if (kt == 0) {
+#pragma unroll 1
+        for (int i = lane; i < kBM + kBN; i += 32) {
+          const ScaleCopy c = scale_copy(sc, w, i);
+          cp_async_f32(cute::cast_smem_ptr_to_uint(slot + i), (i < kBM ? sc.a : sc.b) + c.src, c.copy);
+        }
+      }
+      pipeline.producer_commit(write_state, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++write_state;
+    }
+  }
+}
+
 // Named barriers (CUTLASS user ids, tile parity added) with which the second math warpgroup of
 // a block-scaled build starts each tile's K loop once the first has finished its first K tile.
 [[maybe_unused]] constexpr int kBlockOffsetBarrier = 2;  // 2 and 3 (0 and 1: the row-wise scales' groups)
@@ -829,12 +885,14 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
 
   typename MainloopPipeline::Params pp;
   if (warp_group == 0 && warp_in_group == 0) pp.role = MainloopPipeline::ThreadCategory::Producer;
-  if (kBlockScaled && warp_group == 0 && warp_in_group == kScaleLoaderWarp)
+  // fp8 tensor-/row-wise: whether any scale is per row or column (the scale warp's work)
+  const bool row_scales = kScaleWarp && (p.scales.a_per_row || p.scales.b_per_col);
+  if ((kBlockScaled || row_scales) && warp_group == 0 && warp_in_group == kScaleLoaderWarp)
     pp.role = MainloopPipeline::ThreadCategory::Producer;
   if (warp_group > 0) pp.role = MainloopPipeline::ThreadCategory::Consumer;
   pp.is_leader = thread_in_group == 0;
   pp.num_consumers = kTileThreads;
-  pp.num_producers = stage_producers(kScaleTma && p.scale_tma);
+  pp.num_producers = stage_producers(kScaleTma && p.scale_tma, row_scales);
   pp.transaction_bytes = p.mainloop.tma_transaction_bytes;
   MainloopPipeline pipeline(ss.pipelines.mainloop, pp, ClusterShape{});
 
@@ -895,6 +953,10 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       if constexpr (kBlockScaled)
         load_block_scales(p, pipeline, block_scale_stages(ss.tensors.epi), first_base,
                           round_stride, rank, k_tiles, thread_in_group % 32);
+    } else if (row_scales && warp_in_group == kScaleLoaderWarp) {
+      if constexpr (kScaleWarp)
+        load_row_scales(p, pipeline, ss.tensors.epi, first_base, round_stride, rank, k_tiles,
+                        thread_in_group % 32);
     } else if (warp_in_group == 1 && thread_in_group == 32) {
       // Store/signal thread: takes each tile from the math threads (in the CTA's order); tma:
       // stores its column blocks from the slots, frees each slot once read, waits for the
@@ -987,7 +1049,9 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       [[maybe_unused]] WorkTile table_item;
       if constexpr (!kItemFromSlot) table_item = stored_item(p.table, base, rank);
       TileScales* scales = nullptr;
-      if constexpr (kFp8 && !kBlockScaled) {
+      if constexpr (kScaleWarp) {
+        scales = scale_slot(ss.tensors.epi, ordinal);  // filled by the scale warp
+      } else if constexpr (kFp8 && !kBlockScaled) {
         scales = scale_buffer(ss.tensors.epi, scale_group, tile_count++ & 1);
         // The item's row-wise scales, staged before its main loop from the table item, in the
         // slot builds too: reading the slot first needs a wait for the item's first stage,
@@ -1014,7 +1078,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       const WorkTile w = kItemFromSlot ? slot : table_item;
       if constexpr (kFp8 && !kBlockScaled) {
         if (per_element) {
-          await_scales(scale_group);
+          if constexpr (!kScaleWarp) await_scales(scale_group);  // (else: the first stage's barrier)
           apply_scales(acc, *scales, row_base, lane);
         } else {
           apply_scale(acc, tensor_scale);
