@@ -554,7 +554,7 @@ def test_ci_compile_check_configurations():
     (its own source; named by index into CHECK_CONFIGS)."""
     names = [build.config_name(c) for c in build.CI_CHECK_CONFIGS]
     assert names[0].startswith("sm90_fp16_brow_128x128") and "pingpong" in names[0], names
-    assert names[1].startswith("sm90_e4m3_") and "cooperative" in names[1], names
+    assert names[1].startswith("sm90_e4m3_") and "cooperative_scw" in names[1], names
     assert names[2].startswith("sm80_fp16_brow") and names[2].endswith("_blocks"), names
     assert names[3].startswith("sm90_e4m3_") and "_block128_" in names[3], names
     assert names[3].endswith("_blocks"), names

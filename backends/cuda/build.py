@@ -550,7 +550,8 @@ CHECK_CONFIGS = (
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, dtype="fp16", b_col_major=False,
                schedule="pingpong", epilogue="tma"),
     GemmConfig(tile_n=128, schedule="pingpong", epilogue="vec16"),
-    GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="tma", epi_slots=4),
+    GemmConfig(tile_k=128, dtype="e4m3", out_dtype="fp16", epilogue="tma", epi_slots=4,
+               scale_warp=True),  # the cooperative fp8 default (kernels.FP8_CONFIGS)
     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True),
     default_config(80),
     default_config(80, dtype="fp16", b_col_major=False, epilogue="staged"),
@@ -572,7 +573,7 @@ CHECK_CONFIGS = (
 # build stage).
 CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they name)
     CHECK_CONFIGS[3],  # sm90 pingpong 128x128, fp16, b row-major, cluster 1x2, tma
-    CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled), tma with 4 slots
+    CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled, the scale warp), tma4
     replace(CHECK_CONFIGS[8], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
     CHECK_CONFIGS[9],  # sm90 cooperative 128x256x128, e4m3 block-scaled, 1x1, tma, blocks
 )
