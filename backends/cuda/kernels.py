@@ -233,7 +233,7 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             epilogue=epilogue, epi_slots=slots, blocks=blocks,
                             out_dtype=out_dtype or "", block_scaled=block_scaled,
                             gather=gather and dtype in FP8_DTYPES,
-                            scale_warp=kernel.scale_warp and not block_scaled)
+                            scale_warp=kernel.scale_warp)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:

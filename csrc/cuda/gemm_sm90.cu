@@ -531,19 +531,25 @@ __device__ inline void cp_async_f32(uint32_t smem, const float* src, bool copy) 
                : "memory");
 }
 
-// Math thread t of a tile's kTileThreads, before the tile's mainloop: copies the tile's row
-// scales (scale_a) and column scales (scale_b) into `s` with cp.async (scale_copy), which the
-// mainloop hides.
-__device__ inline void stage_scales(const fo_gemm_scales& sc, const WorkTile& w, TileScales& s, int t) {
-  constexpr int kPerThread = (kBM + kBN + kTileThreads - 1) / kTileThreads;
+// Thread t of kStride threads: copies its entries (t, t + kStride, ...) of a tile's row scales
+// (scale_a) and column scales (scale_b) into `s` with cp.async (scale_copy). Used by the math
+// threads (stage_scales) and by the scale warp's lanes (load_row_scales).
+template <int kStride>
+__device__ inline void copy_tile_scales(const fo_gemm_scales& sc, const WorkTile& w, TileScales& s, int t) {
+  constexpr int kPerThread = (kBM + kBN + kStride - 1) / kStride;
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int i = t + k * kTileThreads;
+    const int i = t + k * kStride;
     if (i >= kBM + kBN) break;
     const ScaleCopy c = scale_copy(sc, w, i);
     cp_async_f32(cute::cast_smem_ptr_to_uint(reinterpret_cast<float*>(&s) + i),
                  (i < kBM ? sc.a : sc.b) + c.src, c.copy);
   }
+}
+// Math thread t of a tile's kTileThreads, before the tile's mainloop: its copies, which the
+// mainloop hides.
+__device__ inline void stage_scales(const fo_gemm_scales& sc, const WorkTile& w, TileScales& s, int t) {
+  copy_tile_scales<kTileThreads>(sc, w, s, t);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
@@ -746,22 +752,14 @@ template <class Epi>
 __device__ inline void load_row_scales(const Params& p, MainloopPipeline& pipeline, Epi& epi,
                                        int64_t first_base, int64_t round_stride, int rank,
                                        int k_tiles, int lane) {
-  const fo_gemm_scales& sc = p.scales;
   PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
   int ordinal = 0;
   for (int64_t base = first_base; base < p.table.num_items; base += round_stride, ++ordinal) {
     const WorkTile w = stored_item(p.table, base, rank);
-    float* slot = reinterpret_cast<float*>(scale_slot(epi, ordinal));
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipeline.producer_acquire(write_state);
-      if (kt == 0) {
-#pragma unroll 1
-        for (int i = lane; i < kBM + kBN; i += 32) {
-          const ScaleCopy c = scale_copy(sc, w, i);
-          cp_async_f32(cute::cast_smem_ptr_to_uint(slot + i), (i < kBM ? sc.a : sc.b) + c.src, c.copy);
-        }
-      }
+      if (kt == 0) copy_tile_scales<32>(p.scales, w, *scale_slot(epi, ordinal), lane);
       pipeline.producer_commit(write_state, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++write_state;
     }
@@ -885,8 +883,11 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
 
   typename MainloopPipeline::Params pp;
   if (warp_group == 0 && warp_in_group == 0) pp.role = MainloopPipeline::ThreadCategory::Producer;
-  // fp8 tensor-/row-wise: whether any scale is per row or column (the scale warp's work)
-  const bool row_scales = kScaleWarp && (p.scales.a_per_row || p.scales.b_per_col);
+  // fp8 tensor-/row-wise: whether any scale is per row or column (else one product of two
+  // tensor-wise scales); in kScaleWarp builds the scale warp's work
+  [[maybe_unused]] const bool per_element =
+      kFp8 && !kBlockScaled && (p.scales.a_per_row || p.scales.b_per_col);
+  const bool row_scales = kScaleWarp && per_element;
   if ((kBlockScaled || row_scales) && warp_group == 0 && warp_in_group == kScaleLoaderWarp)
     pp.role = MainloopPipeline::ThreadCategory::Producer;
   if (warp_group > 0) pp.role = MainloopPipeline::ThreadCategory::Consumer;
@@ -1021,8 +1022,6 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
 
     // fp8: tensor-wise scales (both one float) are one product; otherwise per tile in shared
     // memory, buffer tile_count % 2 of this group's pair (a uniform branch per tile).
-    [[maybe_unused]] const bool per_element =
-        kFp8 && !kBlockScaled && (p.scales.a_per_row || p.scales.b_per_col);
     [[maybe_unused]] const int scale_group = kPingpong ? math_group : 0;
     [[maybe_unused]] float tensor_scale = 1.0f;
     if constexpr (kFp8 && !kBlockScaled) {
