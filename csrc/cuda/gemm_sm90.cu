@@ -690,8 +690,8 @@ __device__ inline BlockScaleStage* block_scale_stages(Epi& epi) {
 // only when the scales are there). scale_a:
 // - p.scale_tma (scale_a M-contiguous, its groups 16 bytes apart): lane 0 alone adds the box's
 //   bytes to the stage's transaction count and loads the kBM rows from row0 with one TMA load
-//   (rows past M zero-filled; rows of the next block of an all_to_all's a are loaded too, and
-//   multiply rows that are never stored), then copies scale_b and arrives (cp.async ... noinc);
+//   (rows past M zero-filled; never in all_to_all builds, whose tiles start at any row: see
+//   kernel_params), then copies scale_b and arrives (cp.async ... noinc);
 // - otherwise each lane copies every 32nd row with 4-byte cp.async (rows past the tile's end
 //   and a filler item's zero-filled, nothing read) and arrives.
 // A column block past N gets scale_b 0 and reads nothing.
@@ -1325,7 +1325,10 @@ static cudaError_t kernel_params(const Args& args, Params* params) {
                                                 &params->scale_map, &usable)
                                   : cudaSuccess;
     if (err != cudaSuccess) return err;
-    params->scale_tma = usable ? 1 : 0;
+    // Not in all_to_all (FO_BLOCKS) builds: a destination block starts at any row, so a tile's
+    // box would start at a row whose address is not 16-byte aligned, and such a load faulted
+    // (illegal instruction) where the cp.async copies are right (csrc/cuda/NOTES.md).
+    params->scale_tma = usable && !gemm::kBlocks ? 1 : 0;
   }
   if constexpr (kTmaStore) {
     bool usable = false;
