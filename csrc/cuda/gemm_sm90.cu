@@ -178,7 +178,10 @@ static_assert(!kBlockScaled || (FO_SCHEDULE == 0 && kBM == 128 && kBK == FO_SCAL
 // main loop multiplies a K tile one column block at a time (block_scaled_mainloop).
 constexpr int kScaleCols = kBlockScaled ? kBN / FO_SCALE_BLOCK : 1;
 // Block-wise: whether scale_a may come by TMA (kernel_params decides per call from its layout).
-constexpr bool kScaleTma = kBlockScaled && FO_SCALE_TMA;
+// Never in all_to_all (FO_BLOCKS) builds: a destination block starts at any row, so a tile's
+// box would start at an address that is not 16-byte aligned, and such a load faulted (illegal
+// instruction) where the cp.async copies are right (csrc/cuda/NOTES.md).
+constexpr bool kScaleTma = kBlockScaled && FO_SCALE_TMA && !gemm::kBlocks;
 static_assert(FO_SCALE_TMA == 0 || FO_SCALE_TMA == 1, "FO_SCALE_TMA: 0 or 1");
 using KernelSchedule = cute::conditional_t<
     kPingpong,
@@ -691,7 +694,7 @@ __device__ inline BlockScaleStage* block_scale_stages(Epi& epi) {
 // - p.scale_tma (scale_a M-contiguous, its groups 16 bytes apart): lane 0 alone adds the box's
 //   bytes to the stage's transaction count and loads the kBM rows from row0 with one TMA load
 //   (rows past M zero-filled; never in all_to_all builds, whose tiles start at any row: see
-//   kernel_params), then copies scale_b and arrives (cp.async ... noinc);
+//   kScaleTma), then copies scale_b and arrives (cp.async ... noinc);
 // - otherwise each lane copies every 32nd row with 4-byte cp.async (rows past the tile's end
 //   and a filler item's zero-filled, nothing read) and arrives.
 // A column block past N gets scale_b 0 and reads nothing.
@@ -1325,10 +1328,7 @@ static cudaError_t kernel_params(const Args& args, Params* params) {
                                                 &params->scale_map, &usable)
                                   : cudaSuccess;
     if (err != cudaSuccess) return err;
-    // Not in all_to_all (FO_BLOCKS) builds: a destination block starts at any row, so a tile's
-    // box would start at a row whose address is not 16-byte aligned, and such a load faulted
-    // (illegal instruction) where the cp.async copies are right (csrc/cuda/NOTES.md).
-    params->scale_tma = usable && !gemm::kBlocks ? 1 : 0;
+    params->scale_tma = usable ? 1 : 0;
   }
   if constexpr (kTmaStore) {
     bool usable = false;
