@@ -154,6 +154,10 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     slots = 0
     if epi.startswith("tma") and epi[3:].isdigit():  # tma4: the tma epilogue with 4 slots
         epi, slots = "tma", int(epi[3:])
+    elif epi.startswith("tmawg") and epi[5:].isdigit():  # tmawg4: tma_wg with 4 slots
+        epi, slots = "tma_wg", int(epi[5:])
+    elif epi == "tmawg":
+        epi = "tma_wg"
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
                    tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,

@@ -47,8 +47,9 @@ DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": 
 SCHEDULES = {90: {"cooperative": 0, "pingpong": 1}, 80: {"multistage": 2}}
 # Epilogues per architecture -> FO_EPILOGUE (csrc/cuda/gemm_sm90.cu and gemm_sm80.cu say what
 # each does). "none" skips full tiles' stores: an upper bound for measurements, wrong output.
-EPILOGUES = {90: {"direct": 0, "tma": 1, "vec16": 2, "none": 3},
+EPILOGUES = {90: {"direct": 0, "tma": 1, "vec16": 2, "none": 3, "tma_wg": 4},
              80: {"direct": 0, "staged": 1, "none": 3}}
+TMA_EPILOGUES = ("tma", "tma_wg")  # sm90: shared-memory slots (epi_slots) and TMA stores
 
 
 class BuildError(RuntimeError):
@@ -112,10 +113,10 @@ class GemmConfig:
         if self.epilogue not in EPILOGUES[self.arch]:
             out.append(f"epilogue for sm{self.arch} must be one of {sorted(EPILOGUES[self.arch])}, "
                        f"got {self.epilogue!r}")
-        if self.epi_slots and self.epilogue != "tma":
-            out.append(f"epi_slots applies to the tma epilogue only, got {self.epi_slots} with "
+        if self.epi_slots and self.epilogue not in TMA_EPILOGUES:
+            out.append(f"epi_slots applies to the tma epilogues only, got {self.epi_slots} with "
                        f"{self.epilogue!r}")
-        if self.epilogue == "tma" and (self.tile_n % 32 or not 0 <= self.epi_slots <= self.column_blocks):
+        if self.epilogue in TMA_EPILOGUES and (self.tile_n % 32 or not 0 <= self.epi_slots <= self.column_blocks):
             out.append(f"the tma epilogue needs tile_n % 32 == 0 and epi_slots in 0..its column "
                        f"blocks (tile_n / 64, or tile_n / 32 where tile_n % 64 != 0), got "
                        f"tile_n={self.tile_n}, epi_slots={self.epi_slots}")
@@ -192,9 +193,10 @@ class GemmConfig:
 
     @property
     def column_blocks(self) -> int:
-        """sm90 tma epilogue: the column blocks of a tile, one shared-memory slot and one TMA
-        store each: 64 columns, or 32 where tile_n is not a multiple of 64 (gemm_sm90.cu)."""
-        return self.tile_n // (64 if self.tile_n % 64 == 0 else 32)
+        """sm90 tma epilogues: the column blocks of a tile, one shared-memory slot and one TMA
+        store each: 64 columns, or 32 where tile_n is not a multiple of 64 and always for
+        tma_wg (gemm_sm90.cu)."""
+        return self.tile_n // (64 if self.tile_n % 64 == 0 and self.epilogue != "tma_wg" else 32)
 
 
 def default_config(arch: int, dtype: str = "bf16", b_col_major: bool = True,

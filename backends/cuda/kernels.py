@@ -226,7 +226,7 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
     table = FP8_BLOCK_CONFIGS if block_scaled else FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
     kernel = table[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
-    slots = kernel.tma_slots if epilogue == "tma" else 0
+    slots = kernel.tma_slots if epilogue in build.TMA_EPILOGUES else 0
     return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=kernel.tile_k,
                             cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                             b_col_major=b_col_major, schedule=kernel.schedule,

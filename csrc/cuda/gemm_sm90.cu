@@ -37,6 +37,14 @@
 //   2 vec16   direct, with 16-byte stores for full tiles (quad shuffles, epilogue.cuh).
 //   3 none    direct, but full tiles are not stored at all: an upper bound for measurements
 //             only (the output is wrong by design).
+//   4 tma_wg  as tma, in 32-column blocks, but the math threads store and signal themselves,
+//             as CUTLASS's own sm90 epilogue stores: per block, the tile's math threads write a
+//             slot (stmatrix), fence the async proxy and meet at a named barrier; one elected
+//             math thread issues the block's TMA store. Before a slot is written again that
+//             thread waits until its earlier copy has read it (and tells the others through
+//             the next barrier); at the tile's end it waits for every read (pingpong: the
+//             other warpgroup may then reuse the slots), and, once its turn has passed on, for
+//             the writes themselves, then does the release add. No store thread, no handover.
 //
 // fp8 (FO_DTYPE 2, fo_gemm_run_scaled): a and b in float8 e4m3, both K-major; the math threads
 // multiply each accumulator by its row's scale_a and its column's scale_b before any epilogue
@@ -134,16 +142,19 @@ constexpr bool kPingpong = FO_SCHEDULE == 1;
 static_assert(FO_SCHEDULE == 0 || FO_SCHEDULE == 1, "FO_SCHEDULE: 0 cooperative, 1 pingpong");
 static_assert(kClusterSize <= 8, "portable cluster size is at most 8");
 
-enum Epilogue { kDirect = 0, kTma = 1, kVec16 = 2, kNone = 3 };
+enum Epilogue { kDirect = 0, kTma = 1, kVec16 = 2, kNone = 3, kTmaWg = 4 };
 constexpr int kEpilogue = FO_EPILOGUE;
-static_assert(kEpilogue >= 0 && kEpilogue <= 3, "FO_EPILOGUE: 0 direct, 1 tma, 2 vec16, 3 none");
-constexpr bool kTmaStore = kEpilogue == kTma;
+static_assert(kEpilogue >= 0 && kEpilogue <= 4, "FO_EPILOGUE: 0 direct, 1 tma, 2 vec16, 3 none, 4 tma_wg");
+// tma_wg: the tma epilogue's slots and maps, but the math threads issue the TMA stores and the
+// signal themselves (one elected thread per tile), with no store thread between
+constexpr bool kWgStore = kEpilogue == kTmaWg;
+constexpr bool kTmaStore = kEpilogue == kTma || kWgStore;
 static_assert(!kTmaStore || kBN % 32 == 0, "the tma epilogue stores 64- or 32-column blocks");
 static_assert(kEpilogue != kVec16 || kBN % 32 == 0, "the vec16 epilogue stores 32-column groups");
 // tma: the columns of one block (one shared-memory slot, one TMA store): 64 (128-byte rows,
 // the 128-byte swizzle), or 32 (64-byte rows, the 64-byte swizzle) where BN is not a multiple
 // of 64.
-constexpr int kColW = kBN % 64 == 0 ? 64 : 32;
+constexpr int kColW = kBN % 64 == 0 && !kWgStore ? 64 : 32;  // tma_wg: 32-column blocks
 constexpr int kColBlocks = kBN / kColW;
 constexpr int kSlots = kTmaStore ? (FO_EPI_SLOTS < kColBlocks ? FO_EPI_SLOTS : kColBlocks) : 0;
 static_assert(!kTmaStore || FO_EPI_SLOTS >= 1, "FO_EPI_SLOTS must be >= 1");
@@ -643,6 +654,67 @@ __device__ inline void bulk_wait_written() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
+
+// ---- tma_wg epilogue: the math threads store their own tiles ----------------------------------
+// The named barrier of math group g's tile threads (CUTLASS user ids; 0-3 are the row-wise
+// scales' and the block-scaled loop's).
+[[maybe_unused]] constexpr int kWgEpiBarrier = 4;  // 4 and 5
+// Whether column block cb of tile w goes through the TMA (kTmaRows: not past N). The blocks
+// that do form a prefix of the tile's, so the k-th stored block is block k and the elected
+// thread's bulk groups count blocks.
+__device__ inline bool wg_block_stored(const Params& p, const WorkTile& w, bool tma, int cb) {
+  return tma && !(p.tma_store == kTmaRows && w.col0 + cb * kColW >= p.table.N);
+}
+template <int CB = 0, class Acc>
+__device__ inline void wg_store_blocks(const Params& p, const WorkTile& w, bool tma, const Acc& acc,
+                                       uint32_t slots, const int (&row_base)[kMmaM], int lane,
+                                       bool leader, uint32_t barrier) {
+  if constexpr (CB < kColBlocks) {
+    if (!wg_block_stored(p, w, tma, CB)) return;  // (uniform: the rest lie past N too)
+    const uint32_t slot = slots + (CB % kSlots) * kSlotBytes;
+    if constexpr (CB >= kSlots) {  // the slot's earlier block must have been read
+      if (leader) bulk_wait_read<kSlots - 1>();
+      cutlass::arch::NamedBarrier::sync(kTileThreads, barrier);
+    }
+    stage_column_block<CB>(acc, slot, row_base, lane);
+    cutlass::arch::fence_view_async_shared();  // the writes, visible to the TMA's reads
+    cutlass::arch::NamedBarrier::sync(kTileThreads, barrier);
+    if (leader) {
+      tma_store_block(p, w, CB, slot);
+      bulk_commit();
+    }
+    wg_store_blocks<CB + 1>(p, w, tma, acc, slots, row_base, lane, leader, barrier);
+  }
+}
+// Math threads, tma_wg: the tile's direct stores (a tile the TMA does not take), then its TMA
+// blocks; returns with every slot read (the elected thread waited, then the barrier), so the
+// slots are free for the next tile, whichever math group takes it.
+template <class Acc, class Coord>
+__device__ inline void wg_epilogue(const Params& p, const WorkTile& w, const Acc& acc, const Coord& coord,
+                                   uint32_t slots, const int (&row_base)[kMmaM], int lane,
+                                   bool leader, uint32_t barrier) {
+  const bool tma = tma_tile(w, p.tma_store, p.table);
+  if (w.valid && !tma) {
+    Element* dst = p.packed + w.offset;
+    if (p.table.ldo) store_tile_rows(acc, coord, dst, w.rows, w.cols, p.table.ldo);
+    else store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+  }
+  wg_store_blocks(p, w, tma, acc, slots, row_base, lane, leader, barrier);
+  if (leader && tma) bulk_wait_read<0>();
+  // every thread's direct stores, and the elected thread's reads, before any signal or reuse
+  cutlass::arch::NamedBarrier::sync(kTileThreads, barrier);
+}
+// The elected math thread, after wg_epilogue (pingpong: after passing the turn on): waits until
+// the tile's TMA writes are performed, then publishes the tile (release add at GPU scope, after
+// a GPU-scope fence that orders the other math threads' direct stores, which the barrier
+// ordered before this thread's, ahead of it).
+__device__ inline void wg_signal(const Params& p, const WorkTile& w, int64_t item, int cta) {
+  if (item >= p.table.num_items) return;
+  bulk_wait_written();
+  __threadfence();
+  if (p.counters) signal_counter(p.counters + w.group);
+  record_monitor(p.monitor, item, cta);
+}
 #endif  // FO_SM90_DEVICE
 
 // The item this CTA (cluster rank `rank`) computes in the cluster round that starts at `base`,
@@ -961,7 +1033,7 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       if constexpr (kScaleWarp)
         load_row_scales(p, pipeline, ss.tensors.epi, first_base, round_stride, rank, k_tiles,
                         thread_in_group % 32);
-    } else if (warp_in_group == 1 && thread_in_group == 32) {
+    } else if (!kWgStore && warp_in_group == 1 && thread_in_group == 32) {
       // Store/signal thread: takes each tile from the math threads (in the CTA's order); tma:
       // stores its column blocks from the slots, frees each slot once read, waits for the
       // writes; then publishes the tile with a release add on its group's counter.
@@ -1088,10 +1160,17 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       }
 
       if constexpr (kPingpong) math_order.wait();
-      epilogue(p, w, acc, coord, epi, epi_state, slots, row_base, lane);
-      if constexpr (kPingpong) {
-        epi_state.advance(kEpiSteps);  // the other warpgroup's tile
-        math_order.arrive();
+      if constexpr (kWgStore) {
+        const bool leader = math_thread == 0;
+        wg_epilogue(p, w, acc, coord, slots, row_base, lane, leader, kWgEpiBarrier + scale_group);
+        if constexpr (kPingpong) math_order.arrive();
+        if (leader) wg_signal(p, w, base + rank, cta);
+      } else {
+        epilogue(p, w, acc, coord, epi, epi_state, slots, row_base, lane);
+        if constexpr (kPingpong) {
+          epi_state.advance(kEpiSteps);  // the other warpgroup's tile
+          math_order.arrive();
+        }
       }
     }
   }
