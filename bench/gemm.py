@@ -22,12 +22,14 @@ Kernels: "product" is what the cuda backend launches for a default plan (the ker
 backends/cuda/kernels.py; FLASHOVERLAP_CUDA_EPILOGUE changes its epilogue), "plain" the same
 with null counters (signaling's cost). --variants adds builds: {coop|pp|sm80}-{epilogue}[slots],
 e.g. coop-tma (cooperative 128x256), coop-tma4 (4 shared-memory slots), pp-tma (pingpong
-128x128), coop128-tma (cooperative 128x128), coop224-tma4 and coop160-tma4 (cooperative
+128x128), pp-tmawg / pp-tmawg4 (the tma_wg epilogue: the math threads store and signal, 2 or 4
+slots of 32 columns), coop128-tma (cooperative 128x128), coop224-tma4 and coop160-tma4 (cooperative
 128x224, 128x160), coop-vec16, coop-none (no full-tile stores: an upper bound, wrong output), sm80-staged
 (the Ampere kernel, run here); "-plain" after any name drops its counters; "-cMxN" builds it
 with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-sN" with N
 mainloop stages instead of as many as fit (GemmConfig.stages), "-scw" (fp8) has a producer
-warp stage each item's scales (GemmConfig.scale_warp), "-swN" plans it with
+warp stage each item's scales (GemmConfig.scale_warp), "-ipf" prefetches each next item's
+table rows into L1 (GemmConfig.item_prefetch), "-swN" plans it with
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
@@ -118,12 +120,13 @@ class Variant:
     stages: int = 0  # 0: as many as fit; a "-sN" name: N mainloop stages (e.g. pp-tma-s6)
     swizzle: int = 0  # 0: the backend's schedule; a "-swN" name: raster "n", N bands at a time
     scale_warp: bool = False  # fp8: a "-scw" name: a producer warp stages the scales
+    item_prefetch: bool = False  # a "-ipf" name: the next item's table rows prefetched into L1
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
-    tile_k, cluster, swizzle, stages, scale_warp = 0, None, 0, 0, False
+    tile_k, cluster, swizzle, stages, scale_warp, prefetch = 0, None, 0, 0, False, False
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -134,6 +137,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, stages = head, int(last[1:])
         elif last == "scw":
             base, scale_warp = head, True
+        elif last == "ipf":
+            base, prefetch = head, True
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
@@ -145,7 +150,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
                          f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
     if base == "product":
         return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle,
-                       stages=stages, scale_warp=scale_warp)
+                       stages=stages, scale_warp=scale_warp, item_prefetch=prefetch)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -161,7 +166,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
                    tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,
-                   scale_warp=scale_warp)
+                   scale_warp=scale_warp, item_prefetch=prefetch)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -180,6 +185,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, stages=v.stages)  # (GemmConfig checks it)
     if v.scale_warp:
         cfg = replace(cfg, scale_warp=True)  # (GemmConfig checks it)
+    if v.item_prefetch:
+        cfg = replace(cfg, item_prefetch=True)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

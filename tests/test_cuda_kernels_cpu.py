@@ -30,8 +30,13 @@ def test_epilogues_are_validated_per_architecture():
         GemmConfig(epilogue="staged")
     with pytest.raises(ValueError, match="epilogue for sm80"):
         build.default_config(80, epilogue="tma")
-    with pytest.raises(ValueError, match="epi_slots applies to the tma epilogue only"):
+    with pytest.raises(ValueError, match="epi_slots applies to the tma epilogues only"):
         GemmConfig(epi_slots=2)
+    # tma_wg (the math threads store and signal): the tma epilogue's slots, 32-column blocks
+    wg = GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma_wg", epi_slots=4)
+    assert wg.column_blocks == 4 and build.gemm_defines(wg).count("-DFO_EPILOGUE=4") == 1
+    with pytest.raises(ValueError, match="epi_slots in"):
+        GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma_wg", epi_slots=5)
     with pytest.raises(ValueError, match="tile_n % 32"):
         GemmConfig(tile_n=80, epilogue="tma")
     with pytest.raises(ValueError, match="epi_slots in"):
@@ -318,6 +323,15 @@ def test_bench_variants_map_to_builds():
         90, (128, 256), "bfloat16", True, (2, 1))
     with pytest.raises(ValueError, match="variant"):
         gemm.parse_variant("wide-tma", 90)
+    wg = gemm.parse_variant("pp-tmawg4", 90)
+    assert (wg.tile, wg.epilogue, wg.slots) == ((128, 128), "tma_wg", 4)
+    assert gemm.parse_variant("pp-tmawg", 90).epilogue == "tma_wg"
+    cfg = gemm.variant_config(kernels, wg, "float8_e4m3fn", (2, 1), scaling="rowwise")
+    assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_etma_wg4"
+    pf = gemm.variant_config(kernels, gemm.parse_variant("pp-tmawg-ipf", 90), "float8_e4m3fn",
+                             (1, 1), scaling="rowwise")
+    assert build.config_name(pf) == "sm90_e4m3_bf16_bcol_128x128x128_c1x1_pingpong_ipf_etma_wg"
+    assert "-DFO_ITEM_PREFETCH=1" in build.gemm_defines(pf)
 
 
 def test_bench_fp8_variants_and_summary():

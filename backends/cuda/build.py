@@ -84,6 +84,8 @@ class GemmConfig:
     scale_warp: bool = False  # e4m3 tensor-/row-wise (sm90): a producer warp stages each item's
     # scales, tracked by its first stage's barrier (FO_SCALE_WARP=1, name suffix _scw), instead
     # of the math threads before the item's main loop
+    item_prefetch: bool = False  # sm90: each warp that decodes items prefetches the table rows
+    # of its next one into L1 a tile ahead (FO_ITEM_PREFETCH=1, name suffix _ipf)
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
     # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
     # the source alone tells it apart, so every other build keeps its name and cached object)
@@ -122,6 +124,8 @@ class GemmConfig:
                        f"tile_n={self.tile_n}, epi_slots={self.epi_slots}")
         if self.epilogue == "vec16" and self.tile_n % 32:
             out.append(f"the vec16 epilogue needs tile_n % 32 == 0, got {self.tile_n}")
+        if self.item_prefetch and self.arch != 90:
+            out.append("item_prefetch applies to sm90 builds")
         if self.arch == 90:
             min_m = 128 if self.schedule == "cooperative" else 64
             if self.tile_m % min_m or self.tile_m > 256:
@@ -225,6 +229,8 @@ def config_name(config: GemmConfig) -> str:
         name += f"_s{config.stages}"
     if config.scale_warp:
         name += "_scw"
+    if config.item_prefetch:
+        name += "_ipf"
     if config.epilogue != "direct":
         name += f"_e{config.epilogue}{config.epi_slots or ''}"
     if config.blocks:
@@ -366,7 +372,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
          f"-DFO_FP8_FAST_ACCUM={int(config.fast_accum)}"] if config.dtype in FP8_DTYPES else []) + (
         ["-DFO_FP8_BLOCK=1"] if config.block_scaled else []) + (
         ["-DFO_SCALE_TMA=0"] if not config.scale_tma else []) + (
-        ["-DFO_SCALE_WARP=1"] if config.scale_warp else [])
+        ["-DFO_SCALE_WARP=1"] if config.scale_warp else []) + (
+        ["-DFO_ITEM_PREFETCH=1"] if config.item_prefetch else [])
 
 
 @dataclass(frozen=True)
@@ -582,13 +589,16 @@ CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they nam
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128; cooperative 128x224 (the tma
 # epilogue's 32-column blocks, 64-byte swizzle); e4m3 row-wise and block-wise (cooperative
-# 128x128 and 128x256: the rows its main loop scales by, and its column blocks).
+# 128x128 and 128x256: the rows its main loop scales by, and its column blocks); the tma_wg
+# epilogue of pingpong 128x128x128 e4m3 (32-column blocks).
 SELFTEST_CONFIGS = (GemmConfig(epilogue="tma"), GemmConfig(tile_n=128, schedule="pingpong", epilogue="tma"),
                     GemmConfig(tile_n=224, epilogue="tma", epi_slots=4),
                     GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4),
                     GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", epilogue="tma",
                                block_scaled=True),
-                    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True))
+                    GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", block_scaled=True),
+                    GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", schedule="pingpong",
+                               epilogue="tma_wg"))
 
 
 def selftest_job(config: GemmConfig) -> Job:

@@ -128,6 +128,9 @@
 #ifndef FO_SCALE_TMA
 #define FO_SCALE_TMA 1  // block-wise: scale_a's K tiles by TMA where its layout allows (above)
 #endif
+#ifndef FO_ITEM_PREFETCH
+#define FO_ITEM_PREFETCH 0  // 1: the item table's rows of each decoding warp's next item into L1
+#endif
 #ifndef FO_SCALE_WARP
 #define FO_SCALE_WARP 0  // e4m3 tensor-/row-wise: 1: producer warp 2 stages each item's scales
 #endif
@@ -236,6 +239,15 @@ static_assert(sizeof(TileScales) == (kBM + kBN) * sizeof(float), "rows then colu
 // the producer has then begun at most item n + 1 + stages while item n's math threads read
 // their slot (static_assert below).
 constexpr bool kScaleWarp = FO_SCALE_WARP && kFp8 && !kBlockScaled;
+// FO_ITEM_PREFETCH=1: the producer warp copies the table rows of the CTA's next cluster round
+// into shared memory (cp.async) while it loads the current round's tiles, and decodes each item
+// from there, so that decoding, otherwise a dependent L2 or DRAM round trip before every tile's
+// first TMA load (the table is read once per CTA and round, long after the host wrote it), no
+// longer delays the next tile's first stage (the pingpong builds' math warps waited most for a
+// tile's first stage); the pingpong math warpgroups, which decode their own items before their
+// turn, prefetch their next item's rows into L2. (Not into L1: every signal's fences invalidate
+// it.)
+constexpr bool kItemPrefetch = FO_ITEM_PREFETCH != 0;
 constexpr int kScaleSlots = kScaleWarp ? (kPingpong || kBK < 128 ? 8 : 6) : 1;
 struct alignas(16) ScaleStorage {
   TileScales tile[kScaleWarp ? kScaleSlots : kMathGroups * 2];
@@ -298,9 +310,22 @@ struct EpiShared<true> {
 // (ptxas, nvcc 13.0), so they decode their items from the table as before.
 constexpr int kItemSlots = 10;
 constexpr bool kItemFromSlot = !kPingpong && !kBlockScaled;
-struct alignas(16) ItemSlots {
+// kItemPrefetch: the producer warp's copy of one cluster round's table rows and groups, two
+// rounds (stage_round): the next round's land while the current one's tiles are loaded.
+struct alignas(16) StagedRound {
+  int64_t rows[kClusterSize][4];
+  int32_t group[kClusterSize];
+};
+template <bool Staged>
+struct alignas(16) ItemArea {
   WorkTile tile[kItemSlots];
 };
+template <>
+struct alignas(16) ItemArea<true> {
+  WorkTile tile[kItemSlots];
+  StagedRound round[2];
+};
+using ItemSlots = ItemArea<kItemPrefetch>;
 
 constexpr int kCarveout = int(sizeof(ItemSlots)) + 16 +
                           int(sizeof(typename MathOrderBarrier::SharedStorage) +
@@ -721,23 +746,88 @@ __device__ inline void wg_signal(const Params& p, const WorkTile& w, int64_t ite
 // for the producer: checked, including the cluster rule (header). Past the end of the table a
 // CTA still joins its cluster's multicast loads with a filler item (valid = false) whose rows
 // and columns match its cluster peers.
-__device__ inline WorkTile cluster_item(const ItemTable& t, int64_t base, int rank) {
+// (decode(j): item base + j, checked; cluster_item reads the table, the kItemPrefetch
+// producer its staged copy of the round.)
+template <class Decode>
+__device__ inline WorkTile cluster_item_with(const ItemTable& t, int64_t base, int rank, Decode decode) {
   const int rm = rank % kClusterM, rn = rank / kClusterM;
   if (base + rank < t.num_items) {
-    WorkTile w = decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rank);
+    WorkTile w = decode(rank);
     if constexpr (kClusterSize > 1) {
       // Multicast: A is shared along the cluster's N mode, B along its M mode.
-      if (rn > 0 && decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rm).row0 != w.row0) __trap();
-      if (rm > 0 && decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rn * kClusterM).n_blk != w.n_blk) __trap();
+      if (rn > 0 && decode(rm).row0 != w.row0) __trap();
+      if (rm > 0 && decode(rn * kClusterM).n_blk != w.n_blk) __trap();
     }
     return w;
   }
   WorkTile w{};
   w.valid = false;
-  if (base + rm < t.num_items) w.row0 = decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rm).row0;
-  if (base + rn * kClusterM < t.num_items) w.n_blk = decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + rn * kClusterM).n_blk;
+  if (base + rm < t.num_items) w.row0 = decode(rm).row0;
+  if (base + rn * kClusterM < t.num_items) w.n_blk = decode(rn * kClusterM).n_blk;
   return w;
 }
+__device__ inline WorkTile cluster_item(const ItemTable& t, int64_t base, int rank) {
+  return cluster_item_with(t, base, rank, [&](int j) {
+    return decode_item<kBM, kBN, true, gemm::kBlocks>(t, base + j);
+  });
+}
+
+#ifdef FO_SM90_DEVICE
+// kItemPrefetch, producer warp: lanes 0 .. kClusterSize - 1 copy the table rows and groups of
+// the round at `base` into `r` (cp.async, 8 and 4 bytes; entries past the table zero-filled,
+// nothing read), then every lane commits a group (empty for the other lanes).
+__device__ inline void stage_round(const ItemTable& t, int64_t base, StagedRound& r, int lane) {
+  if (lane < kClusterSize) {
+    const int64_t i = base + lane;
+    const bool in = i < t.num_items;
+    const int64_t* row = t.items + 4 * (in ? i : 0);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(
+                       cute::cast_smem_ptr_to_uint(&r.rows[lane][k])),
+                   "l"(row + k), "r"(in ? 8 : 0)
+                   : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                     cute::cast_smem_ptr_to_uint(&r.group[lane])),
+                 "l"(t.item_group + (in ? i : 0)), "r"(in ? 4 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// The producer's item of the round at `base` (its ordinal-th), kItemPrefetch: stages the next
+// round's rows first (at the first round, this round's before them), then waits for this
+// round's and decodes from them. The warp barrier before the copies orders every lane's reads
+// of that buffer two rounds ago before it is written again.
+template <class Slots>
+__device__ inline WorkTile producer_item(const ItemTable& t, int64_t base, int64_t round_stride,
+                                         int rank, int ordinal, Slots& items, int lane) {
+  if constexpr (kItemPrefetch) {
+    if (ordinal == 0) stage_round(t, base, items.round[0], lane);
+    __syncwarp();
+    stage_round(t, base + round_stride, items.round[(ordinal + 1) & 1], lane);
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    __syncwarp();
+    // the table with the round's rows in place of its own: its row j is item base + j's
+    // (decode_item reads row i and group i, and takes nothing else from i)
+    ItemTable round = t;
+    round.items = &items.round[ordinal & 1].rows[0][0];
+    round.item_group = items.round[ordinal & 1].group;
+    return cluster_item_with(t, base, rank, [&](int j) {
+      return decode_item<kBM, kBN, true, gemm::kBlocks>(round, j);
+    });
+  } else {
+    return cluster_item(t, base, rank);
+  }
+}
+// kItemPrefetch, a pingpong math warpgroup: its next item's table row and group into L2.
+__device__ inline void prefetch_item_l2(const ItemTable& t, int64_t i) {
+  if constexpr (kItemPrefetch) {
+    if (i >= t.num_items) return;
+    asm volatile("prefetch.L2 [%0];" ::"l"(t.items + 4 * i));
+    asm volatile("prefetch.L2 [%0];" ::"l"(t.item_group + i));
+  }
+}
+#endif  // FO_SM90_DEVICE
 
 // The same item for the threads that only store or signal it: unchecked (the producer checked
 // it before loading its operands), so the loads overlap the mainloop.
@@ -1006,7 +1096,8 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
       int ordinal = 0;  // of this CTA's items
       for (int64_t base = first_base; base < p.table.num_items; base += round_stride, ++ordinal) {
-        WorkTile w = cluster_item(p.table, base, rank);
+        WorkTile w = producer_item(p.table, base, round_stride, rank, ordinal, ss.items,
+                                   thread_in_group % 32);
         // for the math threads (kItemSlots): before the item's first stage is acquired and
         // filled; the warp barrier orders lane 0's write before whichever lane the load elects
         if constexpr (kItemFromSlot) {  // (the other builds decode their items themselves)
@@ -1121,7 +1212,10 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       const WorkTile& slot = ss.items.tile[ordinal % kItemSlots];
       // the other builds decode their item from the table, before the main loop (kItemFromSlot)
       [[maybe_unused]] WorkTile table_item;
-      if constexpr (!kItemFromSlot) table_item = stored_item(p.table, base, rank);
+      if constexpr (!kItemFromSlot) {
+        table_item = stored_item(p.table, base, rank);
+        prefetch_item_l2(p.table, base + step + rank);  // (kItemPrefetch) this group's next item
+      }
       TileScales* scales = nullptr;
       if constexpr (kScaleWarp) {
         scales = scale_slot(ss.tensors.epi, ordinal);  // filled by the scale warp
