@@ -41,6 +41,9 @@ run_one() {
     mr-k) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-tests ${FO_MR_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k "${FO_MR_K:?}" ;;
     mr-strategy) FO_MULTIRANK_WORLD_SIZES=${FO_MR_WORLDS:-2,4} stage multirank-strategy 120 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_multirank.py -k same_strategy ;;
     gemmfp8) stage gemmfp8 240 $PY bench/gemm.py --fp8 ${FO_GEMM_FP8_ARGS:-} ;;
+    # stock CUTLASS fp8 row-wise GEMMs beside the product and _scaled_mm (their objects are
+    # built into .fo_build/cache/cutlass_ref where missing, and come back with the cache)
+    cutlass-ref) stage cutlass-ref ${FO_REF_SECONDS:-330} $PY bench/cutlass_ref.py --jobs 16 ${FO_REF_ARGS:-} ;;
     moe) stage moe 200 $PY bench/moe.py ;;
     faults-tests) stage faults-tests ${FO_FAULTS_SECONDS:-420} $PY -m pytest -v -p no:cacheprovider -rfEs --tb=short --durations=10 ${FO_FAULTS_WORKERS:+-n $FO_FAULTS_WORKERS} tests/gpu/test_faults.py ${FO_FAULTS_K:+-k "$FO_FAULTS_K"} ;;
     faults-bench) stage faults-bench ${FO_FAULTS_BENCH_SECONDS:-400} $PY bench/faults.py ${FO_FAULTS_ARGS:-} ;;

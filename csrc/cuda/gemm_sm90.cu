@@ -71,7 +71,8 @@
 //   into fp32 registers every 4 MMAs, which needs twice the accumulator registers),
 //   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
 //   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: shared-memory slots, one column block each),
-//   FO_SCALE_TMA [1] (block-wise: scale_a by TMA where its layout allows; 0: always cp.async).
+//   FO_SCALE_TMA [1] (block-wise: scale_a by TMA where its layout allows; 0: always cp.async),
+//   FO_ITEM_PREFETCH [0] (1: the producer stages the next round's table rows in shared memory).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
 // accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
 // Tiles whose width is not a multiple of 64 (128x160, 128x224) need wgmma shapes that CUTLASS
@@ -129,7 +130,7 @@
 #define FO_SCALE_TMA 1  // block-wise: scale_a's K tiles by TMA where its layout allows (above)
 #endif
 #ifndef FO_ITEM_PREFETCH
-#define FO_ITEM_PREFETCH 0  // 1: the item table's rows of each decoding warp's next item into L1
+#define FO_ITEM_PREFETCH 0  // 1: the producer stages the next round's table rows (below)
 #endif
 #ifndef FO_SCALE_WARP
 #define FO_SCALE_WARP 0  // e4m3 tensor-/row-wise: 1: producer warp 2 stages each item's scales
