@@ -1,7 +1,11 @@
-// Stock CUTLASS 3 fp8 row-wise GEMM, for comparison only (issue 32; bench/cutlass_ref.py).
+// Stock CUTLASS 3 fp8 GEMMs, for comparison only (issue 32; bench/cutlass_ref.py).
 //
-// D[M, N] (bf16, row-major) = scale_a[m] * scale_b[n] * (A[M, K] . B[N, K]^T), e4m3 A and B
-// K-major, as torch._scaled_mm's row-wise case. Composed from CUTLASS's own parts only:
+// Row-wise: D[M, N] (bf16, row-major) = scale_a[m] * scale_b[n] * (A[M, K] . B[N, K]^T), e4m3
+// A and B K-major, as torch._scaled_mm's row-wise case. Block-wise (REF_BLOCKWISE=1): scale_a
+// [M, K/128] (M contiguous) per 1x128 group of A, scale_b [N/128, K/128] (K contiguous) per
+// 128x128 block of B, applied in CUTLASS's sm90 FP8Blockwise main loop (its
+// Sm90BlockwiseScaleConfig<1, 128, 128, MN, K>), D = bf16 of the accumulator, as torch's
+// block-wise scaled_mm. Composed from CUTLASS's own parts only:
 // CollectiveBuilder mainloop (TMA warp-specialized, FP8 fast accumulation), CollectiveBuilder
 // epilogue with an epilogue visitor tree (column broadcast of scale_a, row broadcast of
 // scale_b), GemmUniversal with the persistent tile scheduler. No FlashOverlap code: its point is
@@ -12,6 +16,7 @@
 //   REF_TM, REF_TN   CTA tile (K tile 128)
 //   REF_CM, REF_CN   cluster shape
 //   REF_PINGPONG     1: pingpong kernel schedule, 0: cooperative
+//   REF_BLOCKWISE    1: block-wise scales in the main loop (default 0: row-wise, epilogue)
 //   REF_NAME         suffix of the exported symbols
 // C ABI (ctypes): fo_ref_<name>_prepare(...) -> handle (nullptr on failure, message in
 // fo_ref_<name>_error()), fo_ref_<name>_run(handle, stream) -> cudaError_t,
@@ -23,6 +28,8 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -36,15 +43,26 @@
 
 using namespace cute;
 
+#ifndef REF_BLOCKWISE
+#define REF_BLOCKWISE 0
+#endif
+
 namespace {
 
 using TileShape = Shape<Int<REF_TM>, Int<REF_TN>, _128>;
 using ClusterShape = Shape<Int<REF_CM>, Int<REF_CN>, _1>;
-#if REF_PINGPONG
+#if REF_PINGPONG && REF_BLOCKWISE
+using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise;
+#elif REF_PINGPONG
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+#elif REF_BLOCKWISE
+using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise;
 #else
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
+#endif
+#if REF_PINGPONG
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+#else
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 #endif
 
@@ -63,16 +81,29 @@ using TimesB = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, f
                                ScaleB, fusion::Sm90AccFetch>;
 using TimesA = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>,
                                ScaleA, TimesB>;
+// block-wise: the scales are in the accumulator already; D is its conversion
+using Convert = fusion::Sm90EVT<
+    fusion::Sm90Compute<cutlass::epilogue::thread::Identity, ElementD, float, kRound>,
+    fusion::Sm90AccFetch>;
+using Fusion = cute::conditional_t<REF_BLOCKWISE, Convert, TimesA>;
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::MN,
+                                                              cute::GMMA::Major::K>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+using LayoutA = cutlass::layout::RowMajor;
+using LayoutB = cutlass::layout::ColumnMajor;
+using MainA = cute::conditional_t<REF_BLOCKWISE, cute::tuple<LayoutA, LayoutSFA>, LayoutA>;
+using MainB = cute::conditional_t<REF_BLOCKWISE, cute::tuple<LayoutB, LayoutSFB>, LayoutB>;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-    void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, EpilogueSchedule, TimesA>::CollectiveOp;
+    void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    ElementAB, cutlass::layout::RowMajor, kAlignAB,
-    ElementAB, cutlass::layout::ColumnMajor, kAlignAB,
+    ElementAB, MainA, kAlignAB,
+    ElementAB, MainB, kAlignAB,
     float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<
         static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -123,6 +154,16 @@ void* FO_SYM(_prepare)(const void* a, const void* b, const float* scale_a, const
   StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(n, k, 1));
   StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(m, n, 1));
   StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, n, 1));
+#if REF_BLOCKWISE
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<ElementAB const*>(a), sa, static_cast<ElementAB const*>(b), sb, scale_a,
+       ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1)), scale_b,
+       ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1))},
+      {{}, nullptr, sc, static_cast<ElementD*>(d), sd}};
+  args.epilogue.thread = {{}, {}};  // Convert's: {acc's, identity's}
+#else
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
@@ -130,6 +171,7 @@ void* FO_SYM(_prepare)(const void* a, const void* b, const float* scale_a, const
       {{}, nullptr, sc, static_cast<ElementD*>(d), sd}};
   // TimesA's arguments: {scale_a's, TimesB's, multiply's}; TimesB's: {scale_b's, acc's, multiply's}
   args.epilogue.thread = {{scale_a, 0.f, {}}, {{scale_b, 0.f, {}}, {}, {}}, {}};
+#endif
   args.hw_info.device_id = 0;
   args.hw_info.sm_count = sm_count;
   args.scheduler.max_swizzle_size = swizzle;
