@@ -28,8 +28,9 @@ slots of 32 columns), coop128-tma (cooperative 128x128), coop224-tma4 and coop16
 (the Ampere kernel, run here); "-plain" after any name drops its counters; "-cMxN" builds it
 with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-sN" with N
 mainloop stages instead of as many as fit (GemmConfig.stages), "-scw" (fp8) has a producer
-warp stage each item's scales (GemmConfig.scale_warp), "-ipf" prefetches each next item's
-table rows into L1 (GemmConfig.item_prefetch), "-swN" plans it with
+warp stage each item's scales (GemmConfig.scale_warp), "-ipf" has the producer stage each next
+round's table rows in shared memory (GemmConfig.item_prefetch), "-dsig" (tma_wg) signals each
+tile at its math group's next epilogue (GemmConfig.signal_defer), "-swN" plans it with
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
@@ -120,13 +121,14 @@ class Variant:
     stages: int = 0  # 0: as many as fit; a "-sN" name: N mainloop stages (e.g. pp-tma-s6)
     swizzle: int = 0  # 0: the backend's schedule; a "-swN" name: raster "n", N bands at a time
     scale_warp: bool = False  # fp8: a "-scw" name: a producer warp stages the scales
-    item_prefetch: bool = False  # a "-ipf" name: the next item's table rows prefetched into L1
+    item_prefetch: bool = False  # a "-ipf" name: the producer stages the next round's table rows
+    signal_defer: bool = False  # a "-dsig" name (tma_wg): each tile signalled at the next epilogue
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
-    tile_k, cluster, swizzle, stages, scale_warp, prefetch = 0, None, 0, 0, False, False
+    tile_k, cluster, swizzle, stages, scale_warp, prefetch, defer = 0, None, 0, 0, False, False, False
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -139,6 +141,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, scale_warp = head, True
         elif last == "ipf":
             base, prefetch = head, True
+        elif last == "dsig":
+            base, defer = head, True
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
@@ -150,7 +154,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
                          f"kinds ({BLOCK_KIND}128, {BLOCK_KIND}256)")
     if base == "product":
         return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle,
-                       stages=stages, scale_warp=scale_warp, item_prefetch=prefetch)
+                       stages=stages, scale_warp=scale_warp, item_prefetch=prefetch,
+                       signal_defer=defer)
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -166,7 +171,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
                    tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,
-                   scale_warp=scale_warp, item_prefetch=prefetch)
+                   scale_warp=scale_warp, item_prefetch=prefetch, signal_defer=defer)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -187,6 +192,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, scale_warp=True)  # (GemmConfig checks it)
     if v.item_prefetch:
         cfg = replace(cfg, item_prefetch=True)
+    if v.signal_defer:
+        cfg = replace(cfg, signal_defer=True)  # (GemmConfig checks the epilogue)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

@@ -332,6 +332,12 @@ def test_bench_variants_map_to_builds():
                              (1, 1), scaling="rowwise")
     assert build.config_name(pf) == "sm90_e4m3_bf16_bcol_128x128x128_c1x1_pingpong_ipf_etma_wg"
     assert "-DFO_ITEM_PREFETCH=1" in build.gemm_defines(pf)
+    ds = gemm.variant_config(kernels, gemm.parse_variant("pp-tmawg-ipf-dsig", 90), "float8_e4m3fn",
+                             (2, 1), scaling="rowwise")
+    assert build.config_name(ds) == "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_ipf_dsig_etma_wg"
+    assert "-DFO_WG_DEFER=1" in build.gemm_defines(ds)
+    with pytest.raises(ValueError, match="signal_defer applies to the tma_wg epilogue"):
+        gemm.variant_config(kernels, gemm.parse_variant("pp-tma-dsig", 90), "float8_e4m3fn", (2, 1))
 
 
 def test_bench_fp8_variants_and_summary():

@@ -84,8 +84,10 @@ class GemmConfig:
     scale_warp: bool = False  # e4m3 tensor-/row-wise (sm90): a producer warp stages each item's
     # scales, tracked by its first stage's barrier (FO_SCALE_WARP=1, name suffix _scw), instead
     # of the math threads before the item's main loop
-    item_prefetch: bool = False  # sm90: each warp that decodes items prefetches the table rows
-    # of its next one into L1 a tile ahead (FO_ITEM_PREFETCH=1, name suffix _ipf)
+    item_prefetch: bool = False  # sm90: the producer stages the next round's table rows in
+    # shared memory a round ahead (FO_ITEM_PREFETCH=1, name suffix _ipf)
+    signal_defer: bool = False  # tma_wg: each tile is signalled at its math group's next
+    # epilogue, not after waiting for its writes (FO_WG_DEFER=1, name suffix _dsig)
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
     # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
     # the source alone tells it apart, so every other build keeps its name and cached object)
@@ -126,6 +128,8 @@ class GemmConfig:
             out.append(f"the vec16 epilogue needs tile_n % 32 == 0, got {self.tile_n}")
         if self.item_prefetch and self.arch != 90:
             out.append("item_prefetch applies to sm90 builds")
+        if self.signal_defer and self.epilogue != "tma_wg":
+            out.append(f"signal_defer applies to the tma_wg epilogue, got {self.epilogue!r}")
         if self.arch == 90:
             min_m = 128 if self.schedule == "cooperative" else 64
             if self.tile_m % min_m or self.tile_m > 256:
@@ -231,6 +235,8 @@ def config_name(config: GemmConfig) -> str:
         name += "_scw"
     if config.item_prefetch:
         name += "_ipf"
+    if config.signal_defer:
+        name += "_dsig"
     if config.epilogue != "direct":
         name += f"_e{config.epilogue}{config.epi_slots or ''}"
     if config.blocks:
@@ -373,7 +379,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         ["-DFO_FP8_BLOCK=1"] if config.block_scaled else []) + (
         ["-DFO_SCALE_TMA=0"] if not config.scale_tma else []) + (
         ["-DFO_SCALE_WARP=1"] if config.scale_warp else []) + (
-        ["-DFO_ITEM_PREFETCH=1"] if config.item_prefetch else [])
+        ["-DFO_ITEM_PREFETCH=1"] if config.item_prefetch else []) + (
+        ["-DFO_WG_DEFER=1"] if config.signal_defer else [])
 
 
 @dataclass(frozen=True)

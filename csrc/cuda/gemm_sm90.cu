@@ -72,7 +72,8 @@
 //   FO_B_COL_MAJOR [1], FO_SCHEDULE [0 = cooperative, 1 = pingpong], FO_STAGES [0 = auto],
 //   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: shared-memory slots, one column block each),
 //   FO_SCALE_TMA [1] (block-wise: scale_a by TMA where its layout allows; 0: always cp.async),
-//   FO_ITEM_PREFETCH [0] (1: the producer stages the next round's table rows in shared memory).
+//   FO_ITEM_PREFETCH [0] (1: the producer stages the next round's table rows in shared memory),
+//   FO_WG_DEFER [0] (tma_wg: 1 signals each tile at its math group's next epilogue).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
 // accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
 // Tiles whose width is not a multiple of 64 (128x160, 128x224) need wgmma shapes that CUTLASS
@@ -129,6 +130,9 @@
 #ifndef FO_SCALE_TMA
 #define FO_SCALE_TMA 1  // block-wise: scale_a's K tiles by TMA where its layout allows (above)
 #endif
+#ifndef FO_WG_DEFER
+#define FO_WG_DEFER 0  // tma_wg: 1 signals each tile at its math group's next epilogue (below)
+#endif
 #ifndef FO_ITEM_PREFETCH
 #define FO_ITEM_PREFETCH 0  // 1: the producer stages the next round's table rows (below)
 #endif
@@ -153,6 +157,12 @@ static_assert(kEpilogue >= 0 && kEpilogue <= 4, "FO_EPILOGUE: 0 direct, 1 tma, 2
 // signal themselves (one elected thread per tile), with no store thread between
 constexpr bool kWgStore = kEpilogue == kTmaWg;
 constexpr bool kTmaStore = kEpilogue == kTma || kWgStore;
+// FO_WG_DEFER=1 (tma_wg): the elected thread does not wait for a tile's writes after its
+// epilogue; it signals the tile before its math group's next epilogue (and the last one after
+// the loop), when the writes are long done, so that the write latency never holds the group's
+// next main loop; each signal comes one main loop of that group later.
+constexpr bool kWgDefer = kWgStore && FO_WG_DEFER;
+static_assert(FO_WG_DEFER == 0 || kWgStore, "FO_WG_DEFER is for the tma_wg epilogue");
 static_assert(!kTmaStore || kBN % 32 == 0, "the tma epilogue stores 64- or 32-column blocks");
 static_assert(kEpilogue != kVec16 || kBN % 32 == 0, "the vec16 epilogue stores 32-column groups");
 // tma: the columns of one block (one shared-memory slot, one TMA store): 64 (128-byte rows,
@@ -734,11 +744,11 @@ __device__ inline void wg_epilogue(const Params& p, const WorkTile& w, const Acc
 // the tile's TMA writes are performed, then publishes the tile (release add at GPU scope, after
 // a GPU-scope fence that orders the other math threads' direct stores, which the barrier
 // ordered before this thread's, ahead of it).
-__device__ inline void wg_signal(const Params& p, const WorkTile& w, int64_t item, int cta) {
-  if (item >= p.table.num_items) return;
+__device__ inline void wg_signal(const Params& p, int group, int64_t item, int cta) {
+  if (item < 0 || item >= p.table.num_items) return;
   bulk_wait_written();
   __threadfence();
-  if (p.counters) signal_counter(p.counters + w.group);
+  if (p.counters) signal_counter(p.counters + group);
   record_monitor(p.monitor, item, cta);
 }
 #endif  // FO_SM90_DEVICE
@@ -1209,6 +1219,9 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
       }
     }
     int ordinal = kPingpong ? math_group : 0;  // of the CTA's items: the item slot
+    // kWgDefer: the elected thread's tile whose signal is pending (-1: none) and its group
+    [[maybe_unused]] int64_t pending_item = -1;
+    [[maybe_unused]] int pending_group = 0;
     for (; base < p.table.num_items; base += step, ordinal += kPingpong ? 2 : 1) {
       const WorkTile& slot = ss.items.tile[ordinal % kItemSlots];
       // the other builds decode their item from the table, before the main loop (kItemFromSlot)
@@ -1254,12 +1267,20 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
         }
       }
 
+      if constexpr (kWgDefer) {  // the previous tile's writes are done by now
+        if (math_thread == 0) wg_signal(p, pending_group, pending_item, cta);
+      }
       if constexpr (kPingpong) math_order.wait();
       if constexpr (kWgStore) {
         const bool leader = math_thread == 0;
         wg_epilogue(p, w, acc, coord, slots, row_base, lane, leader, kWgEpiBarrier + scale_group);
         if constexpr (kPingpong) math_order.arrive();
-        if (leader) wg_signal(p, w, base + rank, cta);
+        if constexpr (kWgDefer) {
+          pending_item = base + rank;
+          pending_group = w.group;
+        } else if (leader) {
+          wg_signal(p, w.group, base + rank, cta);
+        }
       } else {
         epilogue(p, w, acc, coord, epi, epi_state, slots, row_base, lane);
         if constexpr (kPingpong) {
@@ -1267,6 +1288,9 @@ __global__ void __launch_bounds__(kThreads, 1) signaling_gemm(const __grid_const
           math_order.arrive();
         }
       }
+    }
+    if constexpr (kWgDefer) {  // the group's last tile
+      if (math_thread == 0) wg_signal(p, pending_group, pending_item, cta);
     }
   }
 #elif !defined(FO_LAYOUT_SELFTEST)
