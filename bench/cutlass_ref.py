@@ -52,8 +52,10 @@ SOURCE = ROOT / "kernels" / "cutlass_fp8_ref.cu"
 
 
 def out_dir() -> Path:
-    base = os.environ.get("FLASHOVERLAP_CACHE_DIR")
-    return (Path(base) if base else ROOT.parent / ".fo_build" / "cache") / "cutlass_ref"
+    """Beside the backend's kernel objects (build.cache_dir: $FLASHOVERLAP_CACHE_DIR/cuda)."""
+    from flashoverlap_backends.cuda import build as fob
+
+    return fob.cache_dir().parent / "cutlass_ref"
 
 
 def build(names, jobs: int) -> dict:
@@ -127,14 +129,10 @@ class RefGemm:
 
 def rel_err_rows(out, a, w, sa, sb, rows, scaling) -> float:
     """Relative error (max |d| / max |ref|) of the sampled rows against float64 of the
-    dequantized inputs."""
-    if scaling == "blockwise":
-        from flashoverlap_core import fp8
+    dequantized inputs (bench/gemm.py's fp8_reference of those rows)."""
+    from gemm import fp8_reference
 
-        a32, b32 = fp8.dequantized(a[rows], w.t(), sa[rows], sb)
-        ref = a32.double() @ b32.double()
-    else:
-        ref = (a[rows].double() * sa[rows].double()) @ (w.double() * sb.double().t()).t()
+    ref = fp8_reference(a[rows], w, sa[rows], sb, scaling)
     got = out[rows].double()
     return float((got - ref).abs().max() / ref.abs().max())
 
@@ -182,7 +180,6 @@ def main(argv=None) -> int:
         shapes = list(dict.fromkeys(shapes))
     kernels = None
     if not args.no_product:
-        os.environ.setdefault("FLASHOVERLAP_NO_JIT", "0")
         from flashoverlap_backends.cuda import kernels
     rows, info = [], {}
     for shape in shapes:
@@ -234,7 +231,7 @@ def main(argv=None) -> int:
                                             if f != "scaled_mm") + f"; errors {errs}", flush=True)
         del fns, a, w, sa, sb
         torch.cuda.empty_cache()
-    compared = [f for f in (["product"] if kernels is not None else []) + names]
+    compared = (["product"] if kernels is not None else []) + names
 
     def ratios(f):
         return [r[f"{f}_vs_scaled_mm"] for r in rows if f"{f}_vs_scaled_mm" in r]

@@ -162,12 +162,11 @@ def parse_variant(name: str, product_arch: int) -> Variant:
                          f"{{{'|'.join(TILES)}}}-EPILOGUE[SLOTS][-kTILE_K][-cpa][-plain], e.g. "
                          "coop-tma4")
     slots = 0
-    if epi.startswith("tma") and epi[3:].isdigit():  # tma4: the tma epilogue with 4 slots
-        epi, slots = "tma", int(epi[3:])
-    elif epi.startswith("tmawg") and epi[5:].isdigit():  # tmawg4: tma_wg with 4 slots
-        epi, slots = "tma_wg", int(epi[5:])
-    elif epi == "tmawg":
-        epi = "tma_wg"
+    # tma4, tmawg4: the tma / tma_wg epilogue with 4 slots (tmawg: tma_wg with its default)
+    for prefix, epilogue in (("tmawg", "tma_wg"), ("tma", "tma")):
+        if epi.startswith(prefix) and (epi == prefix or epi[len(prefix):].isdigit()):
+            epi, slots = epilogue, int(epi[len(prefix):] or 0)
+            break
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
                    tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,

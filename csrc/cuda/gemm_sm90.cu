@@ -540,6 +540,20 @@ __device__ inline void stage_tile(const Acc& acc, bool tma, EpiPipeline& epi,
   }
 }
 
+// Math threads, tma epilogues: a valid tile the TMA does not take is stored directly (rows of
+// ldo in place, else packed). Returns whether the TMA takes it (tma_tile).
+template <class Acc, class Coord>
+__device__ inline bool store_unless_tma(const Params& p, const WorkTile& w, const Acc& acc,
+                                        const Coord& coord) {
+  const bool tma = tma_tile(w, p.tma_store, p.table);
+  if (w.valid && !tma) {
+    Element* dst = p.packed + w.offset;
+    if (p.table.ldo) store_tile_rows(acc, coord, dst, w.rows, w.cols, p.table.ldo);
+    else store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
+  }
+  return tma;
+}
+
 // Math threads, every epilogue: the tile's direct stores (all of them, or those the TMA does not
 // take), then the handover to the store/signal thread.
 template <class Acc, class Coord>
@@ -550,11 +564,7 @@ __device__ inline void epilogue(const Params& p, const WorkTile& w, const Acc& a
   const bool full = w.valid && w.rows == kBM && w.cols == kBN;
   const int64_t ldo = p.table.ldo;  // != 0: in place into a row-major out (allgather)
   if constexpr (kTmaStore) {
-    const bool tma = tma_tile(w, p.tma_store, p.table);
-    if (w.valid && !tma) {
-      if (ldo) store_tile_rows(acc, coord, dst, w.rows, w.cols, ldo);
-      else store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
-    }
+    const bool tma = store_unless_tma(p, w, acc, coord);
     stage_tile(acc, tma, epi, state, slots, row_base, lane);
   } else {
     epi.producer_acquire(state);
@@ -658,13 +668,17 @@ __device__ inline void tma_store_2d(const void* map, uint32_t smem, int col, int
                    reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row)
                : "memory");
 }
+// Whether column block cb of tile w lies wholly past N (kTmaRows only: a packed tile is whole);
+// such blocks are a suffix of the tile's.
+__device__ inline bool block_past_n(const Params& p, const WorkTile& w, int cb) {
+  return p.tma_store == kTmaRows && w.col0 + cb * kColW >= p.table.N;
+}
 // Column block cb of tile w from the slot at `smem`, in the map's mode; false when there is
-// nothing to store (kTmaRows: the block lies wholly past N).
+// nothing to store (block_past_n).
 __device__ inline bool tma_store_block(const Params& p, const WorkTile& w, int cb, uint32_t smem) {
+  if (block_past_n(p, w, cb)) return false;
   if (p.tma_store == kTmaRows) {
-    const int col = w.col0 + cb * kColW;
-    if (col >= p.table.N) return false;
-    tma_store_2d(&p.store_map, smem, col, int(w.offset / p.table.ldo));
+    tma_store_2d(&p.store_map, smem, w.col0 + cb * kColW, int(w.offset / p.table.ldo));
     return true;
   }
   tma_store_2d(&p.store_map, smem, cb * kColW, int(w.offset / kBN));
@@ -695,18 +709,13 @@ __device__ inline void bulk_wait_written() {
 // The named barrier of math group g's tile threads (CUTLASS user ids; 0-3 are the row-wise
 // scales' and the block-scaled loop's).
 [[maybe_unused]] constexpr int kWgEpiBarrier = 4;  // 4 and 5
-// Whether column block cb of tile w goes through the TMA (kTmaRows: not past N). The blocks
-// that do form a prefix of the tile's, so the k-th stored block is block k and the elected
-// thread's bulk groups count blocks.
-__device__ inline bool wg_block_stored(const Params& p, const WorkTile& w, bool tma, int cb) {
-  return tma && !(p.tma_store == kTmaRows && w.col0 + cb * kColW >= p.table.N);
-}
 template <int CB = 0, class Acc>
 __device__ inline void wg_store_blocks(const Params& p, const WorkTile& w, bool tma, const Acc& acc,
                                        uint32_t slots, const int (&row_base)[kMmaM], int lane,
                                        bool leader, uint32_t barrier) {
   if constexpr (CB < kColBlocks) {
-    if (!wg_block_stored(p, w, tma, CB)) return;  // (uniform: the rest lie past N too)
+    // (uniform; the stored blocks are a prefix, so the elected thread's bulk groups count blocks)
+    if (!tma || block_past_n(p, w, CB)) return;
     const uint32_t slot = slots + (CB % kSlots) * kSlotBytes;
     if constexpr (CB >= kSlots) {  // the slot's earlier block must have been read
       if (leader) bulk_wait_read<kSlots - 1>();
@@ -729,12 +738,7 @@ template <class Acc, class Coord>
 __device__ inline void wg_epilogue(const Params& p, const WorkTile& w, const Acc& acc, const Coord& coord,
                                    uint32_t slots, const int (&row_base)[kMmaM], int lane,
                                    bool leader, uint32_t barrier) {
-  const bool tma = tma_tile(w, p.tma_store, p.table);
-  if (w.valid && !tma) {
-    Element* dst = p.packed + w.offset;
-    if (p.table.ldo) store_tile_rows(acc, coord, dst, w.rows, w.cols, p.table.ldo);
-    else store_tile<Element, kBM, kBN>(acc, coord, dst, w.rows, w.cols);
-  }
+  const bool tma = store_unless_tma(p, w, acc, coord);
   wg_store_blocks(p, w, tma, acc, slots, row_base, lane, leader, barrier);
   if (leader && tma) bulk_wait_read<0>();
   // every thread's direct stores, and the elected thread's reads, before any signal or reuse
