@@ -30,7 +30,8 @@ with an M x N cluster (e.g. pp-tma-c4x1: four CTAs share each tile of b), "-sN" 
 mainloop stages instead of as many as fit (GemmConfig.stages), "-scw" (fp8) has a producer
 warp stage each item's scales (GemmConfig.scale_warp), "-ipf" has the producer stage each next
 round's table rows in shared memory (GemmConfig.item_prefetch), "-dsig" (tma_wg) signals each
-tile at its math group's next epilogue (GemmConfig.signal_defer), "-swN" plans it with
+tile at its math group's next epilogue (GemmConfig.signal_defer), "-lock" (blk) runs both
+math warpgroups' K loops in step (GemmConfig.block_lockstep), "-swN" plans it with
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
@@ -123,12 +124,14 @@ class Variant:
     scale_warp: bool = False  # fp8: a "-scw" name: a producer warp stages the scales
     item_prefetch: bool = False  # a "-ipf" name: the producer stages the next round's table rows
     signal_defer: bool = False  # a "-dsig" name (tma_wg): each tile signalled at the next epilogue
+    lockstep: bool = False  # a "-lock" name (block-scaled): both warpgroups' K loops in step
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
     tile_k, cluster, swizzle, stages, scale_warp, prefetch, defer = 0, None, 0, 0, False, False, False
+    lockstep = False
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -143,6 +146,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, prefetch = head, True
         elif last == "dsig":
             base, defer = head, True
+        elif last == "lock":
+            base, lockstep = head, True
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
@@ -170,7 +175,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     arch, tile = TILES[kind]
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
                    tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,
-                   scale_warp=scale_warp, item_prefetch=prefetch, signal_defer=defer)
+                   scale_warp=scale_warp, item_prefetch=prefetch, signal_defer=defer,
+                   lockstep=lockstep)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -193,6 +199,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, item_prefetch=True)
     if v.signal_defer:
         cfg = replace(cfg, signal_defer=True)  # (GemmConfig checks the epilogue)
+    if v.lockstep:
+        cfg = replace(cfg, block_lockstep=True)  # (GemmConfig checks the build)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

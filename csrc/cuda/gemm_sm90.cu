@@ -73,7 +73,8 @@
 //   FO_EPILOGUE [0], FO_EPI_SLOTS [2] (tma: shared-memory slots, one column block each),
 //   FO_SCALE_TMA [1] (block-wise: scale_a by TMA where its layout allows; 0: always cp.async),
 //   FO_ITEM_PREFETCH [0] (1: the producer stages the next round's table rows in shared memory),
-//   FO_WG_DEFER [0] (tma_wg: 1 signals each tile at its math group's next epilogue).
+//   FO_WG_DEFER [0] (tma_wg: 1 signals each tile at its math group's next epilogue),
+//   FO_BLOCK_LOCKSTEP [0] (block-wise: 1 runs both math warpgroups' K loops in step).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
 // accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
 // Tiles whose width is not a multiple of 64 (128x160, 128x224) need wgmma shapes that CUTLASS
@@ -133,6 +134,9 @@
 #ifndef FO_WG_DEFER
 #define FO_WG_DEFER 0  // tma_wg: 1 signals each tile at its math group's next epilogue (below)
 #endif
+#ifndef FO_BLOCK_LOCKSTEP
+#define FO_BLOCK_LOCKSTEP 0  // block-wise: 1 runs both math warpgroups' K loops in step (below)
+#endif
 #ifndef FO_ITEM_PREFETCH
 #define FO_ITEM_PREFETCH 0  // 1: the producer stages the next round's table rows (below)
 #endif
@@ -163,6 +167,7 @@ constexpr bool kTmaStore = kEpilogue == kTma || kWgStore;
 // next main loop; each signal comes one main loop of that group later.
 constexpr bool kWgDefer = kWgStore && FO_WG_DEFER;
 static_assert(FO_WG_DEFER == 0 || kWgStore, "FO_WG_DEFER is for the tma_wg epilogue");
+static_assert(FO_BLOCK_LOCKSTEP == 0 || FO_FP8_BLOCK, "FO_BLOCK_LOCKSTEP is for block-wise builds");
 static_assert(!kTmaStore || kBN % 32 == 0, "the tma epilogue stores 64- or 32-column blocks");
 static_assert(kEpilogue != kVec16 || kBN % 32 == 0, "the vec16 epilogue stores 32-column groups");
 // tma: the columns of one block (one shared-memory slot, one TMA store): 64 (128-byte rows,
@@ -988,9 +993,12 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
                 int(decltype(size(acc))::value) == kPart * kScaleCols, "accumulators");
 #pragma unroll
   for (int i = 0; i < int(size(acc)); ++i) acc(i) = 0.0f;
+  // FO_BLOCK_LOCKSTEP: no offset (both warpgroups issue and promote together, as CUTLASS's
+  // block-scaled main loop does)
+  constexpr bool kOffset = !FO_BLOCK_LOCKSTEP;
   const uint32_t offset_barrier = kBlockOffsetBarrier + parity;
-  if (warp_group == 1) cutlass::arch::NamedBarrier::sync(kTileThreads, offset_barrier);
-  else if (k_tiles < 1) cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
+  if (kOffset && warp_group == 1) cutlass::arch::NamedBarrier::sync(kTileThreads, offset_barrier);
+  else if (kOffset && k_tiles < 1) cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
 #pragma unroll 1
   for (int kt = 0; kt < k_tiles; ++kt) {
     pipeline.consumer_wait(read_state);
@@ -1021,7 +1029,7 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
         ++read_state;
       }
       // warpgroup 0's first batch is done: warpgroup 1 issues its own while this one promotes
-      if (kt == 0 && c == 0 && warp_group == 0)
+      if (kOffset && kt == 0 && c == 0 && warp_group == 0)
         cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
