@@ -31,7 +31,8 @@ mainloop stages instead of as many as fit (GemmConfig.stages), "-scw" (fp8) has 
 warp stage each item's scales (GemmConfig.scale_warp), "-ipf" has the producer stage each next
 round's table rows in shared memory (GemmConfig.item_prefetch), "-dsig" (tma_wg) signals each
 tile at its math group's next epilogue (GemmConfig.signal_defer), "-lock" (blk) runs both
-math warpgroups' K loops in step (GemmConfig.block_lockstep), "-swN" plans it with
+math warpgroups' K loops in step (GemmConfig.block_lockstep), "-pipe" (blk128) overlaps each
+K tile's promotion with the next one's wgmmas (GemmConfig.block_pipe), "-swN" plans it with
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
@@ -125,13 +126,14 @@ class Variant:
     item_prefetch: bool = False  # a "-ipf" name: the producer stages the next round's table rows
     signal_defer: bool = False  # a "-dsig" name (tma_wg): each tile signalled at the next epilogue
     lockstep: bool = False  # a "-lock" name (block-scaled): both warpgroups' K loops in step
+    pipe: bool = False  # a "-pipe" name (blk128): the K loop over two partial fragments
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
     tile_k, cluster, swizzle, stages, scale_warp, prefetch, defer = 0, None, 0, 0, False, False, False
-    lockstep = False
+    lockstep = pipe = False
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -148,6 +150,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, defer = head, True
         elif last == "lock":
             base, lockstep = head, True
+        elif last == "pipe":
+            base, pipe = head, True
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
@@ -176,7 +180,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     return Variant(name, arch, tile, epi, slots, signal, SCHEDULES.get(kind), scale_tma=scale_tma,
                    tile_k=tile_k, cluster=cluster, swizzle=swizzle, stages=stages,
                    scale_warp=scale_warp, item_prefetch=prefetch, signal_defer=defer,
-                   lockstep=lockstep)
+                   lockstep=lockstep, pipe=pipe)
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
@@ -201,6 +205,8 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         cfg = replace(cfg, signal_defer=True)  # (GemmConfig checks the epilogue)
     if v.lockstep:
         cfg = replace(cfg, block_lockstep=True)  # (GemmConfig checks the build)
+    if v.pipe:
+        cfg = replace(cfg, block_pipe=True)  # (GemmConfig checks the build)
     return replace(cfg, fast_accum=v.fast_accum) if fp8 else cfg
 
 

@@ -91,6 +91,8 @@ class GemmConfig:
     block_lockstep: bool = False  # block_scaled: the two math warpgroups run each tile's K loop
     # in step, as CUTLASS's block-scaled main loop does, instead of half a K tile apart
     # (FO_BLOCK_LOCKSTEP=1, name suffix _lock)
+    block_pipe: bool = False  # block_scaled, tile_n 128: two partial fragments, so a K tile's
+    # wgmmas run while the previous one's are promoted (FO_BLOCK_PIPE=1, name suffix _pipe)
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
     # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
     # the source alone tells it apart, so every other build keeps its name and cached object)
@@ -135,6 +137,8 @@ class GemmConfig:
             out.append(f"signal_defer applies to the tma_wg epilogue, got {self.epilogue!r}")
         if self.block_lockstep and not self.block_scaled:
             out.append("block_lockstep applies to block-scaled builds")
+        if self.block_pipe and not (self.block_scaled and self.tile_n == 128):
+            out.append("block_pipe applies to block-scaled builds with tile_n 128")
         if self.arch == 90:
             min_m = 128 if self.schedule == "cooperative" else 64
             if self.tile_m % min_m or self.tile_m > 256:
@@ -233,7 +237,7 @@ def config_name(config: GemmConfig) -> str:
     if not config.fast_accum:
         name += "_splitacc"
     if config.block_scaled:
-        name += "_block128" + ("" if config.scale_tma else "_cpa") + ("_lock" if config.block_lockstep else "")
+        name += "_block128" + ("" if config.scale_tma else "_cpa") + ("_lock" if config.block_lockstep else "") + ("_pipe" if config.block_pipe else "")
     if config.stages:
         name += f"_s{config.stages}"
     if config.scale_warp:
@@ -386,7 +390,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         ["-DFO_SCALE_WARP=1"] if config.scale_warp else []) + (
         ["-DFO_ITEM_PREFETCH=1"] if config.item_prefetch else []) + (
         ["-DFO_WG_DEFER=1"] if config.signal_defer else []) + (
-        ["-DFO_BLOCK_LOCKSTEP=1"] if config.block_lockstep else [])
+        ["-DFO_BLOCK_LOCKSTEP=1"] if config.block_lockstep else []) + (
+        ["-DFO_BLOCK_PIPE=1"] if config.block_pipe else [])
 
 
 @dataclass(frozen=True)

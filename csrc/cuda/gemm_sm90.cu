@@ -74,7 +74,9 @@
 //   FO_SCALE_TMA [1] (block-wise: scale_a by TMA where its layout allows; 0: always cp.async),
 //   FO_ITEM_PREFETCH [0] (1: the producer stages the next round's table rows in shared memory),
 //   FO_WG_DEFER [0] (tma_wg: 1 signals each tile at its math group's next epilogue),
-//   FO_BLOCK_LOCKSTEP [0] (block-wise: 1 runs both math warpgroups' K loops in step).
+//   FO_BLOCK_LOCKSTEP [0] (block-wise: 1 runs both math warpgroups' K loops in step),
+//   FO_BLOCK_PIPE [0] (block-wise, tile_n 128: 1 overlaps a K tile's promotion with the next's
+//   wgmmas).
 // -DFO_LAYOUT_SELFTEST builds a host program instead (main() at the end) that checks the
 // accumulator layout and the shared-memory addressing of the tma and vec16 epilogues.
 // Tiles whose width is not a multiple of 64 (128x160, 128x224) need wgmma shapes that CUTLASS
@@ -133,6 +135,9 @@
 #endif
 #ifndef FO_WG_DEFER
 #define FO_WG_DEFER 0  // tma_wg: 1 signals each tile at its math group's next epilogue (below)
+#endif
+#ifndef FO_BLOCK_PIPE
+#define FO_BLOCK_PIPE 0  // block-wise, tile_n 128: 1 pipelines the K loop over two partials (below)
 #endif
 #ifndef FO_BLOCK_LOCKSTEP
 #define FO_BLOCK_LOCKSTEP 0  // block-wise: 1 runs both math warpgroups' K loops in step (below)
@@ -953,6 +958,10 @@ __device__ inline void load_row_scales(const Params& p, MainloopPipeline& pipeli
 
 // Named barriers (CUTLASS user ids, tile parity added) with which the second math warpgroup of
 // a block-scaled build starts each tile's K loop once the first has finished its first K tile.
+// FO_BLOCK_PIPE: the block-scaled K loop with two partial fragments (block_scaled_mainloop)
+constexpr bool kBlockPipe = kBlockScaled && FO_BLOCK_PIPE;
+static_assert(FO_BLOCK_PIPE == 0 || (kBlockScaled && kScaleCols == 1),
+              "FO_BLOCK_PIPE is for block-wise builds with one column block (tile_n = 128)");
 [[maybe_unused]] constexpr int kBlockOffsetBarrier = 2;  // 2 and 3 (0 and 1: the row-wise scales' groups)
 
 // Math threads (cooperative: both warpgroups share the tile): the tile's K loop with block-wise
@@ -999,6 +1008,66 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
   const uint32_t offset_barrier = kBlockOffsetBarrier + parity;
   if (kOffset && warp_group == 1) cutlass::arch::NamedBarrier::sync(kTileThreads, offset_barrier);
   else if (kOffset && k_tiles < 1) cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
+  if constexpr (kBlockPipe) {
+    // FO_BLOCK_PIPE (one column block): two partial fragments, so that K tile kt + 1's wgmmas
+    // run while K tile kt's are promoted (warpgroup_wait<1>): the tensor cores need not wait
+    // for this warpgroup's promotion, nor for the other warpgroup to fill the gap.
+    auto part1 = partition_fragment_C(col_mma, Shape<Int<kBM>, Int<FO_SCALE_BLOCK>>{});
+    auto issue = [&](auto& dst, int stage) {
+      warpgroup_fence_operand(dst);
+      warpgroup_arrive();
+      col_mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int k = 0; k < int(size<2>(tCrA)); ++k) {
+        cute::gemm(col_mma, tCrA(_, 0, k, stage), tCrB(_, 0, k, stage), dst(_, 0, 0));
+        col_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    };
+    PipelineState release_state = read_state;  // the K tile being promoted
+    // K tile kt (in `cur`, issued): issue kt + 1 into `next`, wait for kt, free its stage and
+    // promote it
+    auto step = [&](auto& cur, auto& next, int kt) {
+      const BlockScaleStage& st = stages[release_state.index()];
+      float scale[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) scale[h] = st.a[FragWord::row(row_base[0], h, lane)] * st.b[0];
+      if (kt + 1 < k_tiles) {
+        ++read_state;
+        pipeline.consumer_wait(read_state);
+        issue(next, read_state.index());
+        warpgroup_wait<1>();
+      } else {
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(cur);
+      pipeline.consumer_release(release_state);
+      ++release_state;
+      if (kOffset && kt == 0 && warp_group == 0)
+        cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < FO_SCALE_BLOCK / 8; ++j) {
+          const int i = 2 * h + 4 * j;  // FragWord of a 128-column fragment
+          acc(i) += cur(i) * scale[h];
+          acc(i + 1) += cur(i + 1) * scale[h];
+        }
+      }
+    };
+    if (k_tiles > 0) {
+      pipeline.consumer_wait(read_state);
+      issue(part, read_state.index());
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; kt += 2) {
+      step(part, part1, kt);
+      if (kt + 1 < k_tiles) step(part1, part, kt + 1);
+    }
+    read_state = release_state;  // past the tile's K tiles
+    warpgroup_fence_operand(acc);
+    return;
+  }
 #pragma unroll 1
   for (int kt = 0; kt < k_tiles; ++kt) {
     pipeline.consumer_wait(read_state);
