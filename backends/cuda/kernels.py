@@ -33,6 +33,8 @@ class Kernel:
     epilogue: str = "direct"
     tma_slots: int = 0  # shared-memory slots whenever the epilogue is "tma" (0: the kernel's 2)
     scale_warp: bool = False  # e4m3 tensor-/row-wise: a producer warp stages each item's scales
+    block_pipe: bool = False  # block-wise, tile_n 128: the K loop over two partial fragments
+    block_lockstep: bool = False  # block-wise: both math warpgroups' K loops in step
 
 
 # (tile_m, tile_n) -> Kernel, per architecture. A plan whose tile order does not fit the cluster
@@ -70,10 +72,13 @@ FP8_CONFIGS = {
 # multiplied one after the other into the same 64 partial accumulators per thread: 3 mainloop
 # stages; the default, the first entry) and 128x128x128 (one block; 5 stages), the 2x1 cluster,
 # the tma epilogue with 2 slots. default_tile picks 128x128 where 128x256's ragged last wave
-# costs more than 128x128's slower waves (BLOCK_TILE_COST).
+# costs more than 128x128's slower waves (BLOCK_TILE_COST). 128x128 runs its two math
+# warpgroups' K loops in step (block_lockstep; 0.849 / 0.897x torch's block-wise kernel, min /
+# median, against 0.728 / 0.770 half a K tile apart, on an H100: csrc/cuda/NOTES.md); 128x256
+# measured the same either way and keeps the offset.
 FP8_BLOCK_CONFIGS = {
     90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma"),
-         (128, 128): Kernel(128, (2, 1), "cooperative", "tma")},
+         (128, 128): Kernel(128, (2, 1), "cooperative", "tma", block_lockstep=True)},
 }
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
@@ -136,10 +141,12 @@ TILE_COST = {
 
 
 # The block-scaled fp8 kernels' cost per unit of work against their 128x256 tile's, as
-# TILE_COST (H200, bench/results/gemm-fp8-h200-20261205-041002.json, the 128x128 build's speed
-# against 128x256's on shapes that fill whole waves of both: 0.78-0.88x).
+# TILE_COST: the lockstep 128x128 build's speed against 128x256's on the shapes that fill whole
+# waves of both, rounded up (H100, bench/results/gemm-fp8-variants-h100-20261206-000152.json,
+# blk128-tma-lock against the product: 0.865-0.885x at K = 1024, 0.90 at 2048, 0.935-0.94 at
+# 4096, 0.91-0.95 at 8192).
 BLOCK_TILE_COST = {
-    (128, 128): ((1024, 1.13), (2048, 1.2), (4096, 1.25), (8192, 1.28)),
+    (128, 128): ((1024, 1.15), (2048, 1.11), (4096, 1.07), (8192, 1.1)),
 }
 
 
@@ -233,7 +240,9 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             epilogue=epilogue, epi_slots=slots, blocks=blocks,
                             out_dtype=out_dtype or "", block_scaled=block_scaled,
                             gather=gather and dtype in FP8_DTYPES,
-                            scale_warp=kernel.scale_warp)
+                            scale_warp=kernel.scale_warp,
+                            block_pipe=kernel.block_pipe and block_scaled,
+                            block_lockstep=kernel.block_lockstep and block_scaled)
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
