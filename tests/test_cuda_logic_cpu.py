@@ -418,15 +418,17 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
     gather = {build.config_name(c) for c in kernels.all_configs([90]) if c.gather}
     assert gather == {n + "_gather" for n in names if not n.endswith("_blocks")} | {
-        f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128_etma_gather"
+        f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128{lock}_etma_gather"
         for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
-        for n in (128, 256)}  # fp8 allgather's (issue 32)
+        for n, lock in ((128, "_lock"), (256, ""))}  # fp8 allgather's (issue 32)
     blocks = {build.config_name(c) for c in kernels.all_configs([90])
               if c.block_scaled and not c.gather}
-    assert blocks == {f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128_etma"
-                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1") for n in (128, 256)} | {
-                      f"sm90_e4m3_{o}_bcol_128x{n}x128_c1x1_cooperative_block128_etma_blocks"
-                      for o in ("bf16", "fp16") for n in (128, 256)}
+    # (the 128x128 block-scaled kernel runs its math warpgroups in step: _lock)
+    assert blocks == {f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128{lock}_etma"
+                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
+                      for n, lock in ((128, "_lock"), (256, ""))} | {
+                      f"sm90_e4m3_{o}_bcol_128x{n}x128_c1x1_cooperative_block128{lock}_etma_blocks"
+                      for o in ("bf16", "fp16") for n, lock in ((128, "_lock"), (256, ""))}
 
 
 def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
@@ -442,8 +444,11 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
     # half the work each
     small = fp8_spec(m=256, n=4096, k=4096, scaling="blockwise")
     assert kernels.default_tile(90, small, 128) == (128, 128)
-    # 5120x5120: 6.25 waves of 128x256 (7) against 12.5 of 128x128 (13 x 0.5 x 1.25)
+    # 5120x5120: 6.25 waves of 128x256 (7) against 12.5 of 128x128 (13 x 0.5 x 1.07 = 6.96)
     assert kernels.default_tile(90, fp8_spec(m=5120, n=5120, k=4096, scaling="blockwise"),
+                                128) == (128, 128)
+    # 6144x3584 at K = 2048: 5.25 waves of 128x256 (6) against 10.5 (11 x 0.5 x 1.11 = 6.1)
+    assert kernels.default_tile(90, fp8_spec(m=6144, n=3584, k=2048, scaling="blockwise"),
                                 128) == (128, 256)
     # the 16-bit costs do not apply: 128x224 and 128x160 have no block-scaled build
     assert kernels.default_tile(90, fp8_spec(m=4096, n=7168, k=4096, scaling="blockwise"),
