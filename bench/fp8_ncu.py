@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemm import (BLOCKWISE_VARIANTS, Gemm, blockwise_scaled_mm, fp8_inputs,  # noqa: E402
+from gemm import (Gemm, blockwise_scaled_mm, for_scaling, fp8_inputs,  # noqa: E402
                   parse_variant, scaled_mm)
 
 
@@ -48,9 +48,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"--shapes: {text!r} is not MxNxK")
         for scaling in args.scalings.split(","):
             a, w, sa, sb = fp8_inputs(shape, scaling)
-            blockwise = scaling == "blockwise"  # one block-scaled build; torch's block-wise GEMM
+            blockwise = scaling == "blockwise"  # block-scaled builds; torch's block-wise GEMM
+            # (bench/gemm.py's split: blk... variants on block-wise rows only, others elsewhere)
             fns = {v.name: Gemm(kernels, v, a, w, "float8_e4m3fn", (sa, sb), scaling)
-                   for v in variants if not blockwise or v.name in BLOCKWISE_VARIANTS}
+                   for v in for_scaling(variants, scaling)}
             fns["scaled_mm"] = (blockwise_scaled_mm(a, w, sa, sb)[0] if blockwise
                                 else scaled_mm(a, w, sa, sb, True))
             for fn in fns.values():  # loads every kernel, the profiler stopped
