@@ -237,7 +237,8 @@ def config_name(config: GemmConfig) -> str:
     if not config.fast_accum:
         name += "_splitacc"
     if config.block_scaled:
-        name += "_block128" + ("" if config.scale_tma else "_cpa") + ("_lock" if config.block_lockstep else "") + ("_pipe" if config.block_pipe else "")
+        name += "_block128" + ("" if config.scale_tma else "_cpa")
+        name += ("_lock" if config.block_lockstep else "") + ("_pipe" if config.block_pipe else "")
     if config.stages:
         name += f"_s{config.stages}"
     if config.scale_warp:

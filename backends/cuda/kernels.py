@@ -33,7 +33,6 @@ class Kernel:
     epilogue: str = "direct"
     tma_slots: int = 0  # shared-memory slots whenever the epilogue is "tma" (0: the kernel's 2)
     scale_warp: bool = False  # e4m3 tensor-/row-wise: a producer warp stages each item's scales
-    block_pipe: bool = False  # block-wise, tile_n 128: the K loop over two partial fragments
     block_lockstep: bool = False  # block-wise: both math warpgroups' K loops in step
 
 
@@ -241,7 +240,6 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             out_dtype=out_dtype or "", block_scaled=block_scaled,
                             gather=gather and dtype in FP8_DTYPES,
                             scale_warp=kernel.scale_warp,
-                            block_pipe=kernel.block_pipe and block_scaled,
                             block_lockstep=kernel.block_lockstep and block_scaled)
 
 

@@ -956,12 +956,12 @@ __device__ inline void load_row_scales(const Params& p, MainloopPipeline& pipeli
   }
 }
 
-// Named barriers (CUTLASS user ids, tile parity added) with which the second math warpgroup of
-// a block-scaled build starts each tile's K loop once the first has finished its first K tile.
 // FO_BLOCK_PIPE: the block-scaled K loop with two partial fragments (block_scaled_mainloop)
 constexpr bool kBlockPipe = kBlockScaled && FO_BLOCK_PIPE;
 static_assert(FO_BLOCK_PIPE == 0 || (kBlockScaled && kScaleCols == 1),
               "FO_BLOCK_PIPE is for block-wise builds with one column block (tile_n = 128)");
+// Named barriers (CUTLASS user ids, tile parity added) with which the second math warpgroup of
+// a block-scaled build starts each tile's K loop once the first has finished its first K tile.
 [[maybe_unused]] constexpr int kBlockOffsetBarrier = 2;  // 2 and 3 (0 and 1: the row-wise scales' groups)
 
 // Math threads (cooperative: both warpgroups share the tile): the tile's K loop with block-wise
@@ -974,9 +974,9 @@ static_assert(FO_BLOCK_PIPE == 0 || (kBlockScaled && kScaleCols == 1),
 // finished (a named barrier per tile, the id by the tile's parity `parity`, so that warpgroup 0
 // cannot arrive twice on one id before warpgroup 1 has waited on it: its epilogue of tile t + 1
 // needs warpgroup 1's of tile t), so each warpgroup promotes while the other's wgmmas keep the
-// tensor cores busy; in step, both would promote at once with the tensor cores idle (the loop
-// measured 0.69-0.94x torch's block-wise kernel that way). Leaves read_state past the tile's K
-// tiles; frees every stage it used (no mma_tail).
+// tensor cores busy. FO_BLOCK_LOCKSTEP drops the offset (both in step, as CUTLASS's loop runs):
+// the 128x128 build measured 12-15% faster that way and 128x256 the same (csrc/cuda/NOTES.md).
+// Leaves read_state past the tile's K tiles; frees every stage it used (no mma_tail).
 // `part` is ColMma's fragment of one column block: its value i is acc's value i + c * 64 (the
 // block's columns in the full fragment: FragWord with kMmaM = 1; the layout self-test checks it).
 template <class Acc>
@@ -1008,22 +1008,35 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
   const uint32_t offset_barrier = kBlockOffsetBarrier + parity;
   if (kOffset && warp_group == 1) cutlass::arch::NamedBarrier::sync(kTileThreads, offset_barrier);
   else if (kOffset && k_tiles < 1) cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
+  // column block c's wgmmas of the K tile in `stage`, into `dst` from zero, as one batch
+  auto issue = [&](auto& dst, int c, int stage) {
+    warpgroup_fence_operand(dst);
+    warpgroup_arrive();
+    col_mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int k = 0; k < int(size<2>(tCrA)); ++k) {
+      cute::gemm(col_mma, tCrA(_, 0, k, stage), tCrB(_, c, k, stage), dst(_, 0, 0));
+      col_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  // add `src` (column block c's partial products) times scale[h] of its rows into acc
+  auto promote = [&](const auto& src, const float (&scale)[2], int c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < FO_SCALE_BLOCK / 8; ++j) {
+        const int i = 2 * h + 4 * j;  // FragWord of a 128-column fragment
+        acc(i + c * kPart) += src(i) * scale[h];
+        acc(i + 1 + c * kPart) += src(i + 1) * scale[h];
+      }
+    }
+  };
   if constexpr (kBlockPipe) {
     // FO_BLOCK_PIPE (one column block): two partial fragments, so that K tile kt + 1's wgmmas
     // run while K tile kt's are promoted (warpgroup_wait<1>): the tensor cores need not wait
     // for this warpgroup's promotion, nor for the other warpgroup to fill the gap.
     auto part1 = partition_fragment_C(col_mma, Shape<Int<kBM>, Int<FO_SCALE_BLOCK>>{});
-    auto issue = [&](auto& dst, int stage) {
-      warpgroup_fence_operand(dst);
-      warpgroup_arrive();
-      col_mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int k = 0; k < int(size<2>(tCrA)); ++k) {
-        cute::gemm(col_mma, tCrA(_, 0, k, stage), tCrB(_, 0, k, stage), dst(_, 0, 0));
-        col_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-    };
     PipelineState release_state = read_state;  // the K tile being promoted
     // K tile kt (in `cur`, issued): issue kt + 1 into `next`, wait for kt, free its stage and
     // promote it
@@ -1035,7 +1048,7 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
       if (kt + 1 < k_tiles) {
         ++read_state;
         pipeline.consumer_wait(read_state);
-        issue(next, read_state.index());
+        issue(next, 0, read_state.index());
         warpgroup_wait<1>();
       } else {
         warpgroup_wait<0>();
@@ -1045,19 +1058,11 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
       ++release_state;
       if (kOffset && kt == 0 && warp_group == 0)
         cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < FO_SCALE_BLOCK / 8; ++j) {
-          const int i = 2 * h + 4 * j;  // FragWord of a 128-column fragment
-          acc(i) += cur(i) * scale[h];
-          acc(i + 1) += cur(i + 1) * scale[h];
-        }
-      }
+      promote(cur, scale, 0);
     };
     if (k_tiles > 0) {
       pipeline.consumer_wait(read_state);
-      issue(part, read_state.index());
+      issue(part, 0, read_state.index());
     }
 #pragma unroll 1
     for (int kt = 0; kt < k_tiles; kt += 2) {
@@ -1076,15 +1081,7 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
     float row_scale[2];
 #pragma unroll
     for (int c = 0; c < kScaleCols; ++c) {
-      warpgroup_fence_operand(part);
-      warpgroup_arrive();
-      col_mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int k = 0; k < int(size<2>(tCrA)); ++k) {
-        cute::gemm(col_mma, tCrA(_, 0, k, stage), tCrB(_, c, k, stage), part(_, 0, 0));
-        col_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      issue(part, c, stage);
       if (c == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) row_scale[h] = st.a[FragWord::row(row_base[0], h, lane)];
@@ -1100,15 +1097,7 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
       // warpgroup 0's first batch is done: warpgroup 1 issues its own while this one promotes
       if (kOffset && kt == 0 && c == 0 && warp_group == 0)
         cutlass::arch::NamedBarrier::arrive(kTileThreads, offset_barrier);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < FO_SCALE_BLOCK / 8; ++j) {
-          const int i = 2 * h + 4 * j;  // FragWord of a 128-column fragment
-          acc(i + c * kPart) += part(i) * scale[h];
-          acc(i + 1 + c * kPart) += part(i + 1) * scale[h];
-        }
-      }
+      promote(part, scale, c);
     }
   }
   warpgroup_fence_operand(acc);
