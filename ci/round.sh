@@ -86,7 +86,10 @@ run_one() {
                  --json "$OUT/fp8-ncu-source-extract.json" --source "bench/fp8_ncu.py ${FO_NCU_ARGS:-}" \
                  >"$OUT/fp8-ncu-source-extract.txt" 2>&1 || true
                head -c 600 "$OUT/fp8-ncu-source.csv" >>"$LOG"
-             fi ;;
+             fi
+             # the report itself is large (it would push the results archive past what comes
+             # back); FO_NCU_KEEP=1 keeps it
+             [ "${FO_NCU_KEEP:-0}" = 1 ] || rm -f "$OUT/fp8-ncu.ncu-rep" ;;
     # Nsight Compute on one all_to_all call (bench/a2a_ncu.py): its table kernel and GEMM
     ncu-a2a) stage ncu-a2a ${FO_NCU_SECONDS:-120} ncu --profile-from-start off --set ${FO_NCU_SET:-full} \
                -f -o "$OUT/a2a-ncu" $PY bench/a2a_ncu.py ${FO_NCU_ARGS:-}

@@ -1073,9 +1073,13 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
     warpgroup_fence_operand(acc);
     return;
   }
+  // The next stage's full barrier is tested as soon as this one is freed, before the
+  // promotion (CUTLASS's block-scaled loop does the same): the wait at the top of the next K
+  // tile then finds its answer and returns without a second test where the stage is there.
+  auto token = pipeline.consumer_try_wait(read_state);
 #pragma unroll 1
   for (int kt = 0; kt < k_tiles; ++kt) {
-    pipeline.consumer_wait(read_state);
+    pipeline.consumer_wait(read_state, token);
     const int stage = read_state.index();
     const BlockScaleStage& st = stages[stage];
     float row_scale[2];
@@ -1093,6 +1097,7 @@ __device__ inline void block_scaled_mainloop(MainloopPipeline& pipeline, Pipelin
       if (c == kScaleCols - 1) {
         pipeline.consumer_release(read_state);
         ++read_state;
+        if (kt + 1 < k_tiles) token = pipeline.consumer_try_wait(read_state);
       }
       // warpgroup 0's first batch is done: warpgroup 1 issues its own while this one promotes
       if (kOffset && kt == 0 && c == 0 && warp_group == 0)
