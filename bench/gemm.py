@@ -183,8 +183,26 @@ def parse_variant(name: str, product_arch: int) -> Variant:
                    lockstep=lockstep, pipe=pipe)
 
 
-def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None):
+def product_build(v: Variant) -> bool:
+    """Whether ``v`` builds what the backend runs (the product or its -plain, -swN, -cMxN)."""
+    return (v.tile is None and v.epilogue is None and v.schedule is None and v.fast_accum
+            and v.scale_tma and not (v.tile_k or v.stages or v.scale_warp or v.item_prefetch
+                                     or v.signal_defer or v.lockstep or v.pipe))
+
+
+def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None, plan=None,
+                   scales=None):
+    """The build of variant ``v``; an fp8 product's is CUTLASS's kernel (GemmConfig.stock)
+    where the backend would run it (kernels.stock_fits of ``plan`` and the kernel's
+    ``scales``; without a plan, wherever its tile has a stock build)."""
     fp8 = dtype in kernels.FP8_DTYPES
+    if fp8 and product_build(v):
+        t = tuple(tile or v.tile)
+        fits = (kernels.stock_fits(plan, scales) if plan is not None
+                else t in kernels.STOCK_FP8_CONFIGS.get(v.arch, {}).get(scaling, {}))
+        if fits:
+            return kernels.gemm_config(v.arch, t, dtype, True, cluster, out_dtype=FP8_OUT,
+                                       scaling=scaling, stock=True)
     cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster,
                               out_dtype=FP8_OUT if fp8 else None, scaling=scaling)
     if v.epilogue is not None:
@@ -240,11 +258,12 @@ def needed_configs(kernels, variants, dtypes, shapes, scaling=None):
         for dtype in dtypes:
             if torch.cuda.is_available():
                 plans = [plan_for(*shape, dtype, v.tile, scaling, v.swizzle) for shape in shapes]
-                picks = {(p.tile, cluster_for(kernels, v, p)) for p in plans}
-            else:
-                tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling, dtype))
-                picks = {(t, c) for t in tiles
-                         for c in (v.cluster or kernels.preferred_cluster(v.arch, t), (1, 1))}
+                out += [variant_config(kernels, v, dtype, cluster_for(kernels, v, p), p.tile,
+                                       scaling, plan=p) for p in plans]
+                continue
+            tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling, dtype))
+            picks = {(t, c) for t in tiles
+                     for c in (v.cluster or kernels.preferred_cluster(v.arch, t), (1, 1))}
             out += [variant_config(kernels, v, dtype, c, t, scaling) for t, c in sorted(picks)]
     return list(dict.fromkeys(out))
 
@@ -258,8 +277,12 @@ class Gemm:
         self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile, "blockwise" if blockwise else None,
                              v.swizzle)
         items, groups = self.plan.item_table()
+        kernel_scales = None
+        if scales is not None:  # fp8: (scale_a, scale_b) as the kernel reads them
+            from flashoverlap_backends.cuda.device_state import kernel_scale
+            kernel_scales = tuple(kernel_scale(t, blockwise) for t in scales)
         self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items),
-                                     self.plan.tile, self.plan.scaling)
+                                     self.plan.tile, self.plan.scaling, self.plan, kernel_scales)
         self.lib = kernels.gemm_library(self.config)
         self.items, self.groups = items.cuda(), groups.cuda()
         self.counters = (torch.zeros(self.plan.num_groups, dtype=torch.int32, device="cuda")
@@ -279,9 +302,9 @@ class Gemm:
             num_items=p.num_tiles,
             counters=self.counters.data_ptr() if self.counters is not None else None,
             num_ctas=p.wave_size, monitor=None)
-        if scales is not None:  # fp8: (scale_a, scale_b) as the kernel reads them
+        if kernel_scales is not None:
             from flashoverlap_backends.cuda.device_state import gemm_scales
-            self.params.scales = gemm_scales(*scales, blockwise=blockwise)
+            self.params.scales = gemm_scales(*kernel_scales, blockwise=blockwise)
 
     def __call__(self):
         self.lib.launch(self.params, torch.cuda.current_stream().cuda_stream)

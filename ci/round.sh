@@ -28,6 +28,8 @@ run_one() {
     plain) stage plain-path 90 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda.py -k "plain_path or native_call" ;;
     # tests/gpu/test_cuda_fp8.py by name (FO_FP8_K), e.g. wide_tile
     fp8-k) stage fp8-k ${FO_FP8_SECONDS:-120} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py -k "${FO_FP8_K:?}" ;;
+    # the fp8 builds on CUTLASS's own kernel (gemm_sm90_stock.cu): order, signal, where they run
+    fp8-stock) stage fp8-stock ${FO_FP8_SECONDS:-150} $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8_stock.py ;;
     fp8all) stage fp8-all 150 $PY -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu/test_cuda_fp8.py ;;
     # issue 33's all_to_all pairing failure: many W = 2 runs at once, a variant each (ci/a2a_race.sh)
     a2a-race) stage a2a-race ${FO_RACE_SECONDS:-300} bash ci/a2a_race.sh ;;

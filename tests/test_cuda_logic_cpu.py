@@ -401,7 +401,7 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
                 "e4m3", build.DTYPE_ALIASES[out], 128, True)
             assert not cfg.problems()
     names = {build.config_name(c) for c in kernels.all_configs([90])
-             if c.dtype == "e4m3" and not c.block_scaled and not c.gather}
+             if c.dtype == "e4m3" and not c.block_scaled and not c.gather and not c.stock}
     assert names == {"sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_scw_etma4",
                      "sm90_e4m3_bf16_bcol_128x256x128_c1x1_cooperative_scw_etma4",
                      "sm90_e4m3_bf16_bcol_128x128x128_c2x1_pingpong_etma",
@@ -422,13 +422,61 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
         for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
         for n, lock in ((128, "_lock"), (256, ""))}  # fp8 allgather's (issue 32)
     blocks = {build.config_name(c) for c in kernels.all_configs([90])
-              if c.block_scaled and not c.gather}
+              if c.block_scaled and not c.gather and not c.stock}
     # (the 128x128 block-scaled kernel runs its math warpgroups in step: _lock)
     assert blocks == {f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128{lock}_etma"
                       for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
                       for n, lock in ((128, "_lock"), (256, ""))} | {
                       f"sm90_e4m3_{o}_bcol_128x{n}x128_c1x1_cooperative_block128{lock}_etma_blocks"
                       for o in ("bf16", "fp16") for n, lock in ((128, "_lock"), (256, ""))}
+
+
+def test_fp8_stock_builds_and_where_they_run(monkeypatch):
+    """The fp8 builds on CUTLASS's own kernel (STOCK_FP8_CONFIGS): prebuilt for both results
+    and clusters, named _stock, built from gemm_sm90_stock.cu; a plan runs one where
+    stock_fits: "rows" layout, equal blocks of whole row tiles, not allgather or all_to_all,
+    block-wise scales in torch's layouts."""
+    from flashoverlap_core.plan import Plan
+    from flashoverlap_core.tiles import Schedule
+
+    monkeypatch.setenv(ENV_ARCH, "90")
+    stock = {build.config_name(c) for c in kernels.all_configs([90]) if c.stock}
+    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma_stock"
+                     for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
+                     for kind in ("pingpong", "cooperative_block128")}
+    for c in kernels.stock_configs(90):
+        assert build.gemm_source(c) == "gemm_sm90_stock.cu" and not c.problems()
+    with pytest.raises(ValueError, match="stock"):
+        build.GemmConfig(dtype="bf16", stock=True)
+    with pytest.raises(ValueError, match="stock"):
+        build.GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", stock=True, scale_warp=True)
+
+    def plan(op="allreduce", m=1024, world=1, layout="rows", scaling=None, tile=(128, 128)):
+        blocks = world if op == "reduce_scatter" else 1
+        tiles = blocks * -(-(m // blocks) // tile[0]) * -(-1000 // tile[1])
+        return Plan(m=m, n=1000, k=1000, op=op, world_size=world, dtype="float8_e4m3fn",
+                    tile=tile, wave_size=128, schedule=Schedule("n", 2), group_sizes=(tiles,),
+                    out_dtype="bfloat16", scaling=scaling, layout=layout)
+
+    def scales(sa_strides, sb_strides, m=1024):
+        sa = torch.empty_strided((m, 8), sa_strides)
+        sb = torch.empty_strided((8, 8), sb_strides)
+        return sa, sb
+
+    for scaling in (None, "blockwise"):
+        assert kernels.stock_fits(plan(scaling=scaling))
+        assert not kernels.stock_fits(plan(scaling=scaling, layout="tiles"))
+        assert not kernels.stock_fits(plan(scaling=scaling, tile=(128, 256)))
+        assert kernels.stock_fits(plan("reduce_scatter", m=1024, world=4, scaling=scaling))
+        assert not kernels.stock_fits(plan("reduce_scatter", m=1200, world=4, scaling=scaling))
+    assert kernels.stock_fits(plan(scaling="blockwise"), scales((1, 1024), (1, 8)))
+    assert not kernels.stock_fits(plan(scaling="blockwise"), scales((8, 1), (1, 8)))  # row-major a
+    assert not kernels.stock_fits(plan(scaling="blockwise"), scales((1, 1032), (1, 8)))  # spaced
+    assert not kernels.stock_fits(plan(scaling="blockwise"), scales((1, 8), (8, 1)))  # b's N major
+    assert not kernels.stock_fits(plan(scaling="blockwise", m=1022),
+                                  scales((1, 1022), (1, 8), m=1022))  # a TMA row stride
+    assert not kernels.stock_op("all_to_all") and not kernels.stock_op("allgather")
+    assert kernels.stock_op("allreduce") and kernels.stock_op("reduce_scatter")
 
 
 def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
@@ -438,17 +486,25 @@ def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
     so."""
     monkeypatch.setenv(ENV_ARCH, "90")
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
-    spec = fp8_spec(m=4096, n=4096, k=4096, scaling="blockwise")
+    # gemm_sm90.cu's 128x128 (BLOCK_TILE_COST) where the call cannot take the stock build
+    # (allgather's waiting GEMM)
+    spec = fp8_spec(m=4096, n=4096, k=4096, scaling="blockwise", op="allgather")
     assert kernels.default_tile(90, spec, 128) == (128, 256)  # 4 whole waves of 128x256
     # 32 tiles of 128x256 are one wave that half the SMs run: 64 of 128x128 take as long, at
     # half the work each
-    small = fp8_spec(m=256, n=4096, k=4096, scaling="blockwise")
+    small = fp8_spec(m=256, n=4096, k=4096, scaling="blockwise", op="allgather")
     assert kernels.default_tile(90, small, 128) == (128, 128)
     # 5120x5120: 6.25 waves of 128x256 (7) against 12.5 of 128x128 (13 x 0.5 x 1.07 = 6.96)
-    assert kernels.default_tile(90, fp8_spec(m=5120, n=5120, k=4096, scaling="blockwise"),
-                                128) == (128, 128)
+    assert kernels.default_tile(90, fp8_spec(m=5120, n=5120, k=4096, scaling="blockwise",
+                                             op="allgather"), 128) == (128, 128)
     # 6144x3584 at K = 2048: 5.25 waves of 128x256 (6) against 10.5 (11 x 0.5 x 1.11 = 6.1)
-    assert kernels.default_tile(90, fp8_spec(m=6144, n=3584, k=2048, scaling="blockwise"),
+    assert kernels.default_tile(90, fp8_spec(m=6144, n=3584, k=2048, scaling="blockwise",
+                                             op="allgather"), 128) == (128, 256)
+    # the stock 128x128 build (STOCK_BLOCK_TILE_COST) where the call can take it: at K = 4096
+    # 8 waves x 0.5 x 0.97 = 3.88 against 4 of 128x256; at K = 1024, 8 x 0.5 x 1.04 = 4.16
+    assert kernels.default_tile(90, fp8_spec(m=4096, n=4096, k=4096, scaling="blockwise"),
+                                128) == (128, 128)
+    assert kernels.default_tile(90, fp8_spec(m=4096, n=4096, k=1024, scaling="blockwise"),
                                 128) == (128, 256)
     # the 16-bit costs do not apply: 128x224 and 128x160 have no block-scaled build
     assert kernels.default_tile(90, fp8_spec(m=4096, n=7168, k=4096, scaling="blockwise"),

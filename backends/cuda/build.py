@@ -93,6 +93,9 @@ class GemmConfig:
     # (FO_BLOCK_LOCKSTEP=1, name suffix _lock)
     block_pipe: bool = False  # block_scaled, tile_n 128: two partial fragments, so a K tile's
     # wgmmas run while the previous one's are promoted (FO_BLOCK_PIPE=1, name suffix _pipe)
+    stock: bool = False  # e4m3 (sm90): CUTLASS's own persistent kernel with FlashOverlap's item
+    # scheduler and signaling epilogue (gemm_sm90_stock.cu, name suffix _stock): in-place "rows"
+    # results only, no waits, no unequal blocks; tile_k 128; the epilogue fields do not apply
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
     # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
     # the source alone tells it apart, so every other build keeps its name and cached object)
@@ -166,6 +169,8 @@ class GemmConfig:
             out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
             if self.block_scaled or not self.scale_tma or self.scale_warp:
                 out.append("block_scaled, scale_tma and scale_warp apply to e4m3 builds")
+            if self.stock:
+                out.append("stock (CUTLASS's kernel, gemm_sm90_stock.cu) is for e4m3 builds")
             if self.gather:
                 out.append("gather applies to e4m3 builds (a 16-bit allgather runs "
                            "fo_gemm_run_ex, which every build has)")
@@ -198,6 +203,18 @@ class GemmConfig:
         if self.gather and self.blocks:
             out.append("gather (allgather's fo_gemm_run_ex_scaled) and blocks (all_to_all's "
                        "fo_gemm_run_blocks_scaled) are builds of their own: not both")
+        if self.stock:
+            if (self.gather or self.blocks or self.scale_warp or self.item_prefetch
+                    or self.signal_defer or self.block_lockstep or self.block_pipe
+                    or not self.scale_tma or self.stages or self.tile_k != 128
+                    or not self.fast_accum or self.epilogue != "tma" or self.epi_slots):
+                out.append("stock (CUTLASS's kernel, gemm_sm90_stock.cu) takes tile_k 128, fast "
+                           "accumulation, its own TMA epilogue (epilogue 'tma', no slots), its own "
+                           "stage count, and none of gather, blocks, scale_warp, item_prefetch, "
+                           "signal_defer, block_lockstep, block_pipe, scale_tma=False")
+            if self.block_scaled and self.tile_n % 128:
+                out.append(f"stock block_scaled needs whole 128-column blocks of b per tile, got "
+                           f"tile_n {self.tile_n}")
         return out
 
     @property
@@ -253,6 +270,8 @@ def config_name(config: GemmConfig) -> str:
         name += "_blocks"
     if config.gather:
         name += "_gather"
+    if config.stock:
+        name += "_stock"
     return name
 
 
@@ -422,6 +441,8 @@ def gemm_source(config: GemmConfig) -> str:
         return "gemm_sm80.cu"
     if config.dtype in FP8_DTYPES and config.gather:
         return "gemm_sm90_ex_scaled.cu"
+    if config.stock:
+        return "gemm_sm90_stock.cu"
     return "gemm_sm90_blocks_scaled.cu" if config.blocks and config.dtype in FP8_DTYPES \
         else "gemm_sm90.cu"
 

@@ -151,9 +151,12 @@ class Gemms:
             return tables
 
     @staticmethod
-    def gemm_for(plan, tables: PlanTables, b: torch.Tensor, gather: bool = False):
+    def gemm_for(plan, tables: PlanTables, b: torch.Tensor, gather: bool = False, scales=None):
         """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b;
-        ``gather``: allgather's (an fp8 plan's has fo_gemm_run_ex_scaled: kernels.gemm_config)."""
+        ``gather``: allgather's (an fp8 plan's has fo_gemm_run_ex_scaled: kernels.gemm_config).
+        An fp8 plan runs CUTLASS's own kernel where the plan and ``scales`` (the call's
+        (scale_a, scale_b) as the kernel reads them: kernel_scale) let it
+        (kernels.stock_fits), else gemm_sm90.cu's."""
         gpu = arch()
         col = takes_col_major(gpu, b)
         cluster = kernels.preferred_cluster(gpu, plan.tile)
@@ -162,8 +165,10 @@ class Gemms:
             fits = tables.cluster_fits[cluster] = kernels.cluster_fits(tables.items_host, cluster)
         if not fits:
             cluster = (1, 1)
+        stock = (gpu == 90 and not gather and col and kernels.stock_fits(plan, scales))
         config = kernels.gemm_config(gpu, plan.tile, plan.dtype, col, cluster,
-                                    out_dtype=plan.out_dtype, scaling=plan.scaling, gather=gather)
+                                     out_dtype=plan.out_dtype, scaling=plan.scaling,
+                                     gather=gather, stock=stock)
         return kernels.gemm_library(config), col, gpu
 
     def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,
@@ -180,7 +185,10 @@ class Gemms:
         plan's) [M, ceil(K/128)] and [ceil(K/128), ceil(N/128)], any strides.
         """
         tables = self.plan_tables(plan, a.device)
-        gemm, col, gpu = self.gemm_for(plan, tables, b)
+        blockwise = plan.scaling == "blockwise"
+        kernel_scales = (tuple(kernel_scale(t, blockwise) for t in scales)
+                         if scales is not None else None)
+        gemm, col, gpu = self.gemm_for(plan, tables, b, scales=kernel_scales)
         k = padded_k(gpu, a.shape[1])
         a_op, b_op = a_operand(a, k), b_operand(b, col, k)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]
@@ -194,8 +202,6 @@ class Gemms:
             counters=counters.data_ptr() if signal else None, num_ctas=plan.wave_size,
             monitor=monitor.data_ptr() if monitor is not None else None)
         if gemm.fp8:
-            blockwise = plan.scaling == "blockwise"
-            scale_a, scale_b = (kernel_scale(t, blockwise) for t in scales)
-            params.scales = gemm_scales(scale_a, scale_b, blockwise)
+            params.scales = gemm_scales(*kernel_scales, blockwise)
         gemm.launch(params, stream.cuda_stream)
         return tables

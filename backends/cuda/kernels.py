@@ -79,6 +79,19 @@ FP8_BLOCK_CONFIGS = {
     90: {(128, 256): Kernel(128, (2, 1), "cooperative", "tma"),
          (128, 128): Kernel(128, (2, 1), "cooperative", "tma", block_lockstep=True)},
 }
+# fp8 on CUTLASS's own persistent kernel (build.GemmConfig.stock, gemm_sm90_stock.cu: its
+# TMA warp-specialized schedules with FlashOverlap's item scheduler and signaling epilogue):
+# what an fp8 plan of that tile runs wherever the call lets it (stock_fits: a "rows" plan of one
+# destination block or blocks of whole tiles, no allgather or all_to_all; block-wise scales in
+# torch's layouts). Tensor- and row-wise: pingpong 128x128 (CUTLASS's column and row broadcasts
+# in its epilogue); block-wise: cooperative 128x128 (CUTLASS's block-scaled main loop). On the
+# H200 these run 0.978-1.056x torch's row-wise and 0.956-1.038x its block-wise kernels without
+# FlashOverlap's parts (bench/results/cutlass-ref-h200-20261206-040754.json, -040726.json);
+# gemm_sm90.cu's builds of the same tiles about 10% slower (csrc/cuda/NOTES.md).
+STOCK_FP8_CONFIGS = {
+    90: {None: {(128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
+         "blockwise": {(128, 128): Kernel(128, (2, 1), "cooperative", "tma")}},
+}
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
 
@@ -147,6 +160,17 @@ TILE_COST = {
 BLOCK_TILE_COST = {
     (128, 128): ((1024, 1.15), (2048, 1.11), (4096, 1.07), (8192, 1.1)),
 }
+# The same for the stock builds (STOCK_FP8_CONFIGS) that fp8 plans of 128x128 run, against the
+# 128x256 build of gemm_sm90.cu, from the H200 runs that STOCK_FP8_CONFIGS cites (each shape's
+# two ratios to torch's kernel, rounded up): block-wise 1.04 at K = 1024, 1.02 at 1536, 1.0 at
+# 2048, 0.97 at 3584-4096, 0.96 at 8192; tensor- and row-wise (measured row-wise) 0.91 at
+# K = 1024, 0.88 at 2048, 0.94 at 4096, 0.98 at 8192.
+STOCK_BLOCK_TILE_COST = {
+    (128, 128): ((1024, 1.04), (1536, 1.02), (2048, 1.0), (3584, 0.97), (8192, 0.96)),
+}
+STOCK_FP8_TILE_COST = {
+    (128, 128): ((1024, 0.91), (2048, 0.88), (4096, 0.94), (8192, 0.98)),
+}
 
 
 def tile_cost(tile, k: int, costs: dict | None = None) -> float:
@@ -179,6 +203,8 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     costs = BLOCK_TILE_COST if block else TILE_COST
     if arch != 90 or spec is None or not wave_size:
         return tile
+    if spec.dtype in FP8_DTYPES and stock_op(spec.op):  # as stock_fits expects of the call
+        costs = STOCK_BLOCK_TILE_COST if block else STOCK_FP8_TILE_COST
     blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
     if of(spec.op).splits:
         # all_to_all: each call's rows are its own; the key's expected rows per rank (the
@@ -204,6 +230,37 @@ def default_block_tile(arch: int) -> tuple[int, int]:
     return next(iter(FP8_BLOCK_CONFIGS[arch]))
 
 
+def stock_op(op: str) -> bool:
+    """Whether calls of ``op`` may run the stock fp8 builds: not allgather (its GEMM waits for
+    rows) nor all_to_all (unequal destination blocks, packed tiles)."""
+    kind = of(op)
+    return not kind.gathers and not kind.splits
+
+
+def stock_fits(plan, scales=None) -> bool:
+    """Whether an fp8 ``plan`` runs the stock build of its tile (STOCK_FP8_CONFIGS) with these
+    ``scales`` (the call's (scale_a, scale_b) as the kernel reads them, or None: any of
+    tensor-/row-wise, or block-wise in torch's layouts): a "rows" plan (tiles in place), one
+    destination block or equal blocks of whole row tiles, not allgather or all_to_all;
+    block-wise scale_a [M, groups] with strides (1, M), M % 4 == 0 (its TMA map's row stride)
+    unless there is one group, and scale_b [groups, ceil(N/128)] with strides (1, groups)."""
+    table = STOCK_FP8_CONFIGS.get(90, {}).get(plan.scaling)
+    if (plan.dtype not in FP8_DTYPES or table is None or tuple(plan.tile) not in table
+            or plan.layout != "rows" or not stock_op(plan.op)):
+        return False
+    rows = plan.block_rows
+    if len(rows) > 1 and (len(set(rows)) > 1 or rows[0] % plan.tile[0]):
+        return False
+    if plan.scaling != "blockwise" or scales is None:
+        return True
+    scale_a, scale_b = scales
+    m, groups, cols = plan.m, -(-plan.k // 128), -(-plan.n // 128)
+    a_ok = ((scale_a.stride(0) == 1 or m == 1) and (scale_a.stride(1) == m or groups == 1)
+            and (m % 4 == 0 or groups == 1))
+    b_ok = ((scale_b.stride(0) == 1 or groups == 1) and (scale_b.stride(1) == groups or cols == 1))
+    return a_ok and b_ok
+
+
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
     """Whether the CTAs of each cluster get items that can share operand tiles: in every round
     of S = cm * cn consecutive items, rank (rm, rn) has the column tile of rank (0, rn) and the
@@ -221,7 +278,8 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                 blocks: bool = False, out_dtype: str | None = None,
-                scaling: str | None = None, gather: bool = False) -> build.GemmConfig:
+                scaling: str | None = None, gather: bool = False,
+                stock: bool = False) -> build.GemmConfig:
     """The build of ``tile`` on ``arch`` for a and b in ``dtype``; fp8 (FP8_DTYPES) with the
     result in ``out_dtype``, block-scaled for ``scaling`` "blockwise". ``blocks``: one that
     also takes destination blocks of unequal rows (all_to_all's per-call layout; other calls
@@ -229,6 +287,13 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
     allgather's; fp8 then has a build of its own (fo_gemm_run_ex_scaled: the waiting GEMM with
     scales), 16-bit dtypes the plain one (fo_gemm_run_ex)."""
     block_scaled = dtype in FP8_DTYPES and scaling == "blockwise"
+    if stock:  # CUTLASS's kernel (STOCK_FP8_CONFIGS): its own epilogue and stages
+        kernel = STOCK_FP8_CONFIGS[arch]["blockwise" if block_scaled else None][tuple(tile)]
+        return build.GemmConfig(arch=arch, tile_m=tile[0], tile_n=tile[1], tile_k=kernel.tile_k,
+                                cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
+                                b_col_major=b_col_major, schedule=kernel.schedule,
+                                epilogue="tma", out_dtype=out_dtype or "",
+                                block_scaled=block_scaled, stock=True)
     table = FP8_BLOCK_CONFIGS if block_scaled else FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
     kernel = table[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
@@ -269,6 +334,21 @@ def all_configs(archs) -> list[build.GemmConfig]:
                             for c in clusters]
         for tile in FP8_BLOCK_CONFIGS.get(arch, {}):  # block-wise fp8: every tile default_tile picks
             out += block_scaled_configs(arch, tile)
+        out += stock_configs(arch)
+    return out
+
+
+def stock_configs(arch: int) -> list[build.GemmConfig]:
+    """The stock fp8 builds (STOCK_FP8_CONFIGS): either result dtype, each scaling's tiles, the
+    preferred and the 1x1 cluster."""
+    out = []
+    for scaling, tiles in STOCK_FP8_CONFIGS.get(arch, {}).items():
+        for tile, kernel in tiles.items():
+            for dtype in FP8_DTYPES:
+                for result in DTYPES:
+                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
+                                        scaling=scaling, stock=True)
+                            for c in dict.fromkeys([kernel.cluster, (1, 1)])]
     return out
 
 

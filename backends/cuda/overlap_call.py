@@ -65,7 +65,10 @@ class CudaCall(NativeCall, PreparedCall):
         self.op = of(call.op)
         self.kind = self.op.name
         self.tables = gemms.plan_tables(plan, device)
-        self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b)
+        blockwise = plan.scaling == "blockwise"
+        scales = ((kernel_scale(call.scale_a, blockwise), kernel_scale(call.scale_b, blockwise))
+                  if call.scale_a is not None else None)
+        self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b, scales=scales)
         # The key fixes the strides: what the kernel takes as lda and ldb, and whether it
         # reads a and b in place (per call only their base addresses are checked).
         self.operands = Operands(self.arch, a, call.b, self.col)

@@ -1,0 +1,589 @@
+// FlashOverlap signaling GEMM for Hopper (sm_90a), fp8: CUTLASS's own persistent kernel
+// (GemmUniversal with its TMA warp-specialized cooperative or pingpong schedule) with two parts
+// of ours plugged in through CUTLASS's extension points (issue 32):
+//
+// - ItemScheduler, the tile scheduler: CTA c takes items c, c + G, c + 2G, ... of the plan's
+//   item table (G = the grid's CTAs), as every FlashOverlap kernel does (gemm_api.h, "Work
+//   items"), instead of CUTLASS's raster. A cluster's filler item (past the table, in the last
+//   round) computes a tile past the last row band: its loads are zero-filled and its stores
+//   clipped by TMA, so the cluster's multicast of B still has every CTA's half.
+// - SignalEpilogue, around CUTLASS's TMA epilogue (row- and column-wise scales through its
+//   visitor tree, or block-wise scales already applied by CUTLASS's block-scaled main loop):
+//   after a tile's TMA stores have been written (cp.async.bulk.wait_group 0, not .read), the
+//   issuing warp fences the async proxy and lane 0 adds 1 to counters[item_group[i]] with
+//   release semantics, then records the monitor. The pingpong kernel calls store_tail after every
+//   tile, so its tiles are signalled there, while the other math warpgroup runs its main loop.
+//   The cooperative kernel calls it once, at the end: there a tile is signalled at the start of
+//   the next tile's epilogue (its stores have long landed by then, so the wait costs nothing),
+//   and the last one in store_tail. Before signalling, lane 0 checks that the item is the tile
+//   the kernel computed (rows, column tile, in-place offset) and that the items of its cluster
+//   round can share B (the same column tile); a violation traps, as gemm_sm90.cu's checks.
+//
+// Why: on the H200 CUTLASS's kernels run 0.956-1.04x torch's block-wise fp8 GEMM and
+// 0.978-1.056x its row-wise one (bench/results/cutlass-ref-h200-20261206-*.json), gemm_sm90.cu's
+// 128x128 builds about 10% slower (csrc/cuda/NOTES.md, "Where the 128x128 kernels lose to stock
+// CUTLASS").
+//
+// What it takes (check_limits): e4m3 a and b (b [N, K]), bf16 or fp16 out written in place into
+// a row-major [M, ldo] result (the "rows" layout: fo_gemm_run_ex / fo_gemm_launch with ldo > 0),
+// one destination block, or equal blocks whose rows are a multiple of the tile's (a tile never
+// straddles two), no waits (allgather) and no unequal blocks (all_to_all). Scales: tensor- or
+// row-wise for a and b (FO_FP8_BLOCK 0: CUTLASS's column and row broadcasts with run-time
+// strides), or block-wise (FO_FP8_BLOCK 1): scale_a [M, ceil(K/128)] with strides (1, M) and
+// scale_b [ceil(K/128), ceil(N/128)] with strides (1, ceil(K/128)), torch's layouts for
+// BlockWise1x128 and for the transpose of a checkpoint's [ceil(N/128), ceil(K/128)] weight scales.
+//
+// One configuration per compilation: FO_TILE_M/N (K tile 128), FO_CLUSTER_M/N, FO_SCHEDULE
+// (0 cooperative, 1 pingpong), FO_FP8_BLOCK, FO_OUT_DTYPE (0 bf16, 1 fp16); FO_DTYPE must be 2.
+#include <cuda.h>
+
+#include <mutex>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/thread/activation.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "gemm_abi.cuh"
+
+#ifndef FO_TILE_M
+#define FO_TILE_M 128
+#endif
+#ifndef FO_TILE_N
+#define FO_TILE_N 128
+#endif
+#ifndef FO_CLUSTER_M
+#define FO_CLUSTER_M 2
+#endif
+#ifndef FO_CLUSTER_N
+#define FO_CLUSTER_N 1
+#endif
+#ifndef FO_SCHEDULE
+#define FO_SCHEDULE 1
+#endif
+#ifndef FO_FP8_BLOCK
+#define FO_FP8_BLOCK 0
+#endif
+
+static_assert(FO_DTYPE == FO_DTYPE_E4M3, "this source builds e4m3 GEMMs only (FO_DTYPE 2)");
+static_assert(FO_B_COL_MAJOR, "fp8 wgmma reads both operands K-major: b must be [N, K]");
+static_assert(!FO_BLOCKS, "unequal destination blocks (all_to_all) run gemm_sm90.cu's kernel");
+static_assert(FO_SCHEDULE == 0 || FO_SCHEDULE == 1, "FO_SCHEDULE: 0 cooperative, 1 pingpong");
+static_assert(FO_OUT_DTYPE == 0 || FO_OUT_DTYPE == 1, "FO_OUT_DTYPE: 0 bf16, 1 fp16");
+static_assert(!FO_FP8_BLOCK || FO_TILE_M % FO_SCALE_BLOCK == 0 || FO_SCHEDULE == 1,
+              "block-wise scales: the tile's rows are whole rows of a");
+static_assert(!FO_FP8_BLOCK || FO_TILE_N % FO_SCALE_BLOCK == 0,
+              "block-wise scales: a tile holds whole 128-column blocks of b");
+
+namespace fo::stock {
+using namespace cute;
+
+constexpr int kBM = FO_TILE_M, kBN = FO_TILE_N, kBK = 128;
+constexpr int kClusterM = FO_CLUSTER_M, kClusterN = FO_CLUSTER_N;
+constexpr int kClusterSize = kClusterM * kClusterN;
+constexpr bool kPingpong = FO_SCHEDULE == 1;
+constexpr bool kBlockScaled = FO_FP8_BLOCK != 0;
+static_assert(kClusterSize <= 8, "portable cluster size is at most 8");
+
+using TileShape = Shape<Int<kBM>, Int<kBN>, Int<kBK>>;
+using ClusterShape = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
+using ElementAB = cutlass::float_e4m3_t;
+using ElementD = cute::conditional_t<FO_OUT_DTYPE == 0, cutlass::bfloat16_t, cutlass::half_t>;
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignD = 16 / int(sizeof(ElementD));
+constexpr int kAlignAB = 16;
+
+// ---- the plan's items, and what the epilogue needs to signal ------------------------------
+struct ItemOrder {
+  const int64_t* items = nullptr;      // [T, 4]: block, band in block, column tile, offset
+  const int32_t* item_group = nullptr;  // [T]
+  int32_t* counters = nullptr;          // null: no signal (measuring signaling's cost)
+  uint64_t* monitor = nullptr;
+  int num_items = 0;
+  int block_rows = 0;  // rows per destination block (a multiple of kBM when L > 1)
+  int m_tiles = 0;     // row tiles of the whole result (a filler item's row tile)
+  int64_t ldo = 0;     // the result's row stride (elements)
+};
+
+// CTA c of the grid (cluster_m * clusters, cluster_n): items c, c + G, ...; within a cluster,
+// rank r = rm + rn * cluster_m takes item (cluster's first) + r (gemm_api.h).
+__device__ inline uint64_t cta_linear() {
+  const uint64_t cluster = blockIdx.x / kClusterM;
+  return cluster * kClusterSize + (blockIdx.x % kClusterM) + uint64_t(blockIdx.y) * kClusterM;
+}
+__device__ inline uint64_t grid_ctas() { return uint64_t(gridDim.x) * gridDim.y; }
+
+struct ItemSchedulerTag {};
+
+class ItemScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  using WorkTileInfo = typename Base::WorkTileInfo;
+  struct Arguments : Base::Arguments {
+    ItemOrder order;
+  };
+  struct Params : Base::Params {
+    ItemOrder order;
+  };
+
+  template <class ProblemShape, class Tile, class Cluster>
+  static Params to_underlying_arguments(ProblemShape problem, Tile tile, Cluster cluster,
+                                        cutlass::KernelHardwareInfo const& hw,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params p;
+    static_cast<Base::Params&>(p) = Base::to_underlying_arguments(
+        problem, tile, cluster, hw, args, workspace, epilogue_subtile, ktile_start_alignment_count);
+    p.order = args.order;
+    return p;
+  }
+
+  CUTLASS_HOST_DEVICE ItemScheduler() {}
+  CUTLASS_DEVICE explicit ItemScheduler(Params const& p) : Base(p), order_(p.order) {
+    idx_ = cta_linear();
+    stride_ = grid_ctas();
+  }
+
+  // Item i's tile: (row tile of the whole result, column tile, 0); a cluster's filler item past
+  // the table, the row tile past the last one with its cluster's column tile.
+  CUTLASS_DEVICE WorkTileInfo tile_of(uint64_t i) const {
+    const uint64_t n = uint64_t(order_.num_items);
+    if (i < n) {
+      const int64_t* it = order_.items + 4 * i;
+      const int64_t row0 = __ldg(it) * order_.block_rows + __ldg(it + 1) * kBM;
+      return {int32_t(row0 / kBM), int32_t(__ldg(it + 2)), 0, true};
+    }
+    const uint64_t r = i % kClusterSize, first = i - r;
+    if (first >= n) return WorkTileInfo::invalid_work_tile();
+    const uint64_t col_item = first + (r / kClusterM) * kClusterM;  // rank (0, rn)
+    const int32_t n_blk = col_item < n ? int32_t(__ldg(order_.items + 4 * col_item + 2)) : 0;
+    return {order_.m_tiles, n_blk, 0, true};
+  }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return tile_of(idx_); }
+  template <class Cluster>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(Cluster) {
+    return get_current_work();
+  }
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { idx_ += stride_ * count; }
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    advance_to_next_work();
+    return cute::make_tuple(get_current_work(), true);
+  }
+  template <class Pipeline, class State>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, Pipeline&, State) {
+    return fetch_next_work(w);
+  }
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
+    return !tile_of(idx_ + stride_ * count).is_valid();
+  }
+
+ private:
+  ItemOrder order_;
+  uint64_t idx_ = 0, stride_ = 1;
+};
+
+}  // namespace fo::stock
+
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages, class Problem>
+struct TileSchedulerSelector<fo::stock::ItemSchedulerTag, ArchTag, TileShape, ClusterShape,
+                             Stages, Problem> {
+  using Scheduler = fo::stock::ItemScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace fo::stock {
+
+// ---- the epilogue: CUTLASS's, then the signal --------------------------------------------
+template <class Base>
+class SignalEpilogue : public Base {
+ public:
+  struct Arguments : Base::Arguments {
+    ItemOrder order;
+  };
+  struct Params : Base::Params {
+    ItemOrder order;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args,
+                                        void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem, args, workspace);
+    p.order = args.order;
+    return p;
+  }
+
+  CUTLASS_HOST_DEVICE SignalEpilogue(Params const& params,
+                                     typename Base::TensorStorage& storage)
+      : Base(params, storage), order_(params.order) {
+#if defined(__CUDA_ARCH__)
+    // Items: the cooperative kernel's math threads take the CTA's items in turn; pingpong's
+    // math warpgroup w (threads 128 (w + 1) ..) every other one, starting at the w-th.
+    const uint64_t group =
+        kPingpong ? uint64_t(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1 : 0;
+    next_ = cta_linear() + group * grid_ctas();
+    step_ = (kPingpong ? 2 : 1) * grid_ctas();
+#endif
+  }
+
+  // CUTLASS's store, then (in turn) the previous tile's signal. `thread_idx` is the index the
+  // kernel gives the epilogue; warp 0 of those threads issues the TMA stores (CUTLASS's
+  // issue_tma_store), so it signals.
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState,
+            class ProblemShape, class TileShapeMNK, class TileCoord, class Acc, class TiledMma,
+            class... Rest>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state,
+                            StorePipeline store_pipeline, StoreState store_state,
+                            ProblemShape problem, TileShapeMNK tile_shape, TileCoord tile_coord,
+                            Acc&& accumulators, TiledMma tiled_mma, int thread_idx,
+                            Rest&&... rest) {
+    issuer_ = thread_idx / cutlass::NumThreadsPerWarp == 0;
+    flush();
+    auto out = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem,
+                           tile_shape, tile_coord, static_cast<Acc&&>(accumulators), tiled_mma,
+                           thread_idx, static_cast<Rest&&>(rest)...);
+    if (issuer_) {
+      pending_ = int64_t(next_);
+      pending_m_ = int(get<0>(tile_coord));
+      pending_n_ = int(get<1>(tile_coord));
+    }
+    next_ += step_;
+    return out;
+  }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto store_tail(Args&&... args) {
+    auto out = Base::store_tail(static_cast<Args&&>(args)...);
+    flush();
+    return out;
+  }
+
+ private:
+  // Signals the pending tile, once its stores have been written: every lane of the issuing warp
+  // waits for its bulk stores, then lane 0 checks the item and does the release add.
+  CUTLASS_DEVICE void flush() {
+    if (!issuer_ || pending_ < 0) return;
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    __syncwarp();
+    const int64_t i = pending_;
+    pending_ = -1;
+    if ((threadIdx.x % cutlass::NumThreadsPerWarp) != 0 || i >= order_.num_items) return;
+    const int64_t* it = order_.items + 4 * i;
+    const int64_t l = it[0], m_blk = it[1], n_blk = it[2], offset = it[3];
+    const int64_t row0 = l * order_.block_rows + m_blk * kBM;
+    bool ok = row0 == int64_t(pending_m_) * kBM && n_blk == pending_n_ &&
+              offset == row0 * order_.ldo + n_blk * kBN;
+    const int64_t r = i % kClusterSize, first = i - r;
+    const int64_t col_item = first + (r / kClusterM) * kClusterM;
+    const int64_t row_item = first + r % kClusterM;
+    if (col_item < order_.num_items) ok = ok && order_.items[4 * col_item + 2] == n_blk;
+    if (row_item < order_.num_items)
+      ok = ok && order_.items[4 * row_item] == l && order_.items[4 * row_item + 1] == m_blk;
+    if (!ok) __trap();  // the table is not the order this kernel ran, or a cluster cannot share B
+    if (order_.counters) signal_counter(order_.counters + order_.item_group[i]);
+    record_monitor(order_.monitor, i, int(cta_linear()));
+  }
+
+  ItemOrder order_;
+  bool issuer_ = false;
+  uint64_t next_ = 0, step_ = 0;
+  int64_t pending_ = -1;
+  int pending_m_ = 0, pending_n_ = 0;
+};
+
+// ---- the kernel ----------------------------------------------------------------------------
+namespace fusion = cutlass::epilogue::fusion;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+// Tensor- or row-wise: scale_a one value per row or one for all (run-time stride 1 or 0), scale_b
+// the same per column.
+using ScaleA = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<bool, _0, int64_t>>;
+using ScaleB = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, bool, int64_t>>;
+using TimesB = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,
+                               ScaleB, fusion::Sm90AccFetch>;
+using TimesA = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>,
+                               ScaleA, TimesB>;
+// Block-wise: the accumulators are scaled already; D is their conversion.
+using Convert = fusion::Sm90EVT<
+    fusion::Sm90Compute<cutlass::epilogue::thread::Identity, ElementD, float, kRound>,
+    fusion::Sm90AccFetch>;
+using Fusion = cute::conditional_t<kBlockScaled, Convert, TimesA>;
+
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, FO_SCALE_BLOCK, FO_SCALE_BLOCK,
+                                                              cute::GMMA::Major::MN,
+                                                              cute::GMMA::Major::K>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+using LayoutA = cutlass::layout::RowMajor;
+using LayoutB = cutlass::layout::ColumnMajor;
+using MainA = cute::conditional_t<kBlockScaled, cute::tuple<LayoutA, LayoutSFA>, LayoutA>;
+using MainB = cute::conditional_t<kBlockScaled, cute::tuple<LayoutB, LayoutSFB>, LayoutB>;
+
+#if FO_FP8_BLOCK
+using KernelSchedule = cute::conditional_t<kPingpong,
+                                           cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise,
+                                           cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>;
+#else
+using KernelSchedule = cute::conditional_t<kPingpong,
+                                           cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                                           cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum>;
+#endif
+using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                             cutlass::epilogue::TmaWarpSpecializedCooperative>;
+
+using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlignD,
+    ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
+using Epilogue = SignalEpilogue<StockEpilogue>;
+
+using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainA, kAlignAB, ElementAB,
+    MainB, kAlignAB, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<
+        static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+
+using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                    ItemSchedulerTag>;
+using KernelParams = typename Kernel::Params;
+constexpr int kSmemBytes = int(Kernel::SharedStorageSize);
+constexpr int kThreads = int(Kernel::MaxThreadsPerBlock);
+static_assert(std::is_same_v<typename Kernel::TileScheduler, ItemScheduler>,
+              "the kernel must take the plan's items");
+
+__global__ void __launch_bounds__(kThreads, 1) signaling_gemm(CUTLASS_GRID_CONSTANT const KernelParams params) {
+  extern __shared__ char smem[];
+  Kernel op;
+  op(params, smem);
+}
+
+// ---- host ----------------------------------------------------------------------------------
+// The kernel's parameters of one call: TMA maps of a, b, the result (and block-wise scale_a),
+// encoded by CUTLASS. Kept for the last few calls (a prepared call's operands rarely move).
+struct ParamsKey {
+  const void *a, *b, *out;
+  const float *sa, *sb;
+  int a_mode, b_mode, L, block_rows, N, K, num_items, num_ctas;
+  int64_t lda, ldb, ldo;
+  const int64_t* items;
+  const int32_t* item_group;
+  int32_t* counters;
+  uint64_t* monitor;
+  int device;
+  bool operator==(const ParamsKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
+};
+
+struct ParamsCache {
+  static constexpr int kEntries = 8;
+  std::mutex mutex;
+  ParamsKey keys[kEntries];
+  KernelParams params[kEntries];
+  bool valid[kEntries] = {};
+  int next = 0;
+};
+
+inline ParamsKey key_of(const fo::gemm::Args& args, int device) {
+  ParamsKey k;
+  std::memset(&k, 0, sizeof(k));  // padding too: the key is compared bytewise
+  const fo_gemm_scales& s = *args.scales;
+  k.a = args.a, k.b = args.b, k.out = args.packed, k.sa = s.a, k.sb = s.b;
+  k.a_mode = s.a_per_row, k.b_mode = s.b_per_col, k.L = args.L, k.block_rows = args.block_rows;
+  k.N = args.N, k.K = args.K, k.num_items = args.num_items, k.num_ctas = args.num_ctas;
+  k.lda = args.lda, k.ldb = args.ldb, k.ldo = args.ldo, k.items = args.items;
+  k.item_group = args.item_group, k.counters = args.counters, k.monitor = args.monitor;
+  k.device = device;
+  return k;
+}
+
+inline cudaError_t make_params(const fo::gemm::Args& args, KernelParams* out) {
+  const int M = args.M(), N = args.N, K = args.K;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideC = typename Kernel::StrideC;
+  using StrideD = typename Kernel::StrideD;
+  StrideA sa = make_stride(args.lda, Int<1>{}, int64_t(M) * args.lda);
+  StrideB sb = make_stride(args.ldb, Int<1>{}, int64_t(N) * args.ldb);
+  StrideC sc{};
+  StrideD sd = make_stride(args.ldo, Int<1>{}, int64_t(M) * args.ldo);
+  ItemOrder order;
+  order.items = args.items, order.item_group = args.item_group, order.counters = args.counters;
+  order.monitor = args.monitor, order.num_items = args.num_items;
+  order.block_rows = args.block_rows, order.m_tiles = (M + kBM - 1) / kBM, order.ldo = args.ldo;
+  const fo_gemm_scales& s = *args.scales;
+  typename Kernel::Arguments kargs;
+  kargs.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  kargs.problem_shape = {M, N, K, 1};
+#if FO_FP8_BLOCK
+  kargs.mainloop = {static_cast<const ElementAB*>(args.a), sa, static_cast<const ElementAB*>(args.b),
+                    sb, s.a, ScaleConfig::tile_atom_to_shape_SFA(make_shape(M, N, K, 1)), s.b,
+                    ScaleConfig::tile_atom_to_shape_SFB(make_shape(M, N, K, 1))};
+  typename StockEpilogue::Arguments base{{}, nullptr, sc, static_cast<ElementD*>(args.packed), sd};
+  base.thread = {{}, {}};  // Convert's: {the accumulator's, the conversion's}
+#else
+  kargs.mainloop = {static_cast<const ElementAB*>(args.a), sa, static_cast<const ElementAB*>(args.b),
+                    sb};
+  typename StockEpilogue::Arguments base{{}, nullptr, sc, static_cast<ElementD*>(args.packed), sd};
+  // TimesA's: {scale_a's, TimesB's, multiply's}; TimesB's: {scale_b's, acc's, multiply's}. A
+  // broadcast's stride is true for one value per row (column), false for one in all.
+  base.thread = {{s.a, 0.f, {bool(s.a_per_row), _0{}, int64_t(0)}},
+                 {{s.b, 0.f, {_0{}, bool(s.b_per_col), int64_t(0)}}, {}, {}},
+                 {}};
+#endif
+  kargs.epilogue = typename Epilogue::Arguments{base, order};
+  kargs.hw_info.device_id = 0;
+  cudaError_t err = cudaGetDevice(&kargs.hw_info.device_id);
+  if (err != cudaSuccess) return fail(err, "cudaGetDevice: %s", cudaGetErrorString(err));
+  kargs.hw_info.sm_count = args.num_ctas;
+  kargs.scheduler.order = order;
+  if (!Kernel::can_implement(kargs))
+    return fail(cudaErrorInvalidValue,
+                "CUTLASS's fp8 kernel cannot take M=%d, N=%d, K=%d, lda=%lld, ldb=%lld, ldo=%lld "
+                "(its TMA needs 16-byte aligned row strides: K and ldo multiples of 16 bytes)",
+                M, N, K, (long long)args.lda, (long long)args.ldb, (long long)args.ldo);
+  if (Kernel::get_workspace_size(kargs) != 0)
+    return fail(cudaErrorNotSupported, "this GEMM build needs a workspace, which it has not");
+  *out = Kernel::to_underlying_arguments(kargs, nullptr);
+  return cudaSuccess;
+}
+
+inline cudaError_t kernel_params(const fo::gemm::Args& args, KernelParams* out) {
+  static ParamsCache cache;
+  int device = 0;
+  FO_CUDA_CHECK(cudaGetDevice(&device));
+  const ParamsKey key = key_of(args, device);
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  for (int e = 0; e < ParamsCache::kEntries; ++e) {
+    if (cache.valid[e] && cache.keys[e] == key) {
+      *out = cache.params[e];
+      return cudaSuccess;
+    }
+  }
+  cudaError_t err = make_params(args, out);
+  if (err != cudaSuccess) return err;
+  const int e = cache.next;
+  cache.next = (e + 1) % ParamsCache::kEntries;
+  cache.keys[e] = key, cache.params[e] = *out, cache.valid[e] = true;
+  return cudaSuccess;
+}
+
+// Grid (cluster_m * clusters, cluster_n), clusters of cluster_m x cluster_n.
+inline cudaLaunchConfig_t launch_config(int num_ctas, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = kClusterM, attr->val.clusterDim.y = kClusterN, attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kClusterM * (num_ctas / kClusterSize), kClusterN, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+}  // namespace fo::stock
+
+namespace fo::gemm {
+using namespace fo::stock;
+
+const fo_gemm_config& config() {
+  static const fo_gemm_config c = {
+      FO_CUDA_ABI_VERSION, 90, kBM, kBN, kBK, kClusterM, kClusterN, FO_DTYPE, 1, kClusterSize,
+      FO_SCHEDULE, int(Mainloop::DispatchPolicy::Stages), FO_OUT_DTYPE,
+      kBlockScaled ? 0 : 1};  // block-wise: promoted every 128 k, by its scales
+  return c;
+}
+
+cudaError_t load_kernel() { return prepare_kernel_once(signaling_gemm, kSmemBytes); }
+
+cudaError_t check_limits(const Args& args) {
+  const fo_gemm_scales& s = *args.scales;  // (check_scales: an e4m3 build has scales)
+  if (args.ldo == 0)
+    return fail(cudaErrorInvalidValue,
+                "this GEMM build (CUTLASS's fp8 kernel) writes its tiles in place into a row-major "
+                "result: ldo must be >= N (a plan with layout 'rows'), got 0 (packed tiles)");
+  if (args.item_wait || args.block_starts)
+    return fail(cudaErrorInvalidValue,
+                "this GEMM build takes neither waits for rows (allgather) nor unequal blocks "
+                "(all_to_all)");
+  if (args.L > 1 && args.block_rows % kBM)
+    return fail(cudaErrorInvalidValue,
+                "this GEMM build needs destination blocks of a multiple of %d rows (a tile may not "
+                "straddle two), got L=%d blocks of %d", kBM, args.L, args.block_rows);
+  if (!aligned16(args.packed) || args.ldo % kAlignD)
+    return fail(cudaErrorInvalidValue,
+                "this GEMM build stores by TMA: the result must be 16-byte aligned with ldo a "
+                "multiple of %d elements (got %p, ldo=%lld)", kAlignD, args.packed,
+                (long long)args.ldo);
+  const bool blocks = s.a_per_row == FO_SCALE_BLOCKS && s.b_per_col == FO_SCALE_BLOCKS;
+  if (kBlockScaled) {
+    const int64_t M = args.M(), groups = (args.K + FO_SCALE_BLOCK - 1) / FO_SCALE_BLOCK;
+    const int64_t cols = (args.N + FO_SCALE_BLOCK - 1) / FO_SCALE_BLOCK;
+    if (!blocks)
+      return fail(cudaErrorInvalidValue,
+                  "this GEMM library applies block-wise scales in its main loop: a_per_row and "
+                  "b_per_col must both be FO_SCALE_BLOCKS (%d), got %d and %d", FO_SCALE_BLOCKS,
+                  s.a_per_row, s.b_per_col);
+    const bool a_ok = (s.a_stride[0] == 1 || M == 1) && (s.a_stride[1] == M || groups == 1);
+    const bool b_ok = (s.b_stride[0] == 1 || groups == 1) && (s.b_stride[1] == groups || cols == 1);
+    if (!a_ok || !b_ok || !aligned16(s.a))
+      return fail(cudaErrorInvalidValue,
+                  "this GEMM build reads scale_a [M, groups] with strides (1, M), 16-byte aligned, "
+                  "and scale_b [groups, ceil(N/128)] with strides (1, groups); got (%lld, %lld) "
+                  "at %p and (%lld, %lld)", (long long)s.a_stride[0], (long long)s.a_stride[1],
+                  static_cast<const void*>(s.a), (long long)s.b_stride[0],
+                  (long long)s.b_stride[1]);
+  } else if (s.a_per_row == FO_SCALE_BLOCKS || s.b_per_col == FO_SCALE_BLOCKS) {
+    return fail(cudaErrorInvalidValue,
+                "block-wise scales (FO_SCALE_BLOCKS) need a block-scaled GEMM library; this one "
+                "takes tensor-wise and row-wise scales");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t resident_ctas(int, int* ctas) {
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t config = launch_config(kClusterSize, &attr);
+  int clusters = 0;
+  FO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, signaling_gemm, &config));
+  *ctas = clusters * kClusterSize;
+  return cudaSuccess;
+}
+
+cudaError_t launch(const Args& args, cudaStream_t stream) {
+  KernelParams params;
+  cudaError_t err = kernel_params(args, &params);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
+  config.stream = stream;
+  FO_CUDA_CHECK(cudaLaunchKernelEx(&config, signaling_gemm, params));
+  return cudaSuccess;
+}
+
+// As gemm_sm90.cu's: the node keeps its cluster dimension (a launch attribute).
+cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node) {
+  KernelParams params;
+  cudaError_t err = kernel_params(args, &params);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
+  void* arg[] = {&params};
+  cudaKernelNodeParams p = {};
+  p.func = reinterpret_cast<void*>(signaling_gemm);
+  p.gridDim = config.gridDim, p.blockDim = config.blockDim;
+  p.sharedMemBytes = config.dynamicSmemBytes;
+  p.kernelParams = arg;
+  FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec, node, &p));
+  return cudaSuccess;
+}
+
+}  // namespace fo::gemm
