@@ -210,9 +210,10 @@ class CudaBackend(Backend):
     def plan_tables(self, plan, device) -> PlanTables:
         return self.gemms.plan_tables(plan, device)
 
-    def gemm_for(self, plan, tables: PlanTables, b: torch.Tensor):
-        """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b."""
-        return self.gemms.gemm_for(plan, tables, b)
+    def gemm_for(self, plan, tables: PlanTables, b: torch.Tensor, scales=None):
+        """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b (and an
+        fp8 call's ``scales`` as the kernel reads them: :meth:`.gemm.Gemms.gemm_for`)."""
+        return self.gemms.gemm_for(plan, tables, b, scales=scales)
 
     def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor,
                     **options) -> PlanTables:

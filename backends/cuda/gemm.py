@@ -151,12 +151,15 @@ class Gemms:
             return tables
 
     @staticmethod
-    def gemm_for(plan, tables: PlanTables, b: torch.Tensor, gather: bool = False, scales=None):
+    def gemm_for(plan, tables: PlanTables, b: torch.Tensor, gather: bool = False, scales=None,
+                 aligned: bool = True):
         """(kernel library, b taken column-major?, arch) that runs ``plan`` with this b;
         ``gather``: allgather's (an fp8 plan's has fo_gemm_run_ex_scaled: kernels.gemm_config).
         An fp8 plan runs CUTLASS's own kernel where the plan and ``scales`` (the call's
         (scale_a, scale_b) as the kernel reads them: kernel_scale) let it
-        (kernels.stock_fits), else gemm_sm90.cu's."""
+        (kernels.stock_fits) and the call's result and block-wise scale_a are 16-byte aligned
+        (``aligned``: its TMA maps; a prepared call realigns them per call), else
+        gemm_sm90.cu's."""
         gpu = arch()
         col = takes_col_major(gpu, b)
         cluster = kernels.preferred_cluster(gpu, plan.tile)
@@ -165,7 +168,8 @@ class Gemms:
             fits = tables.cluster_fits[cluster] = kernels.cluster_fits(tables.items_host, cluster)
         if not fits:
             cluster = (1, 1)
-        stock = (gpu == 90 and not gather and col and kernels.stock_fits(plan, scales))
+        stock = (gpu == 90 and not gather and col and aligned
+                 and kernels.stock_fits(plan, scales, tables.items_host))
         config = kernels.gemm_config(gpu, plan.tile, plan.dtype, col, cluster,
                                      out_dtype=plan.out_dtype, scaling=plan.scaling,
                                      gather=gather, stock=stock)
@@ -188,7 +192,9 @@ class Gemms:
         blockwise = plan.scaling == "blockwise"
         kernel_scales = (tuple(kernel_scale(t, blockwise) for t in scales)
                          if scales is not None else None)
-        gemm, col, gpu = self.gemm_for(plan, tables, b, scales=kernel_scales)
+        aligned = packed.data_ptr() % ALIGN_BYTES == 0 and (
+            not blockwise or kernel_scales is None or kernel_scales[0].data_ptr() % ALIGN_BYTES == 0)
+        gemm, col, gpu = self.gemm_for(plan, tables, b, scales=kernel_scales, aligned=aligned)
         k = padded_k(gpu, a.shape[1])
         a_op, b_op = a_operand(a, k), b_operand(b, col, k)
         blocks, rows = len(plan.block_rows), plan.block_rows[0]

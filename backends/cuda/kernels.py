@@ -237,28 +237,44 @@ def stock_op(op: str) -> bool:
     return not kind.gathers and not kind.splits
 
 
-def stock_fits(plan, scales=None) -> bool:
+def stock_fits(plan, scales=None, items=None) -> bool:
     """Whether an fp8 ``plan`` runs the stock build of its tile (STOCK_FP8_CONFIGS) with these
     ``scales`` (the call's (scale_a, scale_b) as the kernel reads them, or None: any of
-    tensor-/row-wise, or block-wise in torch's layouts): a "rows" plan (tiles in place), one
-    destination block or equal blocks of whole row tiles, not allgather or all_to_all;
-    block-wise scale_a [M, groups] with strides (1, M), M % 4 == 0 (its TMA map's row stride)
-    unless there is one group, and scale_b [groups, ceil(N/128)] with strides (1, groups)."""
+    tensor-/row-wise, or block-wise in torch's layouts) and item table ``items`` (the plan's
+    int64 [T, 4] rows, or None: not checked): a "rows" plan whose tiles lie at their own rows of
+    the [M, N] result (one destination block, or a reduce_scatter of one group; equal blocks of
+    whole row tiles), N a multiple of 8 (the result's TMA row stride) and at least the tile's;
+    not allgather or all_to_all; block-wise also M >= 128 and a multiple of 4 (scale_a's TMA
+    map) with scale_a [M, groups] of strides (1, M) and scale_b [groups, ceil(N/128)] of
+    strides (1, groups)."""
     table = STOCK_FP8_CONFIGS.get(90, {}).get(plan.scaling)
     if (plan.dtype not in FP8_DTYPES or table is None or tuple(plan.tile) not in table
-            or plan.layout != "rows" or not stock_op(plan.op)):
+            or plan.layout != "rows" or not stock_op(plan.op)
+            or plan.n % 8 or plan.n < plan.tile[1]):
         return False
     rows = plan.block_rows
     if len(rows) > 1 and (len(set(rows)) > 1 or rows[0] % plan.tile[0]):
         return False
-    if plan.scaling != "blockwise" or scales is None:
+    if items is not None:
+        row0 = items[:, 0] * rows[0] + items[:, 1] * plan.tile[0]
+        if not bool((items[:, 3] == row0 * plan.n + items[:, 2] * plan.tile[1]).all()):
+            return False
+    if plan.scaling != "blockwise":
+        return True
+    m, groups, cols = plan.m, -(-plan.k // 128), -(-plan.n // 128)
+    if m < 128 or (m % 4 and groups > 1):
+        return False
+    if scales is None:
         return True
     scale_a, scale_b = scales
-    m, groups, cols = plan.m, -(-plan.k // 128), -(-plan.n // 128)
-    a_ok = ((scale_a.stride(0) == 1 or m == 1) and (scale_a.stride(1) == m or groups == 1)
-            and (m % 4 == 0 or groups == 1))
+    a_ok = (scale_a.stride(0) == 1 or m == 1) and (scale_a.stride(1) == m or groups == 1)
     b_ok = ((scale_b.stride(0) == 1 or groups == 1) and (scale_b.stride(1) == groups or cols == 1))
     return a_ok and b_ok
+
+
+def is_stock(gemm) -> bool:
+    """Whether a loaded GemmLibrary is a stock build (its object's name: build.config_name)."""
+    return "_stock-" in os.path.basename(gemm.path)
 
 
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:

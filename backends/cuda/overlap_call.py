@@ -19,8 +19,8 @@ from flashoverlap_core.reorder import add_rmsnorm
 from . import kernels, nccl
 from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_operand
 from .call_base import CallState, NativeCall, WarmUps, new_description
-from .device_state import (NCCL_DTYPES, _current_device, kernel_scale, overlap_nccl_ctas,
-                           replay_graphs, scale_modes, wait_mode)
+from .device_state import (ALIGN_BYTES, NCCL_DTYPES, _current_device, kernel_scale,
+                           overlap_nccl_ctas, replay_graphs, scale_modes, wait_mode)
 from .gemm import Gemms, Operands, bases_aligned, workspace
 from .runtime import WAIT_MODES
 
@@ -69,6 +69,7 @@ class CudaCall(NativeCall, PreparedCall):
         scales = ((kernel_scale(call.scale_a, blockwise), kernel_scale(call.scale_b, blockwise))
                   if call.scale_a is not None else None)
         self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b, scales=scales)
+        self.stock = kernels.is_stock(self.gemm)  # its result and block-wise scale_a: TMA
         # The key fixes the strides: what the kernel takes as lda and ldb, and whether it
         # reads a and b in place (per call only their base addresses are checked).
         self.operands = Operands(self.arch, a, call.b, self.col)
@@ -255,6 +256,9 @@ class CudaCall(NativeCall, PreparedCall):
     def run_scaled(self, a, b, scale_a, scale_b, out, op):
         """An fp8 call: ``run`` with this call's scales (the same steady state, where the
         scales can be read in place)."""
+        if self.stock and (out.data_ptr() % ALIGN_BYTES
+                           or (self.blockwise and scale_a.data_ptr() % ALIGN_BYTES)):
+            return self._run_realigned(a, b, scale_a, scale_b, out, op)
         steady = self._steady(a, b) if self.scales_direct else None
         if steady is None:
             return self._run(a, b, out, op, (scale_a, scale_b))
@@ -264,6 +268,19 @@ class CudaCall(NativeCall, PreparedCall):
         if err:
             self.raise_error(err)
         return out
+
+    def _run_realigned(self, a, b, scale_a, scale_b, out, op):
+        """A stock build's call (its TMA maps of the result and of block-wise scale_a need
+        16-byte aligned bases) whose ``out`` or scale_a is not aligned: on aligned copies, the
+        result copied into ``out`` after."""
+        if self.blockwise and scale_a.data_ptr() % ALIGN_BYTES:
+            scale_a = torch.empty_strided(scale_a.shape, scale_a.stride(), dtype=scale_a.dtype,
+                                          device=scale_a.device).copy_(scale_a)
+        if out.data_ptr() % ALIGN_BYTES == 0:
+            return self._run(a, b, out, op, (scale_a, scale_b))
+        result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        self._run(a, b, result, op, (scale_a, scale_b))
+        return out.copy_(result)
 
     def _run(self, a, b, out, op, scales=None):
         """Every other case: another device current, a first call, copied operands, the

@@ -4,20 +4,21 @@
 //
 // - ItemScheduler, the tile scheduler: CTA c takes items c, c + G, c + 2G, ... of the plan's
 //   item table (G = the grid's CTAs), as every FlashOverlap kernel does (gemm_api.h, "Work
-//   items"), instead of CUTLASS's raster. A cluster's filler item (past the table, in the last
-//   round) computes a tile past the last row band: its loads are zero-filled and its stores
-//   clipped by TMA, so the cluster's multicast of B still has every CTA's half.
+//   items"), instead of CUTLASS's raster; each warp loads its next item's table row one item
+//   ahead. A cluster's filler item (past the table, in the last round) computes a tile past the
+//   last row band: its loads are zero-filled and its stores clipped by TMA, so the cluster's
+//   multicast of B still has every CTA's half.
 // - SignalEpilogue, around CUTLASS's TMA epilogue (row- and column-wise scales through its
 //   visitor tree, or block-wise scales already applied by CUTLASS's block-scaled main loop):
-//   after a tile's TMA stores have been written (cp.async.bulk.wait_group 0, not .read), the
+//   once a tile's TMA stores have been written (cp.async.bulk.wait_group 0, not .read), the
 //   issuing warp fences the async proxy and lane 0 adds 1 to counters[item_group[i]] with
-//   release semantics, then records the monitor. The pingpong kernel calls store_tail after every
-//   tile, so its tiles are signalled there, while the other math warpgroup runs its main loop.
-//   The cooperative kernel calls it once, at the end: there a tile is signalled at the start of
-//   the next tile's epilogue (its stores have long landed by then, so the wait costs nothing),
-//   and the last one in store_tail. Before signalling, lane 0 checks that the item is the tile
-//   the kernel computed (rows, column tile, in-place offset) and that the items of its cluster
-//   round can share B (the same column tile); a violation traps, as gemm_sm90.cu's checks.
+//   release semantics, then records the monitor. It does so when that warp stores its next tile
+//   (whose main loop has run meanwhile, so the wait costs nothing: waiting right after the
+//   stores cost the pingpong kernel 8-14% at K = 1024-2048 on an H100), and for the last tile
+//   when the epilogue ends. Before signalling, lane 0 checks that the item is the tile the
+//   kernel computed (rows, column tile, in-place offset) and that the items of its cluster
+//   round can share B; a violation traps, as gemm_sm90.cu's checks. It loads what it checks
+//   right after the tile's stores, a tile ahead of the check.
 //
 // Why: on the H200 CUTLASS's kernels run 0.956-1.04x torch's block-wise fp8 GEMM and
 // 0.978-1.056x its row-wise one (bench/results/cutlass-ref-h200-20261206-*.json), gemm_sm90.cu's
@@ -49,6 +50,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cluster_launch.cuh"
 #include "gemm_abi.cuh"
 
 #ifndef FO_TILE_M
@@ -149,30 +151,23 @@ class ItemScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
   CUTLASS_DEVICE explicit ItemScheduler(Params const& p) : Base(p), order_(p.order) {
     idx_ = cta_linear();
     stride_ = grid_ctas();
+    cur_ = fetch(idx_);
+    next_ = fetch(idx_ + stride_);
   }
 
-  // Item i's tile: (row tile of the whole result, column tile, 0); a cluster's filler item past
-  // the table, the row tile past the last one with its cluster's column tile.
-  CUTLASS_DEVICE WorkTileInfo tile_of(uint64_t i) const {
-    const uint64_t n = uint64_t(order_.num_items);
-    if (i < n) {
-      const int64_t* it = order_.items + 4 * i;
-      const int64_t row0 = __ldg(it) * order_.block_rows + __ldg(it + 1) * kBM;
-      return {int32_t(row0 / kBM), int32_t(__ldg(it + 2)), 0, true};
-    }
-    const uint64_t r = i % kClusterSize, first = i - r;
-    if (first >= n) return WorkTileInfo::invalid_work_tile();
-    const uint64_t col_item = first + (r / kClusterM) * kClusterM;  // rank (0, rn)
-    const int32_t n_blk = col_item < n ? int32_t(__ldg(order_.items + 4 * col_item + 2)) : 0;
-    return {order_.m_tiles, n_blk, 0, true};
-  }
-
-  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return tile_of(idx_); }
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return tile_of(cur_); }
   template <class Cluster>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(Cluster) {
     return get_current_work();
   }
-  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) { idx_ += stride_ * count; }
+  // The next item's table row was loaded one item ahead (fetch: the loads are waited for only
+  // where the row is used), so no warp waits for the table between two tiles.
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t count = 1) {
+    idx_ += stride_ * count;
+    cur_ = count == next_count_ ? next_ : fetch(idx_);
+    next_count_ = count;
+    next_ = fetch(idx_ + stride_ * count);
+  }
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
     advance_to_next_work();
     return cute::make_tuple(get_current_work(), true);
@@ -182,12 +177,39 @@ class ItemScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     return fetch_next_work(w);
   }
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t count = 1) const {
-    return !tile_of(idx_ + stride_ * count).is_valid();
+    return !tile_of(fetch(idx_ + stride_ * count)).is_valid();
   }
 
  private:
+  // Item i's table row as loaded (int32: rows and tiles fit), or a cluster's filler item past
+  // the table (its column tile: rank (0, rn)'s), or nothing.
+  struct Row {
+    int32_t l, m_blk, n_blk, kind;  // kind 0: an item, 1: a filler, 2: none
+  };
+  CUTLASS_DEVICE Row fetch(uint64_t i) const {
+    const uint64_t n = uint64_t(order_.num_items);
+    if (i < n) {
+      const int64_t* it = order_.items + 4 * i;
+      return {int32_t(__ldg(it)), int32_t(__ldg(it + 1)), int32_t(__ldg(it + 2)), 0};
+    }
+    const uint64_t r = i % kClusterSize, first = i - r;
+    if (first >= n) return {0, 0, 0, 2};
+    const uint64_t col_item = first + (r / kClusterM) * kClusterM;
+    return {0, 0, col_item < n ? int32_t(__ldg(order_.items + 4 * col_item + 2)) : 0, 1};
+  }
+  // Its tile: (row tile of the whole result, column tile, 0); a filler computes the row tile
+  // past the last one.
+  CUTLASS_DEVICE WorkTileInfo tile_of(const Row& r) const {
+    if (r.kind == 2) return WorkTileInfo::invalid_work_tile();
+    if (r.kind == 1) return {order_.m_tiles, r.n_blk, 0, true};
+    const int64_t row0 = int64_t(r.l) * order_.block_rows + int64_t(r.m_blk) * kBM;
+    return {int32_t(row0 / kBM), r.n_blk, 0, true};
+  }
+
   ItemOrder order_;
   uint64_t idx_ = 0, stride_ = 1;
+  Row cur_{}, next_{};
+  uint32_t next_count_ = 1;
 };
 
 }  // namespace fo::stock
@@ -235,9 +257,20 @@ class SignalEpilogue : public Base {
 #endif
   }
 
-  // CUTLASS's store, then (in turn) the previous tile's signal. `thread_idx` is the index the
+  // The last tile's signal: when the math threads are done (the pingpong kernel calls
+  // store_tail after every tile, the cooperative one once, so neither marks the last tile).
+  CUTLASS_HOST_DEVICE ~SignalEpilogue() {
+#if defined(__CUDA_ARCH__)
+    flush();
+#endif
+  }
+
+  // The previous tile's signal, then CUTLASS's store of this one. `thread_idx` is the index the
   // kernel gives the epilogue; warp 0 of those threads issues the TMA stores (CUTLASS's
-  // issue_tma_store), so it signals.
+  // issue_tma_store), so it signals: a tile is signalled when its warp stores the next one (its
+  // stores have landed long before, so the wait for them costs nothing), the last one when the
+  // epilogue ends. Lane 0 loads what the signal needs (the item's table row, its group, its
+  // cluster round's rows) right after the store, one tile ahead of their use.
   template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState,
             class ProblemShape, class TileShapeMNK, class TileCoord, class Acc, class TiledMma,
             class... Rest>
@@ -253,23 +286,35 @@ class SignalEpilogue : public Base {
                            thread_idx, static_cast<Rest&&>(rest)...);
     if (issuer_) {
       pending_ = int64_t(next_);
-      pending_m_ = int(get<0>(tile_coord));
-      pending_n_ = int(get<1>(tile_coord));
+      tile_m_ = int(get<0>(tile_coord));
+      tile_n_ = int(get<1>(tile_coord));
+      if ((threadIdx.x % cutlass::NumThreadsPerWarp) == 0) load_pending();
     }
     next_ += step_;
     return out;
   }
 
-  template <class... Args>
-  CUTLASS_DEVICE auto store_tail(Args&&... args) {
-    auto out = Base::store_tail(static_cast<Args&&>(args)...);
-    flush();
-    return out;
+ private:
+  // Lane 0: the pending item's row, group, and the column tile of its cluster round's rank
+  // (0, rn) (loads only: used at flush).
+  CUTLASS_DEVICE void load_pending() {
+    const int64_t i = pending_;
+    if (i >= order_.num_items) return;
+    const int64_t* it = order_.items + 4 * i;
+    l_ = int32_t(__ldg(it)), m_blk_ = int32_t(__ldg(it + 1)), n_blk_ = int32_t(__ldg(it + 2));
+    offset_ = __ldg(it + 3);
+    group_ = __ldg(order_.item_group + i);
+    peer_n_ = n_blk_;
+    if constexpr (kClusterSize > 1) {
+      const int64_t r = i % kClusterSize, col_item = i - r + (r / kClusterM) * kClusterM;
+      if (col_item < order_.num_items) peer_n_ = int32_t(__ldg(order_.items + 4 * col_item + 2));
+    }
   }
 
- private:
   // Signals the pending tile, once its stores have been written: every lane of the issuing warp
-  // waits for its bulk stores, then lane 0 checks the item and does the release add.
+  // waits for its bulk stores, then lane 0 checks the item and does the release add. (A cluster
+  // shares A along N: rank (rm, rn)'s rows are rank (rm, 0)'s by construction of the tile, B
+  // along M: the column tiles are checked.)
   CUTLASS_DEVICE void flush() {
     if (!issuer_ || pending_ < 0) return;
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -278,19 +323,11 @@ class SignalEpilogue : public Base {
     const int64_t i = pending_;
     pending_ = -1;
     if ((threadIdx.x % cutlass::NumThreadsPerWarp) != 0 || i >= order_.num_items) return;
-    const int64_t* it = order_.items + 4 * i;
-    const int64_t l = it[0], m_blk = it[1], n_blk = it[2], offset = it[3];
-    const int64_t row0 = l * order_.block_rows + m_blk * kBM;
-    bool ok = row0 == int64_t(pending_m_) * kBM && n_blk == pending_n_ &&
-              offset == row0 * order_.ldo + n_blk * kBN;
-    const int64_t r = i % kClusterSize, first = i - r;
-    const int64_t col_item = first + (r / kClusterM) * kClusterM;
-    const int64_t row_item = first + r % kClusterM;
-    if (col_item < order_.num_items) ok = ok && order_.items[4 * col_item + 2] == n_blk;
-    if (row_item < order_.num_items)
-      ok = ok && order_.items[4 * row_item] == l && order_.items[4 * row_item + 1] == m_blk;
+    const int64_t row0 = int64_t(l_) * order_.block_rows + int64_t(m_blk_) * kBM;
+    const bool ok = row0 == int64_t(tile_m_) * kBM && n_blk_ == tile_n_ && peer_n_ == n_blk_ &&
+                    offset_ == row0 * order_.ldo + int64_t(n_blk_) * kBN;
     if (!ok) __trap();  // the table is not the order this kernel ran, or a cluster cannot share B
-    if (order_.counters) signal_counter(order_.counters + order_.item_group[i]);
+    if (order_.counters) signal_counter(order_.counters + group_);
     record_monitor(order_.monitor, i, int(cta_linear()));
   }
 
@@ -298,7 +335,9 @@ class SignalEpilogue : public Base {
   bool issuer_ = false;
   uint64_t next_ = 0, step_ = 0;
   int64_t pending_ = -1;
-  int pending_m_ = 0, pending_n_ = 0;
+  int32_t tile_m_ = 0, tile_n_ = 0;  // the tile the kernel computed
+  int32_t l_ = 0, m_blk_ = 0, n_blk_ = 0, peer_n_ = 0, group_ = 0;  // its item's, as loaded
+  int64_t offset_ = 0;
 };
 
 // ---- the kernel ----------------------------------------------------------------------------
@@ -445,11 +484,8 @@ inline cudaError_t make_params(const fo::gemm::Args& args, KernelParams* out) {
   if (err != cudaSuccess) return fail(err, "cudaGetDevice: %s", cudaGetErrorString(err));
   kargs.hw_info.sm_count = args.num_ctas;
   kargs.scheduler.order = order;
-  if (!Kernel::can_implement(kargs))
-    return fail(cudaErrorInvalidValue,
-                "CUTLASS's fp8 kernel cannot take M=%d, N=%d, K=%d, lda=%lld, ldb=%lld, ldo=%lld "
-                "(its TMA needs 16-byte aligned row strides: K and ldo multiples of 16 bytes)",
-                M, N, K, (long long)args.lda, (long long)args.ldb, (long long)args.ldo);
+  // (Not Kernel::can_implement: it asks K and N to be multiples of 16 bytes, which TMA does not
+  // need: the row strides are, check_limits has checked them, and TMA clips K and N.)
   if (Kernel::get_workspace_size(kargs) != 0)
     return fail(cudaErrorNotSupported, "this GEMM build needs a workspace, which it has not");
   *out = Kernel::to_underlying_arguments(kargs, nullptr);
@@ -476,18 +512,8 @@ inline cudaError_t kernel_params(const fo::gemm::Args& args, KernelParams* out) 
   return cudaSuccess;
 }
 
-// Grid (cluster_m * clusters, cluster_n), clusters of cluster_m x cluster_n.
-inline cudaLaunchConfig_t launch_config(int num_ctas, cudaLaunchAttribute* attr) {
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = kClusterM, attr->val.clusterDim.y = kClusterN, attr->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(kClusterM * (num_ctas / kClusterSize), kClusterN, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return config;
-}
+inline const ClusterLaunch<kClusterM, kClusterN, KernelParams> kLaunch{signaling_gemm, kThreads,
+                                                                        kSmemBytes};
 
 }  // namespace fo::stock
 
@@ -523,6 +549,12 @@ cudaError_t check_limits(const Args& args) {
                 "this GEMM build stores by TMA: the result must be 16-byte aligned with ldo a "
                 "multiple of %d elements (got %p, ldo=%lld)", kAlignD, args.packed,
                 (long long)args.ldo);
+  // (TMA boxes no wider than their tensors: the result's, and block-wise scale_a's rows)
+  if (args.N < kBN || (kBlockScaled && args.M() < kBM))
+    return fail(cudaErrorInvalidValue,
+                "this GEMM build needs N >= %d%s, got M=%d, N=%d", kBN,
+                kBlockScaled ? " and M >= 128 (block-wise scale_a's TMA box)" : "", args.M(),
+                args.N);
   const bool blocks = s.a_per_row == FO_SCALE_BLOCKS && s.b_per_col == FO_SCALE_BLOCKS;
   if (kBlockScaled) {
     const int64_t M = args.M(), groups = (args.K + FO_SCALE_BLOCK - 1) / FO_SCALE_BLOCK;
@@ -532,12 +564,14 @@ cudaError_t check_limits(const Args& args) {
                   "this GEMM library applies block-wise scales in its main loop: a_per_row and "
                   "b_per_col must both be FO_SCALE_BLOCKS (%d), got %d and %d", FO_SCALE_BLOCKS,
                   s.a_per_row, s.b_per_col);
-    const bool a_ok = (s.a_stride[0] == 1 || M == 1) && (s.a_stride[1] == M || groups == 1);
+    const bool a_ok = (s.a_stride[0] == 1 || M == 1) && (s.a_stride[1] == M || groups == 1) &&
+                      (M % 4 == 0 || groups == 1);
     const bool b_ok = (s.b_stride[0] == 1 || groups == 1) && (s.b_stride[1] == groups || cols == 1);
     if (!a_ok || !b_ok || !aligned16(s.a))
       return fail(cudaErrorInvalidValue,
-                  "this GEMM build reads scale_a [M, groups] with strides (1, M), 16-byte aligned, "
-                  "and scale_b [groups, ceil(N/128)] with strides (1, groups); got (%lld, %lld) "
+                  "this GEMM build reads scale_a [M, groups] with strides (1, M), M a multiple of "
+                  "4 and 16-byte aligned (its TMA map), and scale_b [groups, ceil(N/128)] with "
+                  "strides (1, groups); got (%lld, %lld) "
                   "at %p and (%lld, %lld)", (long long)s.a_stride[0], (long long)s.a_stride[1],
                   static_cast<const void*>(s.a), (long long)s.b_stride[0],
                   (long long)s.b_stride[1]);
@@ -549,41 +583,18 @@ cudaError_t check_limits(const Args& args) {
   return cudaSuccess;
 }
 
-cudaError_t resident_ctas(int, int* ctas) {
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t config = launch_config(kClusterSize, &attr);
-  int clusters = 0;
-  FO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, signaling_gemm, &config));
-  *ctas = clusters * kClusterSize;
-  return cudaSuccess;
-}
+cudaError_t resident_ctas(int, int* ctas) { return kLaunch.resident_ctas(ctas); }
 
 cudaError_t launch(const Args& args, cudaStream_t stream) {
   KernelParams params;
   cudaError_t err = kernel_params(args, &params);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
-  config.stream = stream;
-  FO_CUDA_CHECK(cudaLaunchKernelEx(&config, signaling_gemm, params));
-  return cudaSuccess;
+  return err == cudaSuccess ? kLaunch.launch(params, args.num_ctas, stream) : err;
 }
 
-// As gemm_sm90.cu's: the node keeps its cluster dimension (a launch attribute).
 cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node) {
   KernelParams params;
   cudaError_t err = kernel_params(args, &params);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
-  void* arg[] = {&params};
-  cudaKernelNodeParams p = {};
-  p.func = reinterpret_cast<void*>(signaling_gemm);
-  p.gridDim = config.gridDim, p.blockDim = config.blockDim;
-  p.sharedMemBytes = config.dynamicSmemBytes;
-  p.kernelParams = arg;
-  FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec, node, &p));
-  return cudaSuccess;
+  return err == cudaSuccess ? kLaunch.set_node(params, args.num_ctas, exec, node) : err;
 }
 
 }  // namespace fo::gemm

@@ -32,11 +32,12 @@ pytestmark = [pytestmark, pytest.mark.skipif(REASON is not None, reason=REASON o
 F8 = fp8_tests.F8
 OUT = fp8_tests.OUT
 SCALINGS = ("tensorwise", "rowwise", "mixed", "blockwise")
-# (M, N, K): whole tiles; 9 row tiles (a 2x1 cluster's last round has a filler) with partial
-# last row and column tiles and a partial last group of K; fewer rows than a tile; one row;
-# K below one group
-SHAPES = [(1024, 1024, 1024), (1100, 1000, 1000), (100, 300, 256), (1, 200, 128),
-          (520, 136, 72)]
+# (M, N, K, runs the stock build): whole tiles; 9 row tiles (a 2x1 cluster's last round has a
+# filler) with partial last row and column tiles and K not a multiple of 16 (nor of a group);
+# K below one group; one row (block-wise: gemm_sm90.cu's, whose scale_a is not by TMA there); N
+# not a multiple of 8 (gemm_sm90.cu's: the result's TMA row stride)
+SHAPES = [(1024, 1024, 1024, True), (1100, 1000, 1000, True), (520, 136, 72, True),
+          (1, 200, 128, None), (100, 300, 256, False)]
 
 
 def _gemms():
@@ -70,6 +71,9 @@ def _run(plan, scaling, out_name, seed, scale_layout="torch"):
     torch.cuda.synchronize()
     kernel_scales = tuple(kernel_scale(t, blockwise) for t in (sa, sb))
     lib = gemms.gemm_for(plan, tables, b, scales=kernel_scales)[0]
+    from flashoverlap_backends.cuda import kernels
+
+    assert kernels.is_stock(lib) == kernels.stock_fits(plan, kernel_scales, tables.items_host)
     what = f"{m}x{n}x{k} {scaling} {out_name} {plan.layout} {lib.path}, seed {seed}"
     got = torch.empty(m, n, device="cuda", dtype=out_dtype)
     for t, _, off in plan.packed_tiles:
@@ -92,26 +96,34 @@ def _plan(m, n, k, scaling, out_name, **kw):
 
 @pytest.mark.parametrize("out_name", sorted(OUT))
 @pytest.mark.parametrize("scaling", SCALINGS)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])))
 def test_stock_build_signals_every_item_in_the_plans_order(shape, scaling, out_name):
     """Both clusters: the backend's schedule (2x1 where it fits), and raster "n" one band at a
-    time (consecutive items in other columns: 1x1)."""
+    time (consecutive items in other columns: 1x1); where the stock build does not fit, the
+    other build, as checked."""
+    m, n, k, stock = shape
+    if stock is None:
+        stock = scaling != "blockwise"
     for schedule in (None, Schedule("n", 1)):
-        plan = _plan(*shape, scaling, out_name, layout="rows", schedule=schedule)
+        plan = _plan(m, n, k, scaling, out_name, layout="rows", schedule=schedule)
         lib = _run(plan, scaling, out_name, random.randrange(2**31))
-        assert "_stock" in lib.path, f"{shape} {scaling} {schedule}: ran {lib.path}"
+        assert ("_stock" in lib.path) == stock, f"{shape} {scaling} {schedule}: ran {lib.path}"
 
 
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
 def test_stock_build_takes_equal_blocks_of_whole_row_tiles(scaling):
-    """reduce_scatter's destination blocks (items round-robin over them): 2 and 4 blocks of
-    whole row tiles run the stock build; blocks of 300 rows (a tile would straddle two) run
-    gemm_sm90.cu's."""
-    for m, world, stock in ((1024, 2, True), (2048, 4, True), (1200, 4, False)):
+    """reduce_scatter's destination blocks (items round-robin over them) in one group: 2 and 4
+    blocks of whole row tiles run the stock build, whose tiles then lie at their own rows;
+    blocks of 300 rows (a tile would straddle two), or two groups (each group's region holds
+    every block's rows: not the result's rows), run gemm_sm90.cu's."""
+    for m, world, groups, stock in ((1024, 2, 1, True), (2048, 4, 1, True), (1200, 4, 1, False),
+                                    (2048, 2, 2, False)):
+        tiles = -(-1000 // 128) * -(-m // 128)
+        sizes = (tiles,) if groups == 1 else (tiles // 2, tiles - tiles // 2)
         plan = _plan(m, 1000, 512, scaling, "bfloat16", op="reduce_scatter", world_size=world,
-                     layout="rows")
+                     layout="rows", group_sizes=sizes)
         lib = _run(plan, scaling, "bfloat16", random.randrange(2**31))
-        assert ("_stock" in lib.path) == stock, f"M={m}, W={world}: ran {lib.path}"
+        assert ("_stock" in lib.path) == stock, f"M={m}, W={world}, {groups} groups: ran {lib.path}"
 
 
 @pytest.mark.parametrize("scale_layout", ["rows", "shifted", "spaced"])
@@ -130,6 +142,29 @@ def test_tiles_layout_runs_the_other_build():
         plan = _plan(1000, 1000, 1000, scaling, "bfloat16", layout="tiles")
         lib = _run(plan, scaling, "bfloat16", random.randrange(2**31))
         assert "_stock" not in lib.path, lib.path
+
+
+def test_stock_build_realigns_an_unaligned_result_and_scale_a():
+    """A prepared call on the stock build (TMA maps of its result and block-wise scale_a)
+    given a result or scale_a that is not 16-byte aligned: the same results, from aligned
+    copies."""
+    m, n, k = 1024, 1024, 1024
+    for scaling in ("rowwise", "blockwise"):
+        for shift_out, shift_scale in ((True, False), (False, True), (False, False)):
+            seed = random.randrange(2**31)
+            a, b, sa, sb = _inputs(m, n, k, scaling, seed)
+            if shift_scale and scaling == "blockwise":
+                store = torch.empty(sa.numel() + 1, device="cuda")
+                sa = store.as_strided(sa.shape, sa.stride(), 1).copy_(sa)
+            store = torch.full((m * n + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)
+            out = store[1:].view(m, n) if shift_out else store[:-1].view(m, n)
+            got = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                             out=out, backend="cuda")
+            torch.cuda.synchronize()
+            assert got is out
+            what = f"{scaling} shifted out {shift_out}, scale_a {shift_scale}, seed {seed}"
+            check = fp8_tests._block_check if scaling == "blockwise" else fp8_tests._check
+            check(got, a, b, sa, sb, torch.bfloat16, what)
 
 
 def test_stock_build_replays_in_a_graph_with_moving_operands():
