@@ -475,6 +475,8 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
     assert not kernels.stock_fits(plan(scaling="blockwise"), scales((1, 8), (8, 1)))  # b's N major
     assert not kernels.stock_fits(plan(scaling="blockwise", m=1022),
                                   scales((1, 1022), (1, 8), m=1022))  # a TMA row stride
+    assert kernels.stock_fits(plan(m=1022))  # (row-wise: no scale by TMA)
+    assert not kernels.stock_fits(plan(scaling="blockwise", m=124))  # box wider than M
     assert not kernels.stock_op("all_to_all") and not kernels.stock_op("allgather")
     assert kernels.stock_op("allreduce") and kernels.stock_op("reduce_scatter")
 

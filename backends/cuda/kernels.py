@@ -245,8 +245,8 @@ def stock_fits(plan, scales=None, items=None) -> bool:
     the [M, N] result (one destination block, or a reduce_scatter of one group; equal blocks of
     whole row tiles), N a multiple of 8 (the result's TMA row stride) and at least the tile's;
     not allgather or all_to_all; block-wise also M >= 128 and a multiple of 4 (scale_a's TMA
-    map) with scale_a [M, groups] of strides (1, M) and scale_b [groups, ceil(N/128)] of
-    strides (1, groups)."""
+    map, whose row stride is encoded even for one group) with scale_a [M, groups] of strides
+    (1, M) and scale_b [groups, ceil(N/128)] of strides (1, groups)."""
     table = STOCK_FP8_CONFIGS.get(90, {}).get(plan.scaling)
     if (plan.dtype not in FP8_DTYPES or table is None or tuple(plan.tile) not in table
             or plan.layout != "rows" or not stock_op(plan.op)
@@ -262,7 +262,7 @@ def stock_fits(plan, scales=None, items=None) -> bool:
     if plan.scaling != "blockwise":
         return True
     m, groups, cols = plan.m, -(-plan.k // 128), -(-plan.n // 128)
-    if m < 128 or (m % 4 and groups > 1):
+    if m < 128 or m % 4:  # (scale_a's TMA map: its box, and its row stride even for 1 group)
         return False
     if scales is None:
         return True

@@ -11,11 +11,12 @@
 // - SignalEpilogue, around CUTLASS's TMA epilogue (row- and column-wise scales through its
 //   visitor tree, or block-wise scales already applied by CUTLASS's block-scaled main loop):
 //   once a tile's TMA stores have been written (cp.async.bulk.wait_group 0, not .read), the
-//   issuing warp fences the async proxy and lane 0 adds 1 to counters[item_group[i]] with
-//   release semantics, then records the monitor. It does so when that warp stores its next tile
-//   (whose main loop has run meanwhile, so the wait costs nothing: waiting right after the
-//   stores cost the pingpong kernel 8-14% at K = 1024-2048 on an H100), and for the last tile
-//   when the epilogue ends. Before signalling, lane 0 checks that the item is the tile the
+//   issuing warp fences the async proxy and lane 0 adds its tiles to counters[item_group[i]] with
+//   release semantics, then records the monitor. It counts a tile when that warp stores its
+//   next one (whose main loop has run meanwhile, so the wait costs nothing), and adds a group's
+//   count when the warp's next item is of another group or at the end (a release fence stalls
+//   the math warpgroup: one per tile cost the pingpong kernel 8-15% at K = 1024-2048 on an
+//   H100). Before counting, lane 0 checks that the item is the tile the
 //   kernel computed (rows, column tile, in-place offset) and that the items of its cluster
 //   round can share B; a violation traps, as gemm_sm90.cu's checks. It loads what it checks
 //   right after the tile's stores, a tile ahead of the check.
@@ -257,20 +258,19 @@ class SignalEpilogue : public Base {
 #endif
   }
 
-  // The last tile's signal: when the math threads are done (the pingpong kernel calls
+  // The last tiles' signal: when the math threads are done (the pingpong kernel calls
   // store_tail after every tile, the cooperative one once, so neither marks the last tile).
   CUTLASS_HOST_DEVICE ~SignalEpilogue() {
 #if defined(__CUDA_ARCH__)
-    flush();
+    flush(true);
 #endif
   }
 
-  // The previous tile's signal, then CUTLASS's store of this one. `thread_idx` is the index the
-  // kernel gives the epilogue; warp 0 of those threads issues the TMA stores (CUTLASS's
-  // issue_tma_store), so it signals: a tile is signalled when its warp stores the next one (its
-  // stores have landed long before, so the wait for them costs nothing), the last one when the
-  // epilogue ends. Lane 0 loads what the signal needs (the item's table row, its group, its
-  // cluster round's rows) right after the store, one tile ahead of their use.
+  // The previous tile's signal (see flush), then CUTLASS's store of this one. `thread_idx` is
+  // the index the kernel gives the epilogue; warp 0 of those threads issues the TMA stores
+  // (CUTLASS's issue_tma_store), so it signals. Lane 0 loads what the signal needs (the item's
+  // table row and group, the next item's group, its cluster round's column tile) right after
+  // the store, a tile ahead of their use.
   template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState,
             class ProblemShape, class TileShapeMNK, class TileCoord, class Acc, class TiledMma,
             class... Rest>
@@ -280,7 +280,7 @@ class SignalEpilogue : public Base {
                             Acc&& accumulators, TiledMma tiled_mma, int thread_idx,
                             Rest&&... rest) {
     issuer_ = thread_idx / cutlass::NumThreadsPerWarp == 0;
-    flush();
+    flush(false);
     auto out = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem,
                            tile_shape, tile_coord, static_cast<Acc&&>(accumulators), tiled_mma,
                            thread_idx, static_cast<Rest&&>(rest)...);
@@ -295,8 +295,8 @@ class SignalEpilogue : public Base {
   }
 
  private:
-  // Lane 0: the pending item's row, group, and the column tile of its cluster round's rank
-  // (0, rn) (loads only: used at flush).
+  // Lane 0: the pending item's row and group, the group of this warp's next item (-1: none),
+  // and the column tile of its cluster round's rank (0, rn) (loads only: used at flush).
   CUTLASS_DEVICE void load_pending() {
     const int64_t i = pending_;
     if (i >= order_.num_items) return;
@@ -304,6 +304,8 @@ class SignalEpilogue : public Base {
     l_ = int32_t(__ldg(it)), m_blk_ = int32_t(__ldg(it + 1)), n_blk_ = int32_t(__ldg(it + 2));
     offset_ = __ldg(it + 3);
     group_ = __ldg(order_.item_group + i);
+    const int64_t after = i + int64_t(step_);
+    next_group_ = after < order_.num_items ? __ldg(order_.item_group + after) : -1;
     peer_n_ = n_blk_;
     if constexpr (kClusterSize > 1) {
       const int64_t r = i % kClusterSize, col_item = i - r + (r / kClusterM) * kClusterM;
@@ -311,24 +313,45 @@ class SignalEpilogue : public Base {
     }
   }
 
-  // Signals the pending tile, once its stores have been written: every lane of the issuing warp
-  // waits for its bulk stores, then lane 0 checks the item and does the release add. (A cluster
-  // shares A along N: rank (rm, rn)'s rows are rank (rm, 0)'s by construction of the tile, B
-  // along M: the column tiles are checked.)
-  CUTLASS_DEVICE void flush() {
-    if (!issuer_ || pending_ < 0) return;
+  // The pending tile's signal, when the warp stores its next tile (whose main loop has run
+  // meanwhile) or at the end. Lane 0 checks the item against the tile the kernel computed (a
+  // cluster shares A along N: rank (rm, rn)'s rows are rank (rm, 0)'s by construction; B along
+  // M: the column tiles are checked) and counts it. Its group's count is added (release) only
+  // when the warp's next item is of another group, or at the end: a release fence stalls the
+  // warp, and so its warpgroup, for about a microsecond (8-15% of a 128x128 tile's time at
+  // K = 1024-2048 on an H100, one release per tile); a CTA's items of one group are
+  // consecutive, so this is one release per group and CTA, at the same time as the last of them.
+  // Before it, every lane of the warp waits for its bulk stores to have been written (long done)
+  // and fences the async proxy.
+  CUTLASS_DEVICE void flush(bool last) {
+    if (!issuer_) return;
+    const int lane = int(threadIdx.x % cutlass::NumThreadsPerWarp);
+    int release = 0;
+    if (lane == 0) {
+      const int64_t i = pending_;
+      if (i >= 0 && i < order_.num_items) {
+        const int64_t row0 = int64_t(l_) * order_.block_rows + int64_t(m_blk_) * kBM;
+        const bool ok = row0 == int64_t(tile_m_) * kBM && n_blk_ == tile_n_ &&
+                        peer_n_ == n_blk_ && offset_ == row0 * order_.ldo + int64_t(n_blk_) * kBN;
+        if (!ok) __trap();  // the table is not the order this kernel ran, or a cluster cannot share B
+        record_monitor(order_.monitor, i, int(cta_linear()));
+        done_group_ = group_;
+        ++done_;
+        release = next_group_ != group_;
+      }
+      release = (release || last) && done_ > 0;
+    }
+    pending_ = -1;
+    if (!__shfl_sync(0xffffffffu, release, 0)) return;
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     __syncwarp();
-    const int64_t i = pending_;
-    pending_ = -1;
-    if ((threadIdx.x % cutlass::NumThreadsPerWarp) != 0 || i >= order_.num_items) return;
-    const int64_t row0 = int64_t(l_) * order_.block_rows + int64_t(m_blk_) * kBM;
-    const bool ok = row0 == int64_t(tile_m_) * kBM && n_blk_ == tile_n_ && peer_n_ == n_blk_ &&
-                    offset_ == row0 * order_.ldo + int64_t(n_blk_) * kBN;
-    if (!ok) __trap();  // the table is not the order this kernel ran, or a cluster cannot share B
-    if (order_.counters) signal_counter(order_.counters + group_);
-    record_monitor(order_.monitor, i, int(cta_linear()));
+    if (lane == 0) {
+      if (order_.counters)
+        asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(order_.counters + done_group_),
+                     "r"(done_) : "memory");
+      done_ = 0;
+    }
   }
 
   ItemOrder order_;
@@ -336,8 +359,9 @@ class SignalEpilogue : public Base {
   uint64_t next_ = 0, step_ = 0;
   int64_t pending_ = -1;
   int32_t tile_m_ = 0, tile_n_ = 0;  // the tile the kernel computed
-  int32_t l_ = 0, m_blk_ = 0, n_blk_ = 0, peer_n_ = 0, group_ = 0;  // its item's, as loaded
+  int32_t l_ = 0, m_blk_ = 0, n_blk_ = 0, peer_n_ = 0, group_ = 0, next_group_ = -1;  // as loaded
   int64_t offset_ = 0;
+  int32_t done_ = 0, done_group_ = 0;  // lane 0: tiles counted, not yet added, and their group
 };
 
 // ---- the kernel ----------------------------------------------------------------------------
@@ -564,8 +588,9 @@ cudaError_t check_limits(const Args& args) {
                   "this GEMM library applies block-wise scales in its main loop: a_per_row and "
                   "b_per_col must both be FO_SCALE_BLOCKS (%d), got %d and %d", FO_SCALE_BLOCKS,
                   s.a_per_row, s.b_per_col);
+    // (M % 4: the row stride of scale_a's TMA map, encoded even where there is one group)
     const bool a_ok = (s.a_stride[0] == 1 || M == 1) && (s.a_stride[1] == M || groups == 1) &&
-                      (M % 4 == 0 || groups == 1);
+                      M % 4 == 0;
     const bool b_ok = (s.b_stride[0] == 1 || groups == 1) && (s.b_stride[1] == groups || cols == 1);
     if (!a_ok || !b_ok || !aligned16(s.a))
       return fail(cudaErrorInvalidValue,
