@@ -85,6 +85,7 @@
 #if defined(FO_TILE_N) && FO_TILE_N % 64 != 0 && !defined(CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
 #endif
+#include "cluster_launch.cuh"
 #include "epilogue.cuh"
 #include "gemm_abi.cuh"
 
@@ -1560,27 +1561,10 @@ cudaError_t check_limits(const Args& args) {
   return cudaSuccess;
 }
 
-// Launch configuration: grid (cluster_m * clusters, cluster_n), clusters of cluster_m x cluster_n.
-static cudaLaunchConfig_t launch_config(int num_ctas, cudaLaunchAttribute* attr) {
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = kClusterM, attr->val.clusterDim.y = kClusterN, attr->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(kClusterM * (num_ctas / kClusterSize), kClusterN, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return config;
-}
+static const ClusterLaunch<kClusterM, kClusterN, Params> kLaunch{signaling_gemm, kThreads,
+                                                                  kSmemBytes};
 
-cudaError_t resident_ctas(int, int* ctas) {
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t config = launch_config(kClusterSize, &attr);
-  int clusters = 0;
-  FO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, signaling_gemm, &config));
-  *ctas = clusters * kClusterSize;
-  return cudaSuccess;
-}
+cudaError_t resident_ctas(int, int* ctas) { return kLaunch.resident_ctas(ctas); }
 
 static cudaError_t kernel_params(const Args& args, Params* params) {
   *params = Params{};
@@ -1618,30 +1602,13 @@ static cudaError_t kernel_params(const Args& args, Params* params) {
 cudaError_t launch(const Args& args, cudaStream_t stream) {
   Params params;
   cudaError_t err = kernel_params(args, &params);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
-  config.stream = stream;
-  FO_CUDA_CHECK(cudaLaunchKernelEx(&config, signaling_gemm, params));
-  return cudaSuccess;
+  return err == cudaSuccess ? kLaunch.launch(params, args.num_ctas, stream) : err;
 }
 
-// The node keeps the cluster dimension it was captured with (a launch attribute, which
-// cudaGraphExecKernelNodeSetParams leaves alone); grid, block and shared memory are as captured.
 cudaError_t set_node(const Args& args, cudaGraphExec_t exec, cudaGraphNode_t node) {
   Params params;
   cudaError_t err = kernel_params(args, &params);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t config = launch_config(args.num_ctas, &attr);
-  void* arg[] = {&params};
-  cudaKernelNodeParams p = {};
-  p.func = reinterpret_cast<void*>(signaling_gemm);
-  p.gridDim = config.gridDim, p.blockDim = config.blockDim;
-  p.sharedMemBytes = config.dynamicSmemBytes;
-  p.kernelParams = arg;
-  FO_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec, node, &p));
-  return cudaSuccess;
+  return err == cudaSuccess ? kLaunch.set_node(params, args.num_ctas, exec, node) : err;
 }
 
 }  // namespace fo::gemm

@@ -9,17 +9,10 @@
 //   last row band: its loads are zero-filled and its stores clipped by TMA, so the cluster's
 //   multicast of B still has every CTA's half.
 // - SignalEpilogue, around CUTLASS's TMA epilogue (row- and column-wise scales through its
-//   visitor tree, or block-wise scales already applied by CUTLASS's block-scaled main loop):
-//   once a tile's TMA stores have been written (cp.async.bulk.wait_group 0, not .read), the
-//   issuing warp fences the async proxy and lane 0 adds its tiles to counters[item_group[i]] with
-//   release semantics, then records the monitor. It counts a tile when that warp stores its
-//   next one (whose main loop has run meanwhile, so the wait costs nothing), and adds a group's
-//   count when the warp's next item is of another group or at the end (a release fence stalls
-//   the math warpgroup: one per tile cost the pingpong kernel 8-15% at K = 1024-2048 on an
-//   H100). Before counting, lane 0 checks that the item is the tile the
-//   kernel computed (rows, column tile, in-place offset) and that the items of its cluster
-//   round can share B; a violation traps, as gemm_sm90.cu's checks. It loads what it checks
-//   right after the tile's stores, a tile ahead of the check.
+//   visitor tree, or block-wise scales already applied by CUTLASS's block-scaled main loop): the
+//   math warp that stored a tile posts it in shared memory once its stores are written, and the
+//   producer warpgroup's epilogue warp adds it to its group's counter (release), as the class's
+//   comment says.
 //
 // Why: on the H200 CUTLASS's kernels run 0.956-1.04x torch's block-wise fp8 GEMM and
 // 0.978-1.056x its row-wise one (bench/results/cutlass-ref-h200-20261206-*.json), gemm_sm90.cu's
@@ -226,6 +219,17 @@ struct TileSchedulerSelector<fo::stock::ItemSchedulerTag, ArchTag, TileShape, Cl
 namespace fo::stock {
 
 // ---- the epilogue: CUTLASS's, then the signal --------------------------------------------
+// The math warp that issued a tile's TMA stores waits for them to be written when it stores its
+// next tile (its main loop has run meanwhile, so the wait costs nothing; waiting right after
+// the stores cost the pingpong kernel 8-14% at K = 1024-2048 on an H100), fences the async proxy
+// and posts the tile done in shared memory (a release at CTA scope). The release add on the
+// group's counter, whose fence stalls the warp that issues it (per tile in a math warp: 2-7% on
+// the same shapes), is issued by the producer warpgroup's epilogue warp (warp 1), which CUTLASS
+// runs through load() once per tile, in the CTA's item order, when the epilogue says it loads
+// (is_producer_load_needed): it waits for the tile's post, checks the item, adds 1 to its
+// group's counter (release, GPU scope: cumulative over the math warp's writes it acquired) and
+// records the monitor. CUTLASS's own epilogue never waits on its load pipeline here (its fusion
+// loads nothing: no C), and load() and load_tail() leave that pipeline alone.
 template <class Base>
 class SignalEpilogue : public Base {
  public:
@@ -234,6 +238,16 @@ class SignalEpilogue : public Base {
   };
   struct Params : Base::Params {
     ItemOrder order;
+  };
+  // CUTLASS's shared memory, and per math warpgroup the count of its tiles written (posted)
+  struct TensorStorage {
+    typename Base::TensorStorage base;
+    alignas(16) uint32_t done[2];
+  };
+  using PipelineStorage = typename Base::PipelineStorage;
+  struct SharedStorage {
+    TensorStorage tensors;
+    PipelineStorage pipeline;
   };
 
   template <class ProblemShape>
@@ -245,32 +259,57 @@ class SignalEpilogue : public Base {
     return p;
   }
 
-  CUTLASS_HOST_DEVICE SignalEpilogue(Params const& params,
-                                     typename Base::TensorStorage& storage)
-      : Base(params, storage), order_(params.order) {
+  // Every thread constructs one before the kernel's cluster-wide barrier (after it, the
+  // consumers and, in the cooperative kernel, warp 1 construct their own): thread 0, in the
+  // mainloop producer warp, which makes no other, zeroes the posts there.
+  CUTLASS_HOST_DEVICE SignalEpilogue(Params const& params, TensorStorage& storage)
+      : Base(params, storage.base), order_(params.order), done_(storage.done) {
 #if defined(__CUDA_ARCH__)
-    // Items: the cooperative kernel's math threads take the CTA's items in turn; pingpong's
-    // math warpgroup w (threads 128 (w + 1) ..) every other one, starting at the w-th.
-    const uint64_t group =
-        kPingpong ? uint64_t(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1 : 0;
-    next_ = cta_linear() + group * grid_ctas();
-    step_ = (kPingpong ? 2 : 1) * grid_ctas();
+    if (threadIdx.x == 0) {
+      done_[0] = done_[1] = 0;
+      __threadfence_block();
+    }
+    // The math threads: the cooperative kernel's take the CTA's items in turn; pingpong's math
+    // warpgroup w (threads 128 (w + 1) ..) every other one, starting at the w-th.
+    group_ = kPingpong && threadIdx.x >= cutlass::NumThreadsPerWarpGroup
+                 ? int(threadIdx.x / cutlass::NumThreadsPerWarpGroup) - 1
+                 : 0;
+    next_ = cta_linear();
+    step_ = grid_ctas();
 #endif
   }
 
-  // The last tiles' signal: when the math threads are done (the pingpong kernel calls
-  // store_tail after every tile, the cooperative one once, so neither marks the last tile).
+  // The last tile's post: when the math threads are done (the pingpong kernel calls store_tail
+  // after every tile, the cooperative one once, so neither marks the last tile).
   CUTLASS_HOST_DEVICE ~SignalEpilogue() {
 #if defined(__CUDA_ARCH__)
-    flush(true);
+    post();
 #endif
   }
 
-  // The previous tile's signal (see flush), then CUTLASS's store of this one. `thread_idx` is
-  // the index the kernel gives the epilogue; warp 0 of those threads issues the TMA stores
-  // (CUTLASS's issue_tma_store), so it signals. Lane 0 loads what the signal needs (the item's
-  // table row and group, the next item's group, its cluster round's column tile) right after
-  // the store, a tile ahead of their use.
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return true; }  // warp 1: the signals
+
+  // Warp 1, once per tile of the CTA in item order: the signal of the tile.
+  template <class LoadPipeline, class LoadState, class ProblemShape, class TileShapeMNK,
+            class TileCoord, class TiledMma, class... Rest>
+  CUTLASS_DEVICE LoadState load(LoadPipeline, LoadState load_state, ProblemShape, TileShapeMNK,
+                                TileCoord tile_coord, TiledMma, int thread_idx, TensorStorage&,
+                                Rest&&...) {
+    const int64_t i = int64_t(next_);
+    next_ += step_;
+    const uint32_t t = seen_++;  // the tile's place among the CTA's
+    if (thread_idx == 0) signal(i, t, int(get<0>(tile_coord)), int(get<1>(tile_coord)));
+    __syncwarp();
+    return load_state;
+  }
+  template <class LoadPipeline, class LoadState>
+  CUTLASS_DEVICE LoadState load_tail(LoadPipeline, LoadState load_state) {
+    return load_state;
+  }
+
+  // The previous tile's post, then CUTLASS's store of this one. `thread_idx` is the index the
+  // kernel gives the epilogue; warp 0 of those threads issues the TMA stores (CUTLASS's
+  // issue_tma_store), so it posts.
   template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState,
             class ProblemShape, class TileShapeMNK, class TileCoord, class Acc, class TiledMma,
             class... Rest>
@@ -278,90 +317,82 @@ class SignalEpilogue : public Base {
                             StorePipeline store_pipeline, StoreState store_state,
                             ProblemShape problem, TileShapeMNK tile_shape, TileCoord tile_coord,
                             Acc&& accumulators, TiledMma tiled_mma, int thread_idx,
-                            Rest&&... rest) {
+                            TensorStorage& shared, Rest&&... rest) {
     issuer_ = thread_idx / cutlass::NumThreadsPerWarp == 0;
-    flush(false);
+    post();
     auto out = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem,
                            tile_shape, tile_coord, static_cast<Acc&&>(accumulators), tiled_mma,
-                           thread_idx, static_cast<Rest&&>(rest)...);
-    if (issuer_) {
-      pending_ = int64_t(next_);
-      tile_m_ = int(get<0>(tile_coord));
-      tile_n_ = int(get<1>(tile_coord));
-      if ((threadIdx.x % cutlass::NumThreadsPerWarp) == 0) load_pending();
-    }
-    next_ += step_;
+                           thread_idx, shared.base, static_cast<Rest&&>(rest)...);
+    pending_ = issuer_;
     return out;
   }
 
  private:
-  // Lane 0: the pending item's row and group, the group of this warp's next item (-1: none),
-  // and the column tile of its cluster round's rank (0, rn) (loads only: used at flush).
-  CUTLASS_DEVICE void load_pending() {
-    const int64_t i = pending_;
-    if (i >= order_.num_items) return;
-    const int64_t* it = order_.items + 4 * i;
-    l_ = int32_t(__ldg(it)), m_blk_ = int32_t(__ldg(it + 1)), n_blk_ = int32_t(__ldg(it + 2));
-    offset_ = __ldg(it + 3);
-    group_ = __ldg(order_.item_group + i);
-    const int64_t after = i + int64_t(step_);
-    next_group_ = after < order_.num_items ? __ldg(order_.item_group + after) : -1;
-    peer_n_ = n_blk_;
-    if constexpr (kClusterSize > 1) {
-      const int64_t r = i % kClusterSize, col_item = i - r + (r / kClusterM) * kClusterM;
-      if (col_item < order_.num_items) peer_n_ = int32_t(__ldg(order_.items + 4 * col_item + 2));
-    }
-  }
-
-  // The pending tile's signal, when the warp stores its next tile (whose main loop has run
-  // meanwhile) or at the end. Lane 0 checks the item against the tile the kernel computed (a
-  // cluster shares A along N: rank (rm, rn)'s rows are rank (rm, 0)'s by construction; B along
-  // M: the column tiles are checked) and counts it. Its group's count is added (release) only
-  // when the warp's next item is of another group, or at the end: a release fence stalls the
-  // warp, and so its warpgroup, for about a microsecond (8-15% of a 128x128 tile's time at
-  // K = 1024-2048 on an H100, one release per tile); a CTA's items of one group are
-  // consecutive, so this is one release per group and CTA, at the same time as the last of them.
-  // Before it, every lane of the warp waits for its bulk stores to have been written (long done)
-  // and fences the async proxy.
-  CUTLASS_DEVICE void flush(bool last) {
-    if (!issuer_) return;
-    const int lane = int(threadIdx.x % cutlass::NumThreadsPerWarp);
-    int release = 0;
-    if (lane == 0) {
-      const int64_t i = pending_;
-      if (i >= 0 && i < order_.num_items) {
-        const int64_t row0 = int64_t(l_) * order_.block_rows + int64_t(m_blk_) * kBM;
-        const bool ok = row0 == int64_t(tile_m_) * kBM && n_blk_ == tile_n_ &&
-                        peer_n_ == n_blk_ && offset_ == row0 * order_.ldo + int64_t(n_blk_) * kBN;
-        if (!ok) __trap();  // the table is not the order this kernel ran, or a cluster cannot share B
-        record_monitor(order_.monitor, i, int(cta_linear()));
-        done_group_ = group_;
-        ++done_;
-        release = next_group_ != group_;
-      }
-      release = (release || last) && done_ > 0;
-    }
-    pending_ = -1;
-    if (!__shfl_sync(0xffffffffu, release, 0)) return;
+  // The issuing warp: once its stores of the pending tile are written (and the async proxy
+  // fenced), lane 0 posts one more of its warpgroup's tiles done.
+  CUTLASS_DEVICE void post() {
+    if (!issuer_ || !pending_) return;
+    pending_ = false;
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     __syncwarp();
-    if (lane == 0) {
-      if (order_.counters)
-        asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(order_.counters + done_group_),
-                     "r"(done_) : "memory");
-      done_ = 0;
+    if (threadIdx.x % cutlass::NumThreadsPerWarp == 0) {
+      ++posted_;
+      asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(done_ + group_)),
+                   "r"(posted_) : "memory");
     }
   }
 
+  // Warp 1's lane 0, tile t of the CTA (item i, computed as tile (m, n)): waits until the math
+  // warpgroup that ran it (pingpong: t % 2) has posted it, checks the item (the tile the kernel
+  // computed, the in-place offset, a cluster round that can share B: a violation traps, as
+  // gemm_sm90.cu's checks) and adds it to its group's counter. A cluster's filler item (past the
+  // table) is waited for and not counted.
+  CUTLASS_DEVICE void signal(int64_t i, uint32_t t, int tile_m, int tile_n) {
+    const uint32_t* done = done_ + (kPingpong ? t % 2 : 0);
+    const uint32_t need = (kPingpong ? t / 2 : t) + 1;
+    int64_t l = 0, m_blk = 0, n_blk = 0, offset = 0, peer_n = 0;
+    int32_t group = 0;
+    const bool item = i < order_.num_items;
+    if (item) {  // (loaded while the tile may still be running)
+      const int64_t* it = order_.items + 4 * i;
+      l = __ldg(it), m_blk = __ldg(it + 1), n_blk = __ldg(it + 2), offset = __ldg(it + 3);
+      group = __ldg(order_.item_group + i);
+      peer_n = n_blk;
+      if constexpr (kClusterSize > 1) {
+        const int64_t r = i % kClusterSize, col_item = i - r + (r / kClusterM) * kClusterM;
+        if (col_item < order_.num_items) peer_n = __ldg(order_.items + 4 * col_item + 2);
+      }
+    }
+    uint32_t seen;
+    for (;;) {
+      asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(seen) : "r"(smem_addr(done))
+                   : "memory");
+      if (seen >= need) break;
+      __nanosleep(64);
+    }
+    if (!item) return;
+    // (A cluster shares A along N: rank (rm, rn)'s rows are rank (rm, 0)'s by construction of
+    // the tile; B along M: the column tiles are checked.)
+    const int64_t row0 = l * order_.block_rows + m_blk * kBM;
+    const bool ok = row0 == int64_t(tile_m) * kBM && n_blk == tile_n && peer_n == n_blk &&
+                    offset == row0 * order_.ldo + n_blk * kBN;
+    if (!ok) __trap();  // the table is not the order this kernel ran, or a cluster cannot share B
+    if (order_.counters) signal_counter(order_.counters + group);
+    record_monitor(order_.monitor, i, int(cta_linear()));
+  }
+
+  CUTLASS_DEVICE static uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  }
+
   ItemOrder order_;
-  bool issuer_ = false;
-  uint64_t next_ = 0, step_ = 0;
-  int64_t pending_ = -1;
-  int32_t tile_m_ = 0, tile_n_ = 0;  // the tile the kernel computed
-  int32_t l_ = 0, m_blk_ = 0, n_blk_ = 0, peer_n_ = 0, group_ = 0, next_group_ = -1;  // as loaded
-  int64_t offset_ = 0;
-  int32_t done_ = 0, done_group_ = 0;  // lane 0: tiles counted, not yet added, and their group
+  uint32_t* done_;
+  int group_ = 0;  // the math warpgroup (pingpong: 0 or 1)
+  bool issuer_ = false, pending_ = false;
+  uint32_t posted_ = 0;          // the issuing warp's lane 0: its warpgroup's tiles posted
+  uint64_t next_ = 0, step_ = 0;  // warp 1: the next tile's item, and the grid's CTAs
+  uint32_t seen_ = 0;             // warp 1: tiles signalled
 };
 
 // ---- the kernel ----------------------------------------------------------------------------

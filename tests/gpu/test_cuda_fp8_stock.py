@@ -117,7 +117,7 @@ def test_stock_build_takes_equal_blocks_of_whole_row_tiles(scaling):
     blocks of 300 rows (a tile would straddle two), or two groups (each group's region holds
     every block's rows: not the result's rows), run gemm_sm90.cu's."""
     for m, world, groups, stock in ((1024, 2, 1, True), (2048, 4, 1, True), (1200, 4, 1, False),
-                                    (2048, 2, 2, False)):
+                                    (4096, 2, 2, False)):
         tiles = -(-1000 // 128) * world * -(-(m // world) // 128)
         sizes = (tiles,) if groups == 1 else (tiles // 2, tiles - tiles // 2)
         plan = _plan(m, 1000, 512, scaling, "bfloat16", op="reduce_scatter", world_size=world,
