@@ -2,7 +2,8 @@
 # Compile-check every CUDA source (csrc/cuda/*.cu) for sm_90a and sm_80 without a GPU: the
 # objects are built with the flags of backends/cuda/build.py, in representative configurations
 # (build.py's CI_CHECK_CONFIGS: sm90 pingpong fp16, sm90 cooperative e4m3 with scales, sm80 fp16
-# with unequal blocks, fp8 all_to_all's block-scaled build with unequal blocks; `build.py
+# with unequal blocks, fp8 all_to_all's block-scaled build with unequal blocks, the stock fp8
+# pingpong build (CUTLASS's own kernel); `build.py
 # --all-configs` builds all of CHECK_CONFIGS), the runtime
 # extension module from its translation units (build.py's RUNTIME_SOURCES) and its Python binding,
 # imported so that no symbol is left undefined (the cached one when the tests built it in the same

@@ -612,9 +612,9 @@ def test_fp8_scales_as_the_kernel_reads_them(monkeypatch):
 
 
 def test_ci_compile_check_configurations():
-    """CI compiles four representative GEMM builds: an sm90 16-bit one, an sm90 e4m3 scaled
-    one, an sm80 one with unequal destination blocks and fp8 all_to_all's block-scaled one
-    (its own source; named by index into CHECK_CONFIGS)."""
+    """CI compiles five representative GEMM builds: an sm90 16-bit one, an sm90 e4m3 scaled
+    one, an sm80 one with unequal destination blocks, fp8 all_to_all's block-scaled one and the
+    stock fp8 pingpong one (each its own source; named by index into CHECK_CONFIGS)."""
     names = [build.config_name(c) for c in build.CI_CHECK_CONFIGS]
     assert names[0].startswith("sm90_fp16_brow_128x128") and "pingpong" in names[0], names
     assert names[1].startswith("sm90_e4m3_") and "cooperative_scw" in names[1], names
@@ -622,6 +622,8 @@ def test_ci_compile_check_configurations():
     assert names[3].startswith("sm90_e4m3_") and "_block128_" in names[3], names
     assert names[3].endswith("_blocks"), names
     assert build.gemm_source(build.CI_CHECK_CONFIGS[3]) == "gemm_sm90_blocks_scaled.cu"
+    assert names[4].endswith("_pingpong_etma_stock"), names
+    assert build.gemm_source(build.CI_CHECK_CONFIGS[4]) == "gemm_sm90_stock.cu"
 
 
 @pytest.mark.parametrize("variable, reader", [("FLASHOVERLAP_WATCHDOG", "watchdog_enabled"),

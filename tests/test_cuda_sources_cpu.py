@@ -25,7 +25,8 @@ SRC = build.source_dir()
 HEADER = "flashoverlap_cuda.h"
 GEMM_API = "gemm_api.h"  # the GEMM libraries' part of the C ABI (HEADER includes it)
 GEMM_ABI = "gemm_abi.cuh"  # the C functions every GEMM source (one object each) shares
-GEMM_SOURCES = {"gemm_sm90.cu", "gemm_sm80.cu"}
+GEMM_SOURCES = {"gemm_sm90.cu", "gemm_sm80.cu", "gemm_sm90_stock.cu"}  # (stock: fp8 on
+# CUTLASS's own kernel, build.GemmConfig.stock; its C functions are gemm_abi.cuh's too)
 # GEMM sources that are another one plus exports of their own (source -> the one it includes),
 # declared in a header of their own (VARIANT_APIS: source -> it; HEADER includes it)
 GEMM_VARIANTS = {"gemm_sm90_blocks_scaled.cu": "gemm_sm90.cu",

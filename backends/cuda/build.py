@@ -612,10 +612,17 @@ CHECK_CONFIGS = (
                schedule="pingpong", epilogue="tma", blocks=True),
     # fp8 allgather's (gemm_sm90_ex_scaled.cu): row-wise cooperative (not in CI's list)
     GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", epi_slots=4, gather=True),
+    # fp8 on CUTLASS's own kernel (gemm_sm90_stock.cu): tensor-/row-wise pingpong, block-wise
+    # cooperative (kernels.STOCK_FP8_CONFIGS)
+    GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", schedule="pingpong", epilogue="tma",
+               stock=True),
+    GemmConfig(tile_n=128, tile_k=128, cluster_m=1, dtype="e4m3", out_dtype="fp16",
+               epilogue="tma", block_scaled=True, stock=True),
 )
 # ... and the compile check's default (CI's): one sm90 16-bit, one sm90 e4m3 scaled and one sm80
-# build, each a configuration that plans use (the tma and staged epilogues), and fp8
-# all_to_all's block-scaled build, the one source of its own (gemm_sm90_blocks_scaled.cu).
+# build, each a configuration that plans use (the tma and staged epilogues), fp8 all_to_all's
+# block-scaled build (gemm_sm90_blocks_scaled.cu) and the stock fp8 pingpong build
+# (gemm_sm90_stock.cu): every GEMM source of its own.
 # Between them: both sm90 schedules, both layouts of b, both 16-bit dtypes and fp8 (row-wise
 # and block-wise), clusters 1x2 and 2x1, and unequal destination blocks (all_to_all's sm80 and
 # fp8 builds). The GPU machine builds every configuration of the kernel table (ci/gpu.sh's
@@ -625,6 +632,7 @@ CI_CHECK_CONFIGS = (  # (indices into CHECK_CONFIGS: a test checks what they nam
     CHECK_CONFIGS[5],  # sm90 cooperative 128x256x128, e4m3 -> fp16 (scaled, the scale warp), tma4
     replace(CHECK_CONFIGS[8], blocks=True),  # sm80 128x128x32, fp16, b row-major, staged, blocks
     CHECK_CONFIGS[9],  # sm90 cooperative 128x256x128, e4m3 block-scaled, 1x1, tma, blocks
+    CHECK_CONFIGS[12],  # fp8 on CUTLASS's own kernel: pingpong 128x128x128, e4m3 row-wise
 )
 # Host self-tests of the sm90 epilogues' layout assumptions (gemm_sm90_selftest.cu), one per
 # accumulator layout: cooperative 128x256 and pingpong 128x128; cooperative 128x224 (the tma

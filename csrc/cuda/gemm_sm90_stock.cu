@@ -369,7 +369,7 @@ class SignalEpilogue : public Base {
       asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(seen) : "r"(smem_addr(done))
                    : "memory");
       if (seen >= need) break;
-      __nanosleep(64);
+      __nanosleep(256);  // (a tile takes microseconds: poll without taking the math warps' issue slots)
     }
     if (!item) return;
     // (A cluster shares A along N: rank (rm, rn)'s rows are rank (rm, 0)'s by construction of
