@@ -191,7 +191,7 @@ class Gemms:
         tables = self.plan_tables(plan, a.device)
         blockwise = plan.scaling == "blockwise"
         kernel_scales = (tuple(kernel_scale(t, blockwise) for t in scales)
-                         if scales is not None else None)
+                         if scales is not None and scales[0] is not None else None)
         aligned = packed.data_ptr() % ALIGN_BYTES == 0 and (
             not blockwise or kernel_scales is None or kernel_scales[0].data_ptr() % ALIGN_BYTES == 0)
         gemm, col, gpu = self.gemm_for(plan, tables, b, scales=kernel_scales, aligned=aligned)
