@@ -191,14 +191,14 @@ def product_build(v: Variant) -> bool:
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None, plan=None,
-                   scales=None, items=None):
+                   scales=None):
     """The build of variant ``v``; an fp8 product's is CUTLASS's kernel (GemmConfig.stock)
-    where the backend would run it (kernels.stock_fits of ``plan``, the kernel's ``scales``
-    and the plan's ``items``; without a plan, wherever its tile has a stock build)."""
+    where the backend would run it (kernels.stock_fits of ``plan`` and the kernel's
+    ``scales``; without a plan, wherever its tile has a stock build)."""
     fp8 = dtype in kernels.FP8_DTYPES
     if fp8 and product_build(v):
         t = tuple(tile or v.tile)
-        fits = (kernels.stock_fits(plan, scales, items) if plan is not None
+        fits = (kernels.stock_fits(plan, scales) if plan is not None
                 else t in kernels.STOCK_FP8_CONFIGS.get(v.arch, {}).get(scaling, {}))
         if fits:
             return kernels.gemm_config(v.arch, t, dtype, True, cluster, out_dtype=FP8_OUT,
@@ -282,8 +282,7 @@ class Gemm:
             from flashoverlap_backends.cuda.device_state import kernel_scale
             kernel_scales = tuple(kernel_scale(t, blockwise) for t in scales)
         self.config = variant_config(kernels, v, dtype_name, cluster_for(kernels, v, self.plan, items),
-                                     self.plan.tile, self.plan.scaling, self.plan, kernel_scales,
-                                     items)
+                                     self.plan.tile, self.plan.scaling, self.plan, kernel_scales)
         self.lib = kernels.gemm_library(self.config)
         self.items, self.groups = items.cuda(), groups.cuda()
         self.counters = (torch.zeros(self.plan.num_groups, dtype=torch.int32, device="cuda")

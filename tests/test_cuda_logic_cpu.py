@@ -477,7 +477,7 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
                                   scales((1, 1022), (1, 8), m=1022))  # a TMA row stride
     assert kernels.stock_fits(plan(m=1022))  # (row-wise: no scale by TMA)
     assert not kernels.stock_fits(plan(scaling="blockwise", m=124))  # box wider than M
-    # the plan's own item tables: a reduce_scatter of one group has its tiles at their own rows
+    # a reduce_scatter of one group has its tiles at their own rows (plan.slabs)
     # of the result; of two groups, each group's region holds every block's rows (not in place)
     for groups, fits in ((1, True), (2, False)):
         tiles = 2 * (4096 // 2 // 128) * 8  # 2 blocks of 16 bands of 8 column tiles
@@ -485,7 +485,7 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
                   dtype="float8_e4m3fn", tile=(128, 128), wave_size=128,
                   schedule=Schedule("n", 2), group_sizes=(tiles,) if groups == 1 else
                   (tiles // 2, tiles // 2), out_dtype="bfloat16", layout="rows")
-        assert kernels.stock_fits(rs, None, rs.item_table()[0]) == fits, groups
+        assert kernels.stock_fits(rs) == fits, groups
     assert not kernels.stock_op("all_to_all") and not kernels.stock_op("allgather")
     assert kernels.stock_op("allreduce") and kernels.stock_op("reduce_scatter")
 

@@ -237,16 +237,16 @@ def stock_op(op: str) -> bool:
     return not kind.gathers and not kind.splits
 
 
-def stock_fits(plan, scales=None, items=None) -> bool:
+def stock_fits(plan, scales=None) -> bool:
     """Whether an fp8 ``plan`` runs the stock build of its tile (STOCK_FP8_CONFIGS) with these
     ``scales`` (the call's (scale_a, scale_b) as the kernel reads them, or None: any of
-    tensor-/row-wise, or block-wise in torch's layouts) and item table ``items`` (the plan's
-    int64 [T, 4] rows, or None: not checked): a "rows" plan whose tiles lie at their own rows of
-    the [M, N] result (one destination block, or a reduce_scatter of one group; equal blocks of
-    whole row tiles), N a multiple of 8 (the result's TMA row stride) and at least the tile's;
-    not allgather or all_to_all; block-wise also M >= 128 and a multiple of 4 (scale_a's TMA
-    map, whose row stride is encoded even for one group) with scale_a [M, groups] of strides
-    (1, M) and scale_b [groups, ceil(N/128)] of strides (1, groups)."""
+    tensor-/row-wise, or block-wise in torch's layouts): a "rows" plan whose parts lie at their
+    own rows of the [M, N] result (``plan.slabs``: one destination block, or a reduce_scatter of
+    one group; equal blocks of whole row tiles), N a multiple of 8 (the result's TMA row stride)
+    and at least the tile's; not allgather or all_to_all; block-wise also M >= 128 and a
+    multiple of 4 (scale_a's TMA map, whose row stride is encoded even for one group) with
+    scale_a [M, groups] of strides (1, M) and scale_b [groups, ceil(N/128)] of strides
+    (1, groups)."""
     table = STOCK_FP8_CONFIGS.get(90, {}).get(plan.scaling)
     if (plan.dtype not in FP8_DTYPES or table is None or tuple(plan.tile) not in table
             or plan.layout != "rows" or not stock_op(plan.op)
@@ -255,10 +255,8 @@ def stock_fits(plan, scales=None, items=None) -> bool:
     rows = plan.block_rows
     if len(rows) > 1 and (len(set(rows)) > 1 or rows[0] % plan.tile[0]):
         return False
-    if items is not None:
-        row0 = items[:, 0] * rows[0] + items[:, 1] * plan.tile[0]
-        if not bool((items[:, 3] == row0 * plan.n + items[:, 2] * plan.tile[1]).all()):
-            return False
+    if any(offset != row0 * plan.n for parts in plan.slabs for row0, _, offset in parts):
+        return False
     if plan.scaling != "blockwise":
         return True
     m, groups, cols = plan.m, -(-plan.k // 128), -(-plan.n // 128)

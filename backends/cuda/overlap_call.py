@@ -65,9 +65,13 @@ class CudaCall(NativeCall, PreparedCall):
         self.op = of(call.op)
         self.kind = self.op.name
         self.tables = gemms.plan_tables(plan, device)
-        blockwise = plan.scaling == "blockwise"
-        scales = ((kernel_scale(call.scale_a, blockwise), kernel_scale(call.scale_b, blockwise))
-                  if call.scale_a is not None else None)
+        # fp8: per call, scale_a and scale_b go to fo_call_run_scaled as they are when the key's
+        # strides let the kernel read them in place (kernel_scale), else as copies
+        # (block-wise scales: as they are, read through the key's strides)
+        self.scaled = call.scale_a is not None
+        self.blockwise = plan.scaling == "blockwise"
+        scales = (tuple(kernel_scale(t, self.blockwise) for t in (call.scale_a, call.scale_b))
+                  if self.scaled else None)
         self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b, scales=scales)
         self.stock = kernels.is_stock(self.gemm)  # its result and block-wise scale_a: TMA
         # The key fixes the strides: what the kernel takes as lda and ldb, and whether it
@@ -90,16 +94,9 @@ class CudaCall(NativeCall, PreparedCall):
                      if group is not None and not self.python_path else None)
         self.warm_key = (self.gemm.path, group, self.kind if not self.python_path else "python",
                          plan.dtype)
-        # fp8: per call, scale_a and scale_b go to fo_call_run_scaled as they are when the key's
-        # strides let the kernel read them in place (kernel_scale), else as copies
-        # (block-wise scales: as they are, read through the key's strides)
-        self.scaled = call.scale_a is not None
-        self.blockwise = plan.scaling == "blockwise"
-        self.template_scales = (scale_modes(kernel_scale(call.scale_a, self.blockwise),
-                                            kernel_scale(call.scale_b, self.blockwise),
-                                            self.blockwise) if self.scaled else None)
+        self.template_scales = scale_modes(*scales, self.blockwise) if self.scaled else None
         self.scales_direct = self.scaled and all(
-            kernel_scale(t, self.blockwise) is t for t in (call.scale_a, call.scale_b))
+            k is t for k, t in zip(scales, (call.scale_a, call.scale_b)))
         self.call_run_scaled = self.runtime.call_run_scaled
         # A "rows" plan writes and receives the output's own rows: an allreduce needs no buffer
         # of its own (until its fused norm, which reduces a buffer of the call's rows), nor does
