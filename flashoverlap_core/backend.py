@@ -159,8 +159,9 @@ class Backend(abc.ABC):
         """Tiles finished at once (resident CTAs of a persistent kernel)."""
         return 4
 
-    def schedule(self, spec: OverlapSpec) -> Schedule:
-        """The order in which this backend's kernel visits the tiles of one block."""
+    def schedule(self, spec: OverlapSpec, tile=None) -> Schedule:
+        """The order in which this backend's kernel visits the tiles of one block, for plans of
+        ``tile`` (None: whatever tile)."""
         return Schedule()
 
     def layouts(self, spec: OverlapSpec) -> tuple[str, ...]:

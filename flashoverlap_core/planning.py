@@ -117,7 +117,7 @@ def make_plan(backend: Backend, spec: OverlapSpec, tile=None, group_sizes=None,
     rows_ok = "rows" in backend.layouts(spec) and layout != "tiles" and not kind.gathers
     if layout == "rows" and not rows_ok and not kind.gathers:
         raise ValueError(f"backend {backend.name!r} runs {spec.op} plans in layout 'tiles' only")
-    sched = schedule if schedule is not None else backend.schedule(spec)
+    sched = schedule if schedule is not None else backend.schedule(spec, tile)
     rows = kind.block_rows(spec.m, spec.world_size, spec.send_splits)
     if group_sizes is None and kind.splits:  # the rule every rank computes alike
         # "rows" strips are whole bands in raster "n" only (Plan checks a "rows" one)

@@ -490,6 +490,33 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
     assert kernels.stock_op("allreduce") and kernels.stock_op("reduce_scatter")
 
 
+def test_stock_plans_take_chunks_of_four_bands(monkeypatch):
+    """An fp8 plan of the stock builds' tile (128x128) whose op may run them visits its tiles in
+    chunks of 4 bands (STOCK_BANDS); other tiles, dtypes and ops keep 8 (DEFAULT_BANDS), and the
+    planner still halves either where the groups need more strips."""
+    monkeypatch.setenv(ENV_ARCH, "90")
+    backend = CudaBackend()
+    fp8 = dict(dtype="float8_e4m3fn", out_dtype="bfloat16")
+    assert backend.schedule(spec(**fp8), (128, 128)) == Schedule("n", kernels.STOCK_BANDS) \
+        == Schedule("n", 4)
+    assert backend.schedule(spec(**fp8, scaling="blockwise"), (128, 128)) == Schedule("n", 4)
+    assert backend.schedule(spec(op="reduce_scatter", world_size=2, **fp8), (128, 128)) \
+        == Schedule("n", 4)
+    for other in (backend.schedule(spec(**fp8), (128, 256)), backend.schedule(spec(**fp8)),
+                  backend.schedule(spec(), (128, 128)),
+                  backend.schedule(spec(op="allgather", world_size=2, **fp8), (128, 128))):
+        assert other == Schedule("n", kernels.DEFAULT_BANDS) == Schedule("n", 8)
+    from flashoverlap_core.planning import make_plan
+
+    def default_plan(m, **kw):
+        return make_plan(backend, spec(m=m, n=8192, k=2048, **kw), (128, 128), wave_size=128)
+
+    big = default_plan(16384, **fp8)
+    assert big.schedule == Schedule("n", 4) and big.layout == "rows"
+    assert default_plan(1024, **fp8).schedule == Schedule("n", 2)  # halved: the groups' strips
+    assert default_plan(16384).schedule == Schedule("n", 8)
+
+
 def test_blockwise_fp8_plans_pick_the_block_scaled_build(monkeypatch, backend):
     """A block-wise spec gets a block-scaled tile (128x256, or 128x128 where 128x256's
     ragged waves cost more: BLOCK_TILE_COST), its plans name their scaling, other tiles are

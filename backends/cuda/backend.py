@@ -165,9 +165,9 @@ class CudaBackend(Backend):
         multiple = kernels.CTA_MULTIPLE
         return max(multiple, (sms - reserved_sms(spec.world_size)) // multiple * multiple)
 
-    def schedule(self, spec: OverlapSpec) -> Schedule:
-        # Chunks of 8 bands, column by column: a wave reads a few bands of A and sweeps B.
-        return Schedule("n", 8)
+    def schedule(self, spec: OverlapSpec, tile=None) -> Schedule:
+        # Chunks of bands, column by column: a wave reads a few bands of A and sweeps B.
+        return Schedule("n", kernels.schedule_bands(spec, tile))
 
     def add_rmsnorm_rows(self, x, residual, weight, eps):
         """The plain path's add + RMSNorm: the fused kernel over rows (add_rmsnorm.py)."""

@@ -46,8 +46,8 @@ class Tripwire(Backend):
     def wave_size(self, spec, tile):
         return self.inner.wave_size(spec, tile)
 
-    def schedule(self, spec):
-        return self.inner.schedule(spec)
+    def schedule(self, spec, tile=None):
+        return self.inner.schedule(spec, tile)
 
     def plan_reasons(self, plan):
         return self.inner.plan_reasons(plan)

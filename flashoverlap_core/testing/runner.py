@@ -63,7 +63,7 @@ def explicit_group_sizes(case: Case, base: fo.Plan, rng: random.Random) -> tuple
 def tile_refusal(backend, spec: OverlapSpec, tile: tuple[int, int]) -> list[str]:
     """Why the backend has no kernel for ``tile`` (its ``plan_reasons`` for a one-group plan
     with that tile); empty when it has one."""
-    schedule = backend.schedule(spec)
+    schedule = backend.schedule(spec, tile)
     rows = block_rows_for(spec.op, spec.m, spec.world_size, spec.send_splits)
     total = TileGrid(rows, spec.n, *tile, schedule).num_tiles
     plan = fo.Plan(spec.m, spec.n, spec.k, spec.op, spec.world_size, spec.dtype, tile,
