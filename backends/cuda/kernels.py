@@ -95,9 +95,9 @@ STOCK_FP8_CONFIGS = {
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 DEFAULT_BANDS = 8  # row bands per chunk of a plan's order (schedule_bands)
 # The stock builds' plans (fp8 128x128): 4 bands. The full row-wise set on an H100
-# (gemm-fp8-variants-h100-20261206-081559.json; 4 bands forced everywhere, against the default's 8 where
-# the planner keeps them): min 0.959 against 0.936, median 0.986 against 0.977; 16384x8192x2048
-# 0.979 against 0.944. 2 bands: 0.940 / 0.983; 16 bands: 0.887 / 0.966
+# (gemm-fp8-variants-h100-20261206-081559.json; 4 bands forced everywhere, against the
+# default's 8 where the planner keeps them): min 0.959 against 0.936, median 0.986 against
+# 0.977; 16384x8192x2048 0.979 against 0.944. 2 bands: 0.940 / 0.983; 16 bands: 0.887 / 0.966
 STOCK_BANDS = 4
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
 
@@ -241,7 +241,8 @@ def schedule_bands(spec, tile) -> int:
     STOCK_BANDS for an fp8 plan of the stock builds' tile whose op may run them, else
     DEFAULT_BANDS (the planner halves either where the groups need more strips)."""
     stock = tile is not None and tuple(tile) in STOCK_FP8_CONFIGS[90][None]
-    return STOCK_BANDS if stock and spec.dtype in FP8_DTYPES and stock_op(spec.op) else DEFAULT_BANDS
+    stock = stock and spec.dtype in FP8_DTYPES and stock_op(spec.op)
+    return STOCK_BANDS if stock else DEFAULT_BANDS
 
 
 def stock_op(op: str) -> bool:
