@@ -481,10 +481,11 @@ BLOCKWISE_VARIANTS = ("product", "plain")  # and the blk variants: the block-sca
 
 
 def for_scaling(variants, scaling):
-    """The variants that run ``scaling``'s rows: block-wise takes product, plain and the
-    block-scaled kernels' (blk...) variants; tensor- and row-wise every other one."""
+    """The variants that run ``scaling``'s rows: block-wise takes product, plain, the product's
+    own variants (product-swN, -cMxN: product_build) and the block-scaled kernels' (blk...)
+    variants; tensor- and row-wise every other one."""
     blockwise = scaling == "blockwise"
-    return [v for v in variants if v.name in BLOCKWISE_VARIANTS
+    return [v for v in variants if v.name in BLOCKWISE_VARIANTS or product_build(v)
             or v.name.startswith(BLOCK_KIND) == blockwise]
 
 

@@ -370,15 +370,16 @@ def test_bench_fp8_variants_and_summary():
 
 def test_bench_block_scaled_variants_run_block_wise_rows_only():
     """blk128-/blk256- variants are the block-scaled kernels' tiles: they run the block-wise
-    rows (with product and plain), never the tensor- or row-wise ones, which run every other
-    variant."""
+    rows (with product, plain and the product's own variants, e.g. product-sw8), never the
+    tensor- or row-wise ones, which run every other variant."""
     gemm = _bench_gemm()
     product, plain = gemm.Variant("product", 90, None), gemm.Variant("plain", 90, None, signal=False)
     wide, coop = gemm.parse_variant("blk256-tma1", 90), gemm.parse_variant("coop-tma", 90)
-    variants = [product, plain, wide, coop]
-    assert gemm.for_scaling(variants, "blockwise") == [product, plain, wide]
+    order = gemm.parse_variant("product-sw8", 90)  # the product's own: every scaling
+    variants = [product, plain, wide, coop, order]
+    assert gemm.for_scaling(variants, "blockwise") == [product, plain, wide, order]
     assert gemm.for_scaling(variants, "rowwise") == gemm.for_scaling(variants, "tensorwise") == [
-        product, plain, coop]
+        product, plain, coop, order]
     cfg = gemm.variant_config(kernels, wide, "float8_e4m3fn", (2, 1), scaling="blockwise")
     assert build.config_name(cfg) == "sm90_e4m3_bf16_bcol_128x256x128_c2x1_cooperative_block128_etma1"
     narrow = gemm.variant_config(kernels, gemm.parse_variant("blk128-tma", 90), "float8_e4m3fn",
