@@ -57,6 +57,13 @@ def bases_aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() | b.data_ptr()) & (ALIGN_BYTES - 1) == 0
 
 
+def stock_aligned(out: torch.Tensor, scale_a: torch.Tensor | None, blockwise: bool) -> bool:
+    """Whether a stock build's TMA maps take ``out`` and, block-wise, ``scale_a`` in place:
+    16-byte aligned bases (kernels.stock_fits checks the rest)."""
+    return out.data_ptr() % ALIGN_BYTES == 0 and (
+        not blockwise or scale_a is None or scale_a.data_ptr() % ALIGN_BYTES == 0)
+
+
 def a_operand(a: torch.Tensor, k: int) -> torch.Tensor:
     """a as the kernel reads it: rows of ``k`` elements, zero-padded beyond a's K (zeros add
     nothing to the products), 16-byte aligned (a copy when needed)."""
@@ -191,8 +198,7 @@ class Gemms:
         blockwise = plan.scaling == "blockwise"
         kernel_scales = (tuple(kernel_scale(t, blockwise) for t in scales)
                          if scales is not None and scales[0] is not None else None)
-        aligned = packed.data_ptr() % ALIGN_BYTES == 0 and (
-            not blockwise or kernel_scales is None or kernel_scales[0].data_ptr() % ALIGN_BYTES == 0)
+        aligned = stock_aligned(packed, kernel_scales and kernel_scales[0], blockwise)
         gemm, col, gpu = self.gemm_for(plan, tables, b, scales=kernel_scales, aligned=aligned)
         k = padded_k(gpu, a.shape[1])
         a_op, b_op = a_operand(a, k), b_operand(b, col, k)

@@ -209,7 +209,7 @@ def default_tile(arch: int, spec=None, wave_size: int | None = None) -> tuple[in
     costs = BLOCK_TILE_COST if block else TILE_COST
     if arch != 90 or spec is None or not wave_size:
         return tile
-    if spec.dtype in FP8_DTYPES and stock_op(spec.op):  # as stock_fits expects of the call
+    if stock_call(spec):
         costs = STOCK_BLOCK_TILE_COST if block else STOCK_FP8_TILE_COST
     blocks = [spec.m]  # rows per destination (allgather: source) block, as the plan cuts them
     if of(spec.op).splits:
@@ -240,9 +240,15 @@ def schedule_bands(spec, tile) -> int:
     """Row bands per chunk of a plan's order (raster "n": chunks of bands, column by column):
     STOCK_BANDS for an fp8 plan of the stock builds' tile whose op may run them, else
     DEFAULT_BANDS (the planner halves either where the groups need more strips)."""
-    stock = tile is not None and tuple(tile) in STOCK_FP8_CONFIGS[90][None]
-    stock = stock and spec.dtype in FP8_DTYPES and stock_op(spec.op)
+    tiles = STOCK_FP8_CONFIGS[90]["blockwise" if spec.scaling == "blockwise" else None]
+    stock = tile is not None and tuple(tile) in tiles and stock_call(spec)
     return STOCK_BANDS if stock else DEFAULT_BANDS
+
+
+def stock_call(spec) -> bool:
+    """Whether a call (an OverlapSpec) may run the stock fp8 builds, as stock_fits expects of
+    it before its plan and scales: fp8 a and b, an op that takes them (stock_op)."""
+    return spec.dtype in FP8_DTYPES and stock_op(spec.op)
 
 
 def stock_op(op: str) -> bool:

@@ -21,7 +21,7 @@ from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_opera
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, _current_device, kernel_scale,
                            overlap_nccl_ctas, replay_graphs, scale_modes, wait_mode)
-from .gemm import Gemms, Operands, bases_aligned, workspace
+from .gemm import Gemms, Operands, bases_aligned, stock_aligned, workspace
 from .runtime import WAIT_MODES
 
 # What an op's collective (flashoverlap_core.ops) is to the native call: fo_call_desc.collective
@@ -253,8 +253,7 @@ class CudaCall(NativeCall, PreparedCall):
     def run_scaled(self, a, b, scale_a, scale_b, out, op):
         """An fp8 call: ``run`` with this call's scales (the same steady state, where the
         scales can be read in place)."""
-        if self.stock and (out.data_ptr() % ALIGN_BYTES
-                           or (self.blockwise and scale_a.data_ptr() % ALIGN_BYTES)):
+        if self.stock and not stock_aligned(out, scale_a, self.blockwise):
             return self._run_realigned(a, b, scale_a, scale_b, out, op)
         steady = self._steady(a, b) if self.scales_direct else None
         if steady is None:
