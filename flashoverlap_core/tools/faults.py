@@ -146,10 +146,23 @@ def _wait_for(path: Path, seconds: float) -> bool:
     return False
 
 
+JOIN_TIMEOUT_S = 120.0  # how long the faulty rank waits for the others to have connected
+
+
+def _joined(where: Path, rank: int) -> None:
+    """Mark that this rank's process groups are made (its connections to every peer are up)."""
+    (where / f"joined-{rank}").write_text(repr(time.time()))
+
+
 def _inject(spec: dict, rank: int, call: int, where: Path) -> None:
-    """The faulty rank's fault, before its call ``call`` (its time written for the parent)."""
+    """The faulty rank's fault, before its call ``call`` (its time written for the parent).
+    First it waits until every rank has joined: a fault while a peer is still connecting fails
+    that peer's ``init_process_group`` (gloo's connectFullMesh), which is not the failure under
+    test."""
     if spec["fault"] == "none":
         return
+    for r in range(spec["world_size"]):
+        _wait_for(where / f"joined-{r}", JOIN_TIMEOUT_S)
     (where / "fault").write_text(repr(time.time()))
     if spec["fault"] == "exit":
         os._exit(17)
@@ -173,6 +186,7 @@ def sequence(spec: dict, where: str) -> dict:
     if spec["fo_timeout"]:
         fo.set_timeout(spec["fo_timeout"])
     other = dist.new_group(list(range(spec["world_size"]))) if spec["then"] == "other_group" else None
+    _joined(where, rank)
     report = {"rank": rank, "calls": 0, "exact": True, "error_type": None, "error": None,
               "raised_at": None, "then": None}
     faulty = rank == spec["faulty"]
@@ -218,6 +232,7 @@ def sequence_torch(spec: dict, where: str) -> dict:
     where = Path(where)
     rank, device = dist.get_rank(), _device()
     faulty = rank == spec["faulty"]
+    _joined(where, rank)
     report = {"rank": rank, "calls": 0, "exact": True, "error_type": None, "error": None,
               "raised_at": None, "then": None}
     try:
