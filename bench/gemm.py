@@ -477,16 +477,12 @@ def scaled_mm(a, w, sa, sb, fast_accum: bool):
                                     use_fast_accum=fast_accum)
 
 
-BLOCKWISE_VARIANTS = ("product", "plain")  # and the blk variants: the block-scaled kernels
-
-
 def for_scaling(variants, scaling):
-    """The variants that run ``scaling``'s rows: block-wise takes product, plain, the product's
-    own variants (product-swN, -cMxN: product_build) and the block-scaled kernels' (blk...)
-    variants; tensor- and row-wise every other one."""
+    """The variants that run ``scaling``'s rows: every scaling takes the product's builds
+    (product, plain, product-swN, -cMxN: product_build); block-wise also the block-scaled
+    kernels' (blk...) variants, tensor- and row-wise every other one."""
     blockwise = scaling == "blockwise"
-    return [v for v in variants if v.name in BLOCKWISE_VARIANTS or product_build(v)
-            or v.name.startswith(BLOCK_KIND) == blockwise]
+    return [v for v in variants if product_build(v) or v.name.startswith(BLOCK_KIND) == blockwise]
 
 
 def measure_fp8(kernels, shape, scaling, variants, args, flush, comm) -> dict:
