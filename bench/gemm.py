@@ -33,7 +33,10 @@ round's table rows in shared memory (GemmConfig.item_prefetch), "-dsig" (tma_wg)
 tile at its math group's next epilogue (GemmConfig.signal_defer), "-lock" (blk) runs both
 math warpgroups' K loops in step (GemmConfig.block_lockstep), "-pipe" (blk128) overlaps each
 K tile's promotion with the next one's wgmmas (GemmConfig.block_pipe), "-swN" plans it with
-raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands); a
+raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands),
+"-tMxN" (product variants) plans every shape with an M x N tile instead of default_tile's pick
+and runs the backend's build of it (fp8: the stock kernel where it fits; e.g. product-t128x128
+against product-t128x256 measures the tile costs kernels.default_tile weighs); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
 
@@ -127,6 +130,13 @@ class Variant:
     signal_defer: bool = False  # a "-dsig" name (tma_wg): each tile signalled at the next epilogue
     lockstep: bool = False  # a "-lock" name (block-scaled): both warpgroups' K loops in step
     pipe: bool = False  # a "-pipe" name (blk128): the K loop over two partial fragments
+    plan_tile: tuple[int, int] | None = None  # product only: a "-tMxN" name plans every shape
+    # with that tile (the backend's build of it: stock where it fits), not default_tile's pick
+
+    @property
+    def planned_tile(self):
+        """The tile the variant's plans take (None: the backend's choice per shape)."""
+        return self.tile or self.plan_tile
 
 
 def parse_variant(name: str, product_arch: int) -> Variant:
@@ -134,6 +144,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
     tile_k, cluster, swizzle, stages, scale_warp, prefetch, defer = 0, None, 0, 0, False, False, False
     lockstep = pipe = False
+    plan_tile = None
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -156,6 +167,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
             base, cluster = head, tuple(int(x) for x in last[1:].split("x", 1))
+        elif last[:1] == "t" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
+            base, plan_tile = head, tuple(int(x) for x in last[1:].split("x", 1))
         else:
             break
     if not scale_tma and not base.startswith(BLOCK_KIND):
@@ -164,7 +177,10 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     if base == "product":
         return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle,
                        stages=stages, scale_warp=scale_warp, item_prefetch=prefetch,
-                       signal_defer=defer)
+                       signal_defer=defer, plan_tile=plan_tile)
+    if plan_tile is not None:
+        raise ValueError(f"variant {name!r}: -tMxN (the plans' tile) is for product variants; "
+                         "the other kinds name their tile")
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -257,11 +273,13 @@ def needed_configs(kernels, variants, dtypes, shapes, scaling=None):
     for v in variants:
         for dtype in dtypes:
             if torch.cuda.is_available():
-                plans = [plan_for(*shape, dtype, v.tile, scaling, v.swizzle) for shape in shapes]
+                plans = [plan_for(*shape, dtype, v.planned_tile, scaling, v.swizzle)
+                         for shape in shapes]
                 out += [variant_config(kernels, v, dtype, cluster_for(kernels, v, p), p.tile,
                                        scaling, plan=p) for p in plans]
                 continue
-            tiles = [v.tile] if v.tile else sorted(kernels.supported_tiles(v.arch, scaling, dtype))
+            tiles = ([v.planned_tile] if v.planned_tile
+                     else sorted(kernels.supported_tiles(v.arch, scaling, dtype)))
             picks = {(t, c) for t in tiles
                      for c in (v.cluster or kernels.preferred_cluster(v.arch, t), (1, 1))}
             out += [variant_config(kernels, v, dtype, c, t, scaling) for t, c in sorted(picks)]
@@ -274,8 +292,8 @@ class Gemm:
     def __init__(self, kernels, v: Variant, a, w, dtype_name, scales=None, scaling=None):
         m, k = a.shape
         blockwise = scaling == "blockwise"
-        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.tile, "blockwise" if blockwise else None,
-                             v.swizzle)
+        self.plan = plan_for(m, w.shape[0], k, dtype_name, v.planned_tile,
+                             "blockwise" if blockwise else None, v.swizzle)
         items, groups = self.plan.item_table()
         kernel_scales = None
         if scales is not None:  # fp8: (scale_a, scale_b) as the kernel reads them

@@ -426,6 +426,18 @@ def test_bench_variant_suffixes_cluster_swizzle_stages_scale_warp():
     assert gemm.parse_variant("pp-tma-scw-sw4-c4x1", 90).cluster == (4, 1)
     product = gemm.parse_variant("product-scw-plain", 90)
     assert (product.tile, product.scale_warp, product.signal) == (None, True, False)
+    assert product.planned_tile is None  # default_tile's pick, per shape
+    # -tMxN: the product's plans take that tile, and it stays the product's build
+    forced = gemm.parse_variant("product-t128x128-sw4", 90)
+    assert (forced.tile, forced.planned_tile, forced.swizzle) == (None, (128, 128), 4)
+    assert gemm.product_build(forced)
+    cfg = gemm.variant_config(kernels, forced, "float8_e4m3fn", (2, 1), forced.planned_tile)
+    assert cfg.stock and (cfg.tile_m, cfg.tile_n) == (128, 128), build.config_name(cfg)
+    wide = gemm.variant_config(kernels, gemm.parse_variant("product-t128x256", 90),
+                               "float8_e4m3fn", (2, 1), (128, 256))
+    assert not wide.stock and (wide.tile_m, wide.tile_n) == (128, 256), build.config_name(wide)
+    with pytest.raises(ValueError, match="product variants"):
+        gemm.parse_variant("pp-tma-t128x256", 90)
     cfg = gemm.variant_config(kernels, v, "float8_e4m3fn", v.cluster)
     assert build.config_name(cfg) == (
         "sm90_e4m3_bf16_bcol_128x128x128_c2x2_pingpong_s6_scw_etma1"), build.config_name(cfg)
