@@ -139,6 +139,12 @@ class Variant:
         return self.tile or self.plan_tile
 
 
+def _dims(text: str) -> tuple[int, int] | None:
+    """"MxN" (a suffix's cluster or tile) as (M, N); None if it is not one."""
+    m, x, n = text.partition("x")
+    return (int(m), int(n)) if x and m.isdigit() and n.isdigit() else None
+
+
 def parse_variant(name: str, product_arch: int) -> Variant:
     base, signal = (name[:-6], False) if name.endswith("-plain") else (name, True)
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
@@ -165,10 +171,10 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, pipe = head, True
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
-        elif last[:1] == "c" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
-            base, cluster = head, tuple(int(x) for x in last[1:].split("x", 1))
-        elif last[:1] == "t" and "x" in last and all(x.isdigit() for x in last[1:].split("x", 1)):
-            base, plan_tile = head, tuple(int(x) for x in last[1:].split("x", 1))
+        elif last[:1] == "c" and _dims(last[1:]):
+            base, cluster = head, _dims(last[1:])
+        elif last[:1] == "t" and _dims(last[1:]):
+            base, plan_tile = head, _dims(last[1:])
         else:
             break
     if not scale_tma and not base.startswith(BLOCK_KIND):

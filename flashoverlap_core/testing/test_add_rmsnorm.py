@@ -79,7 +79,7 @@ def reference(case: NormCase, seed: int, rank: int, rounded):
     per = [[rounded(t).requires_grad_(True) for t in ts] for ts in per]
     total = sum(a @ b for a, b, _, _ in per)
     rows = case.m // w
-    outs, losses = [], []
+    outs, losses, lost = [], [], []
     for q, (_, _, residual, weight) in enumerate(per):
         y = total[q * rows:(q + 1) * rows] if case.op == "reduce_scatter" else total
         x = residual + y
@@ -87,12 +87,11 @@ def reference(case: NormCase, seed: int, rank: int, rounded):
         gn, gr = inputs(case, seed, q)[4]
         outs.append((normed, x))
         losses.append((normed * gn).sum() + (x * gr).sum())
+        # what rank q's gradient of x loses to cancellation: own rows, or every rank's where
+        # the gradient of a and b gathers them
+        lost.append(_cancelled(x.detach(), weight.detach(), gn, gr, case.eps))
     a, b, residual, weight = per[rank]
     own = torch.autograd.grad(losses[rank], (residual, weight, a, b), retain_graph=True)
-    # what each rank's gradient of x loses to cancellation (_cancelled): own rows, or every
-    # rank's where the gradient of a and b gathers them
-    lost = [_cancelled(x.detach(), weight.detach(), inputs(case, seed, q)[4], case.eps)
-            for q, ((_, x), (_, _, _, weight)) in enumerate(zip(outs, per))]
     if case.op == "reduce_scatter":  # the gradient of a and b gathers every rank's
         grads_ab = torch.autograd.grad(sum(losses), (a, b), retain_graph=True)
         lost_ab = torch.cat(lost)
@@ -108,13 +107,12 @@ def reference(case: NormCase, seed: int, rank: int, rounded):
         (grads_ab[0], grads_ab[1], own[0], own[1]), slack
 
 
-def _cancelled(x, weight, grads, eps: float) -> torch.Tensor:
+def _cancelled(x, weight, gn, gr, eps: float) -> torch.Tensor:
     """Per element, how much larger the terms of the norm's gradient of x are than the
     gradient itself (float64, >= 0). That gradient is gr + r w gn - x r^3 mean(x w gn)
     (r = rsqrt(mean(x^2) + eps)); where |x| r is near 1 (few columns, or one value that
     dominates its row) the last two terms cancel, and a rounded evaluation keeps their
     rounding, not the small difference's: its error is relative to the terms."""
-    gn, gr = grads
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     wg = weight * gn
     first, second = r * wg, x * r.pow(3) * (x * wg).mean(-1, keepdim=True)
