@@ -153,8 +153,9 @@ class AllToAllCall:
 
     def _check_scales(self, a, scales) -> None:
         """An fp8 key's scales, each call's own: float32 on a's device, of the key's kind, and
-        a row-wise or block-wise scale_a with this call's rows (their values are not read: no
-        host sync per call; the key's first call checked them)."""
+        a row-wise or block-wise scale_a with this call's rows, and finite where they are in
+        host memory (a device's are not read: no host sync per call; the key's first call
+        checked them)."""
         if (scales is None) != (self.scale_kind is None):
             raise TypeError("this all_to_all key is an fp8 call's: it needs scale_a and scale_b"
                             if scales is None else
@@ -172,6 +173,7 @@ class AllToAllCall:
         m = a.shape[0]
         if (sa.dim(), sb.dim()) == self.scale_dims and \
                 fp8.scaling_kind(m, self.n, self.plan.k, sa, sb) == self.scale_kind:
+            fp8.check_finite(sa, sb, host_only=True)
             return
         if sa.dim() == 2 and self.scale_dims[0] == 2 and sa.shape[0] != m:
             raise ValueError(f"scale_a has {sa.shape[0]} rows, but this call's a has {m}: a "

@@ -153,11 +153,21 @@ def check_scales(m: int, n: int, k: int, device, scale_a, scale_b) -> str:
             mixed = (f" (block-wise scale_b goes with block-wise scale_a [{m}, {blocks(k)}])")
         raise ValueError(f"{_why_not(culprit[0], culprit[1], m, n, k, culprit[2])}{mixed}; "
                          f"the scales must be one of: {expected_shapes(m, n, k)}")
+    check_finite(scale_a, scale_b)
+    return kind
+
+
+def check_finite(scale_a, scale_b, host_only: bool = False) -> None:
+    """ValueError where a scale holds inf or NaN. Reads the values where :func:`_readable`
+    allows; ``host_only``: only scales in host memory, whose read costs no device sync (a
+    prepared key's later calls: their scales are checked each call on the host, once per key
+    on a device)."""
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if host_only and scale.device.type != "cpu":
+            continue
         if _readable(scale) and scale.numel() and not bool(torch.isfinite(scale).all()):
             raise ValueError(f"{name} has non-finite values (inf or NaN): every scale must be "
                              "finite")
-    return kind
 
 
 def _readable(t: torch.Tensor) -> bool:

@@ -206,6 +206,31 @@ def _want(a, b, sa, sb):
     return (a.double() * sa.double()) @ (b.double() * sb.double())
 
 
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "blockwise"])
+def test_a_prepared_keys_later_call_refuses_non_finite_host_scales(kind, registered):
+    """A key's later calls (its hot path) read scales in host memory each call, as its first
+    call does (no device sync to pay): inf or NaN is a ValueError before the backend runs."""
+    tripwire = registered(TripwireFp8(f"fake-tripwire-finite-{kind}"))
+    api.forget_prepared()
+    m, n, k = 8, 200, 300
+    a = torch.randn(m, k).to(F8)
+    b = torch.randn(n, k).to(F8).t()
+    sa, sb = _a2a_scales(m, n, k, kind)
+    fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, backend=tripwire.name)
+    tripwire.armed = True
+    for bad in (float("nan"), float("inf")):
+        for name, scale in (("scale_a", sa), ("scale_b", sb)):
+            poisoned = scale.clone()
+            poisoned.view(-1)[-1] = bad
+            kw = {"scale_a": sa, "scale_b": sb, name: poisoned}
+            with pytest.raises(ValueError, match=f"{name} has non-finite values"):
+                fo.overlap(a, b, "allreduce", backend=tripwire.name, **kw)
+    tripwire.armed = False
+    assert len(fo.prepared_calls()) == 1  # the same key throughout
+    got = fo.overlap(a, b, "allreduce", scale_a=sa, scale_b=sb, backend=tripwire.name)
+    assert torch.allclose(got.double(), _a2a_want(a, b, sa, sb), rtol=1e-2, atol=1e-2)
+
+
 def test_a_native_backend_gets_the_fp8_call_with_each_calls_scales(registered):
     native = registered(NativeFp8())
     api.forget_prepared()
@@ -370,6 +395,13 @@ def test_fp8_all_to_all_checks_each_calls_scales_before_any_device_work(register
             call(6, kind, scale_b=sb.half())
         with pytest.raises(ValueError, match="scale_b must be on cpu like a, got meta"):
             call(6, kind, scale_b=sb.to("meta"))
+        sa, sb = _a2a_scales(6, n, k, kind)  # host scales are read every call: no sync
+        sa[-1, -1] = float("nan")
+        with pytest.raises(ValueError, match=r"scale_a has non-finite values \(inf or NaN\)"):
+            call(6, kind, scale_a=sa)
+        sb[0, -1] = float("-inf")
+        with pytest.raises(ValueError, match="scale_b has non-finite values"):
+            call(6, kind, scale_b=sb)
         with pytest.raises(ValueError, match="out must be torch.bfloat16"):
             call(6, kind, out=torch.empty(6, n, dtype=torch.float16))
         with pytest.raises(ValueError, match="send_splits"):
