@@ -119,7 +119,7 @@ def test_fp8_allgather_has_its_own_builds_from_their_own_source(monkeypatch):
     (gemm_sm90.cu plus fo_gemm_run_ex_scaled) with the flags of the same build without gather,
     so no other build's name, flags, source or cached object changes."""
     monkeypatch.delenv(kernels.ENV_EPILOGUE, raising=False)
-    made = [c for c in kernels.all_configs([90]) if c.gather]
+    made = [c for c in kernels.all_configs([90]) if c.gather and not c.stock]
     outs = ("bf16", "fp16")
     clusters = lambda tile: {kernels.preferred_cluster(90, tile), (1, 1)}  # noqa: E731
     assert {(c.tile, c.block_scaled, c.out_dtype, (c.cluster_m, c.cluster_n), c.b_col_major,
@@ -143,6 +143,22 @@ def test_fp8_allgather_has_its_own_builds_from_their_own_source(monkeypatch):
     assert "flashoverlap_cuda.h" not in names and "gemm_blocks_scaled.h" not in names
     for source in ("gemm_sm90.cu", "gemm_sm80.cu", "gemm_sm90_blocks_scaled.cu"):
         assert "gemm_ex_scaled.h" not in {p.name for p in build._sources(source)}, source
+    # on CUTLASS's kernel (tensor-/row-wise: kernels.stock_op): gemm_sm90_stock_ex_scaled.cu,
+    # the stock build's flags, named _gather_stock
+    stock = [c for c in kernels.all_configs([90]) if c.gather and c.stock]
+    assert {(c.out_dtype, (c.cluster_m, c.cluster_n), c.schedule, c.block_scaled)
+            for c in stock} == {(out, cl, "pingpong", False) for out in outs
+                                for cl in ((2, 1), (1, 1))}
+    for config in stock:
+        plain = replace(config, gather=False)
+        job, plain_job = build._gemm_job(config), build._gemm_job(plain)
+        assert plain in others and job.sources == ("gemm_sm90_stock_ex_scaled.cu",)
+        assert job.flags == plain_job.flags
+        assert job.name == plain_job.name.replace("_stock", "_gather_stock")
+    names = {p.name for p in build._sources("gemm_sm90_stock_ex_scaled.cu")}
+    assert {"gemm_sm90_stock.cu", "gemm_ex_scaled.h", "gemm_api.h"} <= names
+    assert "gemm_ex_scaled.h" not in {p.name for p in build._sources("gemm_sm90_stock.cu")}
+    made += stock
     assert len({build.config_name(c) for c in others + made}) == len(others) + len(made)
     # gather=True is fp8's alone: a 16-bit allgather runs the plain build's fo_gemm_run_ex
     for dtype in kernels.DTYPES:

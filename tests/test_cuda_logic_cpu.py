@@ -416,7 +416,8 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
                      "sm90_e4m3_fp16_bcol_128x256x128_c1x1_cooperative_scw_etma4_blocks",
                      "sm90_e4m3_fp16_bcol_128x128x128_c1x1_pingpong_etma_blocks"}
     assert not [c for c in kernels.all_configs([80]) if c.dtype == "e4m3"]
-    gather = {build.config_name(c) for c in kernels.all_configs([90]) if c.gather}
+    gather = {build.config_name(c) for c in kernels.all_configs([90])
+              if c.gather and not c.stock}
     assert gather == {n + "_gather" for n in names if not n.endswith("_blocks")} | {
         f"sm90_e4m3_{o}_bcol_128x{n}x128_{c}_cooperative_block128{lock}_etma_gather"
         for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
@@ -433,19 +434,23 @@ def test_fp8_plans_pick_the_fp8_builds(monkeypatch):
 
 def test_fp8_stock_builds_and_where_they_run(monkeypatch):
     """The fp8 builds on CUTLASS's own kernel (STOCK_FP8_CONFIGS): prebuilt for both results
-    and clusters, named _stock, built from gemm_sm90_stock.cu; a plan runs one where
-    stock_fits: "rows" layout, equal blocks of whole row tiles, not allgather or all_to_all,
+    and clusters, named _stock, built from gemm_sm90_stock.cu (allgather's tensor-/row-wise
+    ones, _gather_stock, from gemm_sm90_stock_ex_scaled.cu); a plan runs one where stock_fits:
+    "rows" layout, equal blocks of whole row tiles, not all_to_all nor block-wise allgather,
     block-wise scales in torch's layouts."""
     from flashoverlap_core.plan import Plan
     from flashoverlap_core.tiles import Schedule
 
     monkeypatch.setenv(ENV_ARCH, "90")
     stock = {build.config_name(c) for c in kernels.all_configs([90]) if c.stock}
-    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma_stock"
+    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma{gather}_stock"
                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
-                     for kind in ("pingpong", "cooperative_block128")}
+                     for kind, gather in (("pingpong", ""), ("cooperative_block128", ""),
+                                          ("pingpong", "_gather"))}
     for c in kernels.stock_configs(90):
-        assert build.gemm_source(c) == "gemm_sm90_stock.cu" and not c.problems()
+        source = "gemm_sm90_stock_ex_scaled.cu" if c.gather else "gemm_sm90_stock.cu"
+        assert build.gemm_source(c) == source and not c.problems()
+        assert c.gather <= (not c.block_scaled)
     with pytest.raises(ValueError, match="stock"):
         build.GemmConfig(dtype="bf16", stock=True)
     with pytest.raises(ValueError, match="stock"):
@@ -486,8 +491,24 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
                   schedule=Schedule("n", 2), group_sizes=(tiles,) if groups == 1 else
                   (tiles // 2, tiles // 2), out_dtype="bfloat16", layout="rows")
         assert kernels.stock_fits(rs) == fits, groups
-    assert not kernels.stock_op("all_to_all") and not kernels.stock_op("allgather")
+    assert not kernels.stock_op("all_to_all") and kernels.stock_op("allgather")
+    assert not kernels.stock_op("allgather", "blockwise")
     assert kernels.stock_op("allreduce") and kernels.stock_op("reduce_scatter")
+    # allgather: the gathered shards (source blocks) of whole row tiles, in place (its items'
+    # offsets are their own rows: gather_call.gather_items), tensor- or row-wise scales
+    for m, world, fits in ((1024, 1, True), (1000, 1, True), (2048, 2, True), (8192, 4, True),
+                           (2000, 2, False)):
+        tiles = world * -(-(m // world) // 128) * -(-1000 // 128)
+        for scaling in (None, "rowwise", "blockwise"):
+            ag = Plan(m=m, n=1000, k=1000, op="allgather", world_size=world,
+                      dtype="float8_e4m3fn", tile=(128, 128), wave_size=128,
+                      schedule=Schedule("n", 4), group_sizes=(tiles,), out_dtype="bfloat16",
+                      layout="rows", scaling=scaling)
+            assert kernels.stock_fits(ag) == (fits and scaling != "blockwise"), (m, world)
+        assert kernels.stock_call(spec(m=m, n=1000, k=1000, op="allgather", world_size=world,
+                                       dtype="float8_e4m3fn", out_dtype="bfloat16")) == fits
+    assert not kernels.stock_call(spec(op="allgather", world_size=2, dtype="float8_e4m3fn",
+                                       out_dtype="bfloat16", scaling="blockwise"))
 
 
 def test_stock_plans_take_chunks_of_four_bands(monkeypatch):
@@ -502,9 +523,14 @@ def test_stock_plans_take_chunks_of_four_bands(monkeypatch):
     assert backend.schedule(spec(**fp8, scaling="blockwise"), (128, 128)) == Schedule("n", 4)
     assert backend.schedule(spec(op="reduce_scatter", world_size=2, **fp8), (128, 128)) \
         == Schedule("n", 4)
+    # allgather: tensor-/row-wise over shards of whole row tiles (kernels.stock_call)
+    assert backend.schedule(spec(op="allgather", world_size=2, **fp8), (128, 128)) \
+        == Schedule("n", 4)
     for other in (backend.schedule(spec(**fp8), (128, 256)), backend.schedule(spec(**fp8)),
                   backend.schedule(spec(), (128, 128)),
-                  backend.schedule(spec(op="allgather", world_size=2, **fp8), (128, 128))):
+                  backend.schedule(spec(op="allgather", world_size=2, m=200, **fp8), (128, 128)),
+                  backend.schedule(spec(op="allgather", world_size=2, scaling="blockwise", **fp8),
+                                   (128, 128))):
         assert other == Schedule("n", kernels.DEFAULT_BANDS) == Schedule("n", 8)
     from flashoverlap_core.planning import make_plan
 

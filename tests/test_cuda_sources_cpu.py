@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -30,10 +31,12 @@ GEMM_SOURCES = {"gemm_sm90.cu", "gemm_sm80.cu", "gemm_sm90_stock.cu"}  # (stock:
 # GEMM sources that are another one plus exports of their own (source -> the one it includes),
 # declared in a header of their own (VARIANT_APIS: source -> it; HEADER includes it)
 GEMM_VARIANTS = {"gemm_sm90_blocks_scaled.cu": "gemm_sm90.cu",
-                 "gemm_sm90_ex_scaled.cu": "gemm_sm90.cu"}
+                 "gemm_sm90_ex_scaled.cu": "gemm_sm90.cu",
+                 "gemm_sm90_stock_ex_scaled.cu": "gemm_sm90_stock.cu"}
 # what each variant adds to the GEMM libraries' C ABI
 VARIANT_APIS = {"gemm_sm90_blocks_scaled.cu": "gemm_blocks_scaled.h",
-                "gemm_sm90_ex_scaled.cu": "gemm_ex_scaled.h"}
+                "gemm_sm90_ex_scaled.cu": "gemm_ex_scaled.h",
+                "gemm_sm90_stock_ex_scaled.cu": "gemm_ex_scaled.h"}
 PROGRAMS = {"gemm_sm90_selftest.cu"}  # a host program that includes gemm_sm90.cu, no object
 
 EXPORT = re.compile(r"\bFO_API\s+[\w\s*]*?\b(fo_\w+)\s*\(")
@@ -78,10 +81,12 @@ def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
     variant_declared = []
     for source, header in VARIANT_APIS.items():
         here, defined_in_header = exports(header)
-        defined_there += defined_in_header
         assert f'#include "{header}"' in (SRC / source).read_text(), source
         assert set(exports(source)[1]) == set(here), (
             f"{source} defines {sorted(exports(source)[1])}, {header} declares {sorted(here)}")
+    for header in dict.fromkeys(VARIANT_APIS.values()):  # (a header may serve two variants)
+        here, defined_in_header = exports(header)
+        defined_there += defined_in_header
         variant_declared += here
     defined_there += gemm_defined_there
     assert not defined_there, f"the headers define {defined_there}"
@@ -93,8 +98,9 @@ def test_every_export_is_declared_in_the_header_and_defined_once_per_object():
     gemm = exports(GEMM_ABI)[1]
     variants = [n for source in GEMM_VARIANTS for n in exports(source)[1]]
     runtime = [n for source in build.RUNTIME_SOURCES for n in exports(source)[1]]
-    for name, defined in ((GEMM_ABI, gemm), ("the GEMM variants", gemm + variants),
-                          ("the runtime", runtime)):
+    # each variant is an object of its own: the ABI's functions and its own, each once
+    objects = [(source, gemm + exports(source)[1]) for source in GEMM_VARIANTS]
+    for name, defined in ((GEMM_ABI, gemm), *objects, ("the runtime", runtime)):
         twice = [n for n, k in Counter(defined).items() if k > 1]
         assert not twice, f"{name} defines {twice} more than once"
         assert set(defined) <= set(declared), (
@@ -131,9 +137,14 @@ def test_every_translation_unit_is_a_gemm_source_a_program_or_the_runtime():
     assert build.gemm_source(variant) == "gemm_sm90_blocks_scaled.cu"
     gather = GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", gather=True)
     assert build.gemm_source(gather) == "gemm_sm90_ex_scaled.cu"
+    stock = GemmConfig(tile_n=128, tile_k=128, dtype="e4m3", schedule="pingpong", epilogue="tma",
+                       stock=True)
+    assert build.gemm_source(stock) == "gemm_sm90_stock.cu"
+    assert build.gemm_source(replace(stock, gather=True)) == "gemm_sm90_stock_ex_scaled.cu"
     assert build.gemm_source(GemmConfig(cluster_m=1, blocks=True)) == "gemm_sm90.cu"
     assert build.gemm_source(GemmConfig(tile_k=128, dtype="e4m3")) == "gemm_sm90.cu"
-    assert {build.gemm_source(variant), build.gemm_source(gather)} == set(GEMM_VARIANTS)
+    assert {build.gemm_source(variant), build.gemm_source(gather),
+            build.gemm_source(replace(stock, gather=True))} == set(GEMM_VARIANTS)
 
 
 def test_the_check_reads_declarations_and_definitions():

@@ -95,10 +95,11 @@ class GemmConfig:
     # wgmmas run while the previous one's are promoted (FO_BLOCK_PIPE=1, name suffix _pipe)
     stock: bool = False  # e4m3 (sm90): CUTLASS's own persistent kernel with FlashOverlap's item
     # scheduler and signaling epilogue (gemm_sm90_stock.cu, name suffix _stock): in-place "rows"
-    # results only, no waits, no unequal blocks; tile_k 128; the epilogue fields do not apply
-    gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu) adds
-    # fo_gemm_run_ex_scaled, the GEMM whose items wait for their rows, with scales (no -D macro:
-    # the source alone tells it apart, so every other build keeps its name and cached object)
+    # results only, no unequal blocks; tile_k 128; the epilogue fields do not apply
+    gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu, stock:
+    # gemm_sm90_stock_ex_scaled.cu) adds fo_gemm_run_ex_scaled, the GEMM whose items wait for
+    # their rows, with scales (no -D macro: the source alone tells it apart, so every other
+    # build keeps its name and cached object)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -204,13 +205,13 @@ class GemmConfig:
             out.append("gather (allgather's fo_gemm_run_ex_scaled) and blocks (all_to_all's "
                        "fo_gemm_run_blocks_scaled) are builds of their own: not both")
         if self.stock:
-            if (self.gather or self.blocks or self.scale_warp or self.item_prefetch
+            if (self.blocks or self.scale_warp or self.item_prefetch
                     or self.signal_defer or self.block_lockstep or self.block_pipe
                     or not self.scale_tma or self.stages or self.tile_k != 128
                     or not self.fast_accum or self.epilogue != "tma" or self.epi_slots):
                 out.append("stock (CUTLASS's kernel, gemm_sm90_stock.cu) takes tile_k 128, fast "
                            "accumulation, its own TMA epilogue (epilogue 'tma', no slots), its own "
-                           "stage count, and none of gather, blocks, scale_warp, item_prefetch, "
+                           "stage count, and none of blocks, scale_warp, item_prefetch, "
                            "signal_defer, block_lockstep, block_pipe, scale_tma=False")
             if self.block_scaled and self.tile_n % 128:
                 out.append(f"stock block_scaled needs whole 128-column blocks of b per tile, got "
@@ -435,12 +436,13 @@ def gemm_source(config: GemmConfig) -> str:
     builds with unequal destination blocks (fp8 all_to_all's) gemm_sm90_blocks_scaled.cu, which
     is gemm_sm90.cu plus fo_gemm_run_blocks_scaled (gemm_blocks_scaled.h), and for fp8
     allgather's (gather=True) gemm_sm90_ex_scaled.cu, gemm_sm90.cu plus fo_gemm_run_ex_scaled
-    (gemm_ex_scaled.h): sources of their own, so that every other configuration's source, and so
-    its cached object, stays as it is."""
+    (gemm_ex_scaled.h), on CUTLASS's kernel (stock) gemm_sm90_stock_ex_scaled.cu: sources of
+    their own, so that every other configuration's source, and so its cached object, stays as
+    it is."""
     if config.arch != 90:
         return "gemm_sm80.cu"
     if config.dtype in FP8_DTYPES and config.gather:
-        return "gemm_sm90_ex_scaled.cu"
+        return "gemm_sm90_stock_ex_scaled.cu" if config.stock else "gemm_sm90_ex_scaled.cu"
     if config.stock:
         return "gemm_sm90_stock.cu"
     return "gemm_sm90_blocks_scaled.cu" if config.blocks and config.dtype in FP8_DTYPES \

@@ -247,6 +247,9 @@ class CudaGatherCall(NativeCall, PreparedCall):
         self.scaled = call.scale_a is not None
         self.blockwise = plan.scaling == "blockwise"
         self.gemm, self.col, self.arch = gemms.gemm_for(plan, self.tables, call.b, gather=True)
+        # CUTLASS's kernel (gemm_sm90_stock_ex_scaled.cu, where kernels.stock_fits): its TMA map
+        # of the result needs a 16-byte aligned base (_run realigns one that is not)
+        self.stock = kernels.is_stock(self.gemm)
         if self.scaled and not self.gemm.run_ex_scaled_address:
             raise RuntimeError(f"{self.gemm.path} has no fo_gemm_run_ex_scaled (fp8 allgather's "
                                "GEMM): rebuild it (flashoverlap build)")
@@ -330,6 +333,10 @@ class CudaGatherCall(NativeCall, PreparedCall):
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
                 return self._run(a, b, out, scales)
+        if self.stock and out.data_ptr() % ALIGN_BYTES:  # on an aligned copy, then into out
+            result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            self._run(a, b, result, scales)
+            return out.copy_(result)
         stream = self.current_stream(self.index)
         if not self.gathers:
             return self.run_plain(a, b, out, stream, scales)

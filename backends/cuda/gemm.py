@@ -175,7 +175,7 @@ class Gemms:
             fits = tables.cluster_fits[cluster] = kernels.cluster_fits(tables.items_host, cluster)
         if not fits:
             cluster = (1, 1)
-        stock = gpu == 90 and not gather and col and aligned and kernels.stock_fits(plan, scales)
+        stock = gpu == 90 and col and aligned and kernels.stock_fits(plan, scales)
         config = kernels.gemm_config(gpu, plan.tile, plan.dtype, col, cluster,
                                      out_dtype=plan.out_dtype, scaling=plan.scaling,
                                      gather=gather, stock=stock)

@@ -82,8 +82,8 @@ FP8_BLOCK_CONFIGS = {
 # fp8 on CUTLASS's own persistent kernel (build.GemmConfig.stock, gemm_sm90_stock.cu: its
 # TMA warp-specialized schedules with FlashOverlap's item scheduler and signaling epilogue):
 # what an fp8 plan of that tile runs wherever the call lets it (stock_fits: a "rows" plan of one
-# destination block or blocks of whole tiles, no allgather or all_to_all; block-wise scales in
-# torch's layouts). Tensor- and row-wise: pingpong 128x128 (CUTLASS's column and row broadcasts
+# destination block or blocks of whole tiles, no all_to_all, allgather only with tensor- or
+# row-wise scales; block-wise scales in torch's layouts). Tensor- and row-wise: pingpong 128x128 (CUTLASS's column and row broadcasts
 # in its epilogue); block-wise: cooperative 128x128 (CUTLASS's block-scaled main loop). On the
 # H200 these run 0.978-1.056x torch's row-wise and 0.956-1.038x its block-wise kernels without
 # FlashOverlap's parts (bench/results/cutlass-ref-h200-20261206-040754.json, -040726.json);
@@ -247,15 +247,20 @@ def schedule_bands(spec, tile) -> int:
 
 def stock_call(spec) -> bool:
     """Whether a call (an OverlapSpec) may run the stock fp8 builds, as stock_fits expects of
-    it before its plan and scales: fp8 a and b, an op that takes them (stock_op)."""
-    return spec.dtype in FP8_DTYPES and stock_op(spec.op)
+    it before its plan and scales: fp8 a and b, an op that takes them (stock_op); an
+    allgather's shards of whole row tiles of the stock builds (128 rows) where there are several."""
+    if of(spec.op).gathers and spec.world_size > 1 and (spec.m // spec.world_size) % 128:
+        return False
+    return spec.dtype in FP8_DTYPES and stock_op(spec.op, spec.scaling)
 
 
-def stock_op(op: str) -> bool:
-    """Whether calls of ``op`` may run the stock fp8 builds: not allgather (its GEMM waits for
-    rows) nor all_to_all (unequal destination blocks, packed tiles)."""
+def stock_op(op: str, scaling: str | None = None) -> bool:
+    """Whether calls of ``op`` with ``scaling`` may run the stock fp8 builds: not all_to_all
+    (unequal destination blocks, packed tiles), nor a block-wise allgather (its gathered scale_a
+    is row-major, each rank's part contiguous for NCCL; the stock kernel reads scale_a's groups
+    column by column)."""
     kind = of(op)
-    return not kind.gathers and not kind.splits
+    return not kind.splits and not (kind.gathers and scaling == "blockwise")
 
 
 def stock_fits(plan, scales=None) -> bool:
@@ -263,20 +268,23 @@ def stock_fits(plan, scales=None) -> bool:
     ``scales`` (the call's (scale_a, scale_b) as the kernel reads them, or None: any of
     tensor-/row-wise, or block-wise in torch's layouts): a "rows" plan whose parts lie at their
     own rows of the [M, N] result (``plan.slabs``: one destination block, or a reduce_scatter of
-    one group; equal blocks of whole row tiles), N a multiple of 8 (the result's TMA row stride)
-    and at least the tile's; not allgather or all_to_all; block-wise also M >= 128 and a
+    one group, or allgather's source blocks; equal blocks of whole row tiles), N a multiple of 8
+    (the result's TMA row stride) and at least the tile's; an op that stock_op allows; block-wise also M >= 128 and a
     multiple of 4 (scale_a's TMA map, whose row stride is encoded even for one group) with
     scale_a [M, groups] of strides (1, M) and scale_b [groups, ceil(N/128)] of strides
     (1, groups)."""
     table = STOCK_FP8_CONFIGS.get(90, {}).get(plan.scaling)
     if (plan.dtype not in FP8_DTYPES or table is None or tuple(plan.tile) not in table
-            or plan.layout != "rows" or not stock_op(plan.op)
+            or plan.layout != "rows" or not stock_op(plan.op, plan.scaling)
             or plan.n % 8 or plan.n < plan.tile[1]):
         return False
     rows = plan.block_rows
     if len(rows) > 1 and (len(set(rows)) > 1 or rows[0] % plan.tile[0]):
         return False
-    if any(offset != row0 * plan.n for parts in plan.slabs for row0, _, offset in parts):
+    # (allgather's items are the tiles of the gathered rows, each at its own place in the result:
+    # gather_call.gather_items)
+    if not of(plan.op).gathers and any(offset != row0 * plan.n for parts in plan.slabs
+                                       for row0, _, offset in parts):
         return False
     if plan.scaling != "blockwise":
         return True
@@ -328,7 +336,7 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                                 cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                                 b_col_major=b_col_major, schedule=kernel.schedule,
                                 epilogue="tma", out_dtype=out_dtype or "",
-                                block_scaled=block_scaled, stock=True)
+                                block_scaled=block_scaled, gather=gather, stock=True)
     table = FP8_BLOCK_CONFIGS if block_scaled else FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
     kernel = table[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
@@ -375,15 +383,16 @@ def all_configs(archs) -> list[build.GemmConfig]:
 
 def stock_configs(arch: int) -> list[build.GemmConfig]:
     """The stock fp8 builds (STOCK_FP8_CONFIGS): either result dtype, each scaling's tiles, the
-    preferred and the 1x1 cluster."""
+    preferred and the 1x1 cluster; tensor- and row-wise also allgather's (stock_op)."""
     out = []
     for scaling, tiles in STOCK_FP8_CONFIGS.get(arch, {}).items():
         for tile, kernel in tiles.items():
             for dtype in FP8_DTYPES:
                 for result in DTYPES:
-                    out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
-                                        scaling=scaling, stock=True)
-                            for c in dict.fromkeys([kernel.cluster, (1, 1)])]
+                    for gather in (False, True) if stock_op("allgather", scaling) else (False,):
+                        out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
+                                            scaling=scaling, gather=gather, stock=True)
+                                for c in dict.fromkeys([kernel.cluster, (1, 1)])]
     return out
 
 

@@ -22,7 +22,9 @@
 // What it takes (check_limits): e4m3 a and b (b [N, K]), bf16 or fp16 out written in place into
 // a row-major [M, ldo] result (the "rows" layout: fo_gemm_run_ex / fo_gemm_launch with ldo > 0),
 // one destination block, or equal blocks whose rows are a multiple of the tile's (a tile never
-// straddles two), no waits (allgather) and no unequal blocks (all_to_all). Scales: tensor- or
+// straddles two), and no unequal blocks (all_to_all). Waits for rows (allgather's item_wait and
+// arrive_flags, fo_gemm_run_ex_scaled: gemm_sm90_stock_ex_scaled.cu): the main loop's producer
+// warp waits for an item's flag before it loads anything of the item (ItemScheduler). Scales: tensor- or
 // row-wise for a and b (FO_FP8_BLOCK 0: CUTLASS's column and row broadcasts with run-time
 // strides), or block-wise (FO_FP8_BLOCK 1): scale_a [M, ceil(K/128)] with strides (1, M) and
 // scale_b [ceil(K/128), ceil(N/128)] with strides (1, ceil(K/128)), torch's layouts for
@@ -98,6 +100,9 @@ constexpr int kAlignAB = 16;
 struct ItemOrder {
   const int64_t* items = nullptr;      // [T, 4]: block, band in block, column tile, offset
   const int32_t* item_group = nullptr;  // [T]
+  const int32_t* item_wait = nullptr;   // allgather: item i's arrival flag (-1: none; null: no waits)
+  const uint32_t* arrive_flags = nullptr;
+  int num_flags = 0;
   int32_t* counters = nullptr;          // null: no signal (measuring signaling's cost)
   uint64_t* monitor = nullptr;
   int num_items = 0;
@@ -153,7 +158,19 @@ class ItemScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     next_ = fetch(idx_ + stride_);
   }
 
-  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return tile_of(cur_); }
+  // The main loop's producer (warp 0 of the producer warpgroup, as CUTLASS's warp-specialized
+  // kernels assign it) gets each tile here: initial_work_tile_info, then advance_to_next_work
+  // and this. With waits (allgather) it waits here until the item's rows of A have arrived;
+  // the acquire orders the arrival before its generic-proxy operations and the proxy fence
+  // before the TMA loads it issues next, so they read the arrived rows. No other warp waits:
+  // the math warps consume what that warp loaded, and the scales were complete before launch.
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    if (order_.item_wait != nullptr && cur_.kind == 0 && cutlass::canonical_warp_idx_sync() == 0) {
+      wait_item_rows(order_.item_wait, order_.arrive_flags, order_.num_flags, int64_t(idx_));
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    return tile_of(cur_);
+  }
   template <class Cluster>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(Cluster) {
     return get_current_work();
@@ -500,6 +517,9 @@ struct ParamsKey {
   const int32_t* item_group;
   int32_t* counters;
   uint64_t* monitor;
+  const int32_t* item_wait;
+  const uint32_t* arrive_flags;
+  int num_flags;
   int device;
   bool operator==(const ParamsKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
@@ -522,6 +542,7 @@ inline ParamsKey key_of(const fo::gemm::Args& args, int device) {
   k.N = args.N, k.K = args.K, k.num_items = args.num_items, k.num_ctas = args.num_ctas;
   k.lda = args.lda, k.ldb = args.ldb, k.ldo = args.ldo, k.items = args.items;
   k.item_group = args.item_group, k.counters = args.counters, k.monitor = args.monitor;
+  k.item_wait = args.item_wait, k.arrive_flags = args.arrive_flags, k.num_flags = args.num_flags;
   k.device = device;
   return k;
 }
@@ -539,6 +560,8 @@ inline cudaError_t make_params(const fo::gemm::Args& args, KernelParams* out) {
   ItemOrder order;
   order.items = args.items, order.item_group = args.item_group, order.counters = args.counters;
   order.monitor = args.monitor, order.num_items = args.num_items;
+  order.item_wait = args.item_wait, order.arrive_flags = args.arrive_flags;
+  order.num_flags = args.num_flags;
   order.block_rows = args.block_rows, order.m_tiles = (M + kBM - 1) / kBM, order.ldo = args.ldo;
   const fo_gemm_scales& s = *args.scales;
   typename Kernel::Arguments kargs;
@@ -618,10 +641,10 @@ cudaError_t check_limits(const Args& args) {
     return fail(cudaErrorInvalidValue,
                 "this GEMM build (CUTLASS's fp8 kernel) writes its tiles in place into a row-major "
                 "result: ldo must be >= N (a plan with layout 'rows'), got 0 (packed tiles)");
-  if (args.item_wait || args.block_starts)
+  if (args.block_starts)
     return fail(cudaErrorInvalidValue,
-                "this GEMM build takes neither waits for rows (allgather) nor unequal blocks "
-                "(all_to_all)");
+                "this GEMM build takes no unequal blocks (all_to_all): fo_gemm_run_blocks runs "
+                "gemm_sm90.cu's kernel");
   if (args.L > 1 && args.block_rows % kBM)
     return fail(cudaErrorInvalidValue,
                 "this GEMM build needs destination blocks of a multiple of %d rows (a tile may not "

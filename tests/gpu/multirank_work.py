@@ -262,7 +262,7 @@ def fp8_moe_sequence(seed: int, calls: int, scaling: str) -> dict:
             "runners": sorted({c["runner"] for c in calls_seen})}
 
 
-def fp8_allgather_sequence(seed: int, calls: int, scaling: str) -> dict:
+def fp8_allgather_sequence(seed: int, calls: int, scaling: str, rows: int = 200) -> dict:
     """fp8 allgather (issue 32): every rank's e4m3 shard with its own scale_a ("tensorwise":
     a 0-dim one that differs by rank; "rowwise": [m, 1] of its own rows and a [1, N] scale_b;
     "rowwise-a": [m, 1] with a 0-dim scale_b; "blockwise": [m, ceil(K/128)] outer-dim-major
@@ -271,10 +271,11 @@ def fp8_allgather_sequence(seed: int, calls: int, scaling: str) -> dict:
     per band: tiles wait); each result (bf16) against float64 of every rank's dequantized rows,
     each by its own rank's scale_a, times this rank's dequantized b. One prepared key, which
     cuda runs (CudaGatherCall: the e4m3 rows and the scales gathered, the waiting GEMM with
-    scales)."""
+    scales). ``rows``: each shard's (200: ragged against the tiles, so gemm_sm90.cu's kernel;
+    a multiple of 128: tensor- and row-wise run CUTLASS's, kernels.stock_fits)."""
     api.forget_prepared()
     rank, world = rank_world()
-    m, n, k = 200, 1000, 264  # ragged against the tiles and the 128 blocks
+    m, n, k = rows, 1000, 264  # N and K ragged against the tiles and the 128 blocks
     kb, nb = -(-k // 128), -(-n // 128)
     f8 = torch.float8_e4m3fn
     device = torch.device("cuda", torch.cuda.current_device())
@@ -332,7 +333,9 @@ def fp8_allgather_sequence(seed: int, calls: int, scaling: str) -> dict:
     calls_seen = fo.prepared_calls()
     return {"problems": problems, "keys": len(calls_seen), "chunks": plan.num_groups,
             "backends": sorted({c["backend"] for c in calls_seen}),
-            "runners": sorted({c["runner"] for c in calls_seen})}
+            "runners": sorted({c["runner"] for c in calls_seen}),
+            "stock": sorted({"_stock" in getattr(e.prepared, "gemm").path
+                             for e in api._prepared.values() if hasattr(e.prepared, "gemm")})}
 
 
 def back_to_back(seed: int, calls: int, backend) -> dict:

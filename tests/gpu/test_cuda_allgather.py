@@ -358,7 +358,7 @@ def case_fp8_stress(calls: int):
     m, n, k = 2048, 1024, 512
     plan = fp8_plan(m, n, k, "rowwise", torch.bfloat16, 1)
     block_plan = fp8_plan(m, n, k, "blockwise", torch.bfloat16, 1)  # a plan of their own
-    wrong = 0
+    wrong, wrong_by = 0, dict.fromkeys(("rowwise", "tensorwise", "blockwise"), 0)
     for i in range(calls):
         scaling = ("rowwise", "tensorwise", "blockwise")[i % 3]
         a, b, sa, sb = fp8_inputs(m, n, k, scaling)
@@ -370,7 +370,17 @@ def case_fp8_stress(calls: int):
             fp8_check(out, a, b, sa, sb, scaling)
         except AssertionError:
             wrong += 1
-    return {"ok": True, "wrong": wrong, "calls": calls, "chunks": plan.num_groups}
+            wrong_by[scaling] += 1
+    return {"ok": True, "wrong": wrong, "calls": calls, "chunks": plan.num_groups,
+            "wrong_by": wrong_by, "libraries": gather_libraries()}
+
+
+def gather_libraries() -> dict:
+    """{scaling kind: the file name of the GEMM library its prepared allgather key runs}."""
+    from flashoverlap_core import api
+
+    return {entry.plan.scaling or "rowwise": Path(entry.prepared.gemm.path).name
+            for entry in api._prepared.values() if hasattr(entry.prepared, "gemm")}
 
 
 # ---- the tests: each case in a fresh process -----------------------------------------------------
@@ -498,6 +508,26 @@ def test_fp8_two_streams_share_nothing(path):
 @needs_cuda
 @needs_sm90
 def test_fp8_stress_slow_transfer_results_exact():
+    """Every result right with the transfer slowed per chunk; tensor- and row-wise scales run
+    CUTLASS's kernel (its producer warp waits for the rows: gemm_sm90_stock_ex_scaled.cu),
+    block-wise gemm_sm90.cu's (kernels.stock_op)."""
     env = dict(LOOPBACK, FLASHOVERLAP_CUDA_GATHER_DELAY_US=STRESS_DELAY_US)
     result = run_case("case_fp8_stress", int(os.environ.get("FO_STRESS_RUNS", "30")), env=env)
     assert result["wrong"] == 0, result
+    libraries = result["libraries"]
+    assert "_gather_stock-" in libraries["rowwise"], libraries
+    assert "_stock" not in libraries["blockwise"] and "_gather-" in libraries["blockwise"]
+
+
+@needs_cuda
+@needs_sm90
+def test_fp8_stress_catches_a_gemm_that_does_not_wait():
+    """Negative control of the fp8 stress, CUTLASS's kernel included: with flags that read as
+    already set the GEMMs read chunks before they arrive, and the stress sees wrong results
+    (each key's first call runs phase by phase: of the 8 tensor- and row-wise calls, 6 may
+    be wrong)."""
+    env = dict(LOOPBACK, FLASHOVERLAP_CUDA_GATHER_DELAY_US=STRESS_DELAY_US,
+               FLASHOVERLAP_CUDA_GATHER_NO_WAIT="1")
+    result = run_case("case_fp8_stress", 12, env=env)
+    assert "_gather_stock-" in result["libraries"]["rowwise"], result
+    assert result["wrong_by"]["rowwise"] + result["wrong_by"]["tensorwise"] >= 4, result

@@ -131,6 +131,18 @@ def test_fp8_allgather_with_each_ranks_scales(pools, world, scaling):
     no_problems(results, f"fp8 {scaling} allgather")
     for r in results:
         assert (r["backends"], r["runners"], r["keys"]) == (["cuda"], ["CudaGatherCall"], 1), results
+        assert r["chunks"] > 1 and r["stock"] == [False], results
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_allgather_on_cutlass_kernel_waits_for_each_ranks_rows(pools, world, scaling):
+    """The same sequence with shards of whole row tiles (256 rows): CUTLASS's kernel, whose
+    producer warp waits for each band's flag (gemm_sm90_stock_ex_scaled.cu), on every rank."""
+    results = run(pools, world, work.fp8_allgather_sequence, 53 + world, 12, scaling, 256)
+    no_problems(results, f"fp8 {scaling} allgather, 256-row shards")
+    for r in results:
+        assert (r["runners"], r["keys"], r["stock"]) == (["CudaGatherCall"], 1, [True]), results
         assert r["chunks"] > 1, results
 
 
