@@ -23,8 +23,9 @@
 // a row-major [M, ldo] result (the "rows" layout: fo_gemm_run_ex / fo_gemm_launch with ldo > 0),
 // one destination block, or equal blocks whose rows are a multiple of the tile's (a tile never
 // straddles two), and no unequal blocks (all_to_all). Waits for rows (allgather's item_wait and
-// arrive_flags, fo_gemm_run_ex_scaled: gemm_sm90_stock_ex_scaled.cu): the main loop's producer
-// warp waits for an item's flag before it loads anything of the item (ItemScheduler). Scales: tensor- or
+// arrive_flags) in the builds with FO_ITEM_WAITS=1 only (gemm_sm90_stock_ex_scaled.cu, which adds
+// fo_gemm_run_ex_scaled): the main loop's producer warp waits for an item's flag before it loads
+// anything of the item (ItemScheduler); the other builds have no such branch. Scales: tensor- or
 // row-wise for a and b (FO_FP8_BLOCK 0: CUTLASS's column and row broadcasts with run-time
 // strides), or block-wise (FO_FP8_BLOCK 1): scale_a [M, ceil(K/128)] with strides (1, M) and
 // scale_b [ceil(K/128), ceil(N/128)] with strides (1, ceil(K/128)), torch's layouts for
@@ -66,6 +67,9 @@
 #endif
 #ifndef FO_FP8_BLOCK
 #define FO_FP8_BLOCK 0
+#endif
+#ifndef FO_ITEM_WAITS  // 1: allgather's build (gemm_sm90_stock_ex_scaled.cu)
+#define FO_ITEM_WAITS 0
 #endif
 
 static_assert(FO_DTYPE == FO_DTYPE_E4M3, "this source builds e4m3 GEMMs only (FO_DTYPE 2)");
@@ -165,10 +169,12 @@ class ItemScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
   // before the TMA loads it issues next, so they read the arrived rows. No other warp waits:
   // the math warps consume what that warp loaded, and the scales were complete before launch.
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+#if FO_ITEM_WAITS
     if (order_.item_wait != nullptr && cur_.kind == 0 && cutlass::canonical_warp_idx_sync() == 0) {
       wait_item_rows(order_.item_wait, order_.arrive_flags, order_.num_flags, int64_t(idx_));
       asm volatile("fence.proxy.async.global;" ::: "memory");
     }
+#endif
     return tile_of(cur_);
   }
   template <class Cluster>
@@ -645,6 +651,10 @@ cudaError_t check_limits(const Args& args) {
     return fail(cudaErrorInvalidValue,
                 "this GEMM build takes no unequal blocks (all_to_all): fo_gemm_run_blocks runs "
                 "gemm_sm90.cu's kernel");
+  if (args.item_wait && !FO_ITEM_WAITS)
+    return fail(cudaErrorInvalidValue,
+                "this GEMM build does not wait for rows: allgather's is its _gather build "
+                "(gemm_sm90_stock_ex_scaled.cu)");
   if (args.L > 1 && args.block_rows % kBM)
     return fail(cudaErrorInvalidValue,
                 "this GEMM build needs destination blocks of a multiple of %d rows (a tile may not "

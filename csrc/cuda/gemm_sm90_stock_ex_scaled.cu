@@ -8,6 +8,7 @@
 // A translation unit of its own, so that gemm_sm90_stock.cu's other builds export no such
 // function and gemm_sm90_ex_scaled.cu's objects keep their cached builds (build.py hashes what
 // each object includes).
+#define FO_ITEM_WAITS 1  // the item scheduler's waits for rows (gemm_sm90_stock.cu)
 #include "gemm_sm90_stock.cu"
 
 #include "gemm_ex_scaled.h"

@@ -80,6 +80,8 @@ def fp8_inputs(m, n, k, scaling, seed=None):
     g = torch.Generator(device="cuda")
     if seed is not None:
         g.manual_seed(seed)
+    else:  # fresh values every call (a new generator's default seed is always the same)
+        g.seed()
     a = (torch.randn(m, k, device="cuda", generator=g) * 2).to(F8)
     b = (torch.randn(n, k, device="cuda", generator=g) * 2).to(F8).t()
     if scaling == "blockwise":
