@@ -157,14 +157,11 @@ def check_scales(m: int, n: int, k: int, device, scale_a, scale_b) -> str:
     return kind
 
 
-def check_finite(scale_a, scale_b, host_only: bool = False) -> None:
+def check_finite(scale_a, scale_b) -> None:
     """ValueError where a scale holds inf or NaN. Reads the values where :func:`_readable`
-    allows; ``host_only``: only scales in host memory, whose read costs no device sync (a
-    prepared key's later calls: their scales are checked each call on the host, once per key
-    on a device)."""
+    allows: a key's first call, and its later calls whose scales are in host memory (no device
+    sync to pay there)."""
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if host_only and scale.device.type != "cpu":
-            continue
         if _readable(scale) and scale.numel() and not bool(torch.isfinite(scale).all()):
             raise ValueError(f"{name} has non-finite values (inf or NaN): every scale must be "
                              "finite")

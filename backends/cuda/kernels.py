@@ -249,9 +249,11 @@ def stock_call(spec) -> bool:
     """Whether a call (an OverlapSpec) may run the stock fp8 builds, as stock_fits expects of
     it before its plan and scales: fp8 a and b, an op that takes them (stock_op); an
     allgather's shards of whole row tiles of the stock builds (128 rows) where there are several."""
-    if of(spec.op).gathers and spec.world_size > 1 and (spec.m // spec.world_size) % 128:
+    if not (spec.dtype in FP8_DTYPES and stock_op(spec.op, spec.scaling)):
         return False
-    return spec.dtype in FP8_DTYPES and stock_op(spec.op, spec.scaling)
+    shard = spec.m // spec.world_size
+    return not (of(spec.op).gathers and spec.world_size > 1
+                and any(shard % tile[0] for tile in STOCK_FP8_CONFIGS[90][None]))
 
 
 def stock_op(op: str, scaling: str | None = None) -> bool:

@@ -330,11 +330,13 @@ def fp8_allgather_sequence(seed: int, calls: int, scaling: str, rows: int = 200)
             problems.append(f"fp8 allgather call {call}: result is {got.dtype}")
         problems += check(got, want.to(got.device), f"fp8 {scaling} allgather call {call}",
                           guard)
+    from flashoverlap_backends.cuda import kernels
+
     calls_seen = fo.prepared_calls()
     return {"problems": problems, "keys": len(calls_seen), "chunks": plan.num_groups,
             "backends": sorted({c["backend"] for c in calls_seen}),
             "runners": sorted({c["runner"] for c in calls_seen}),
-            "stock": sorted({"_stock" in getattr(e.prepared, "gemm").path
+            "stock": sorted({kernels.is_stock(e.prepared.gemm)
                              for e in api._prepared.values() if hasattr(e.prepared, "gemm")})}
 
 
