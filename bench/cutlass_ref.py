@@ -35,18 +35,23 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
-# name -> (tile M, tile N, cluster M, cluster N, pingpong, block-wise)
+# name -> (tile M, tile N, cluster M, cluster N, pingpong, block-wise, epilogue tile N (0:
+# CUTLASS's EpilogueTileAuto, 64x32 for pingpong bf16), scalar scales (1: scale_a[0] and
+# scale_b[0] only: the row-wise main loop under a tensor-wise epilogue, to price the row-wise one))
 CONFIGS = {
-    "pp128_c1x2": (128, 128, 1, 2, 1, 0),   # torch's row-wise kernel's shape (nvjet 128x128)
-    "pp128_c2x1": (128, 128, 2, 1, 1, 0),
-    "pp128_c1x1": (128, 128, 1, 1, 1, 0),
-    "coop128x256_c2x1": (128, 256, 2, 1, 0, 0),  # the product's tile and cluster
-    "coop128_c2x1": (128, 128, 2, 1, 0, 0),
+    "pp128_c1x2": (128, 128, 1, 2, 1, 0, 0, 0),   # torch's row-wise kernel's shape (nvjet 128x128)
+    "pp128_c2x1": (128, 128, 2, 1, 1, 0, 0, 0),   # the product's row-wise build (stock)
+    "pp128_c1x1": (128, 128, 1, 1, 1, 0, 0, 0),
+    "pp128_c2x1_e64": (128, 128, 2, 1, 1, 0, 64, 0),    # epilogue tiles of 64x64
+    "pp128_c2x1_e128": (128, 128, 2, 1, 1, 0, 128, 0),  # and of 64x128
+    "pp128_c2x1_scalar": (128, 128, 2, 1, 1, 0, 0, 1),
+    "coop128x256_c2x1": (128, 256, 2, 1, 0, 0, 0, 0),
+    "coop128_c2x1": (128, 128, 2, 1, 0, 0, 0, 0),
     # block-wise (CUTLASS's FP8Blockwise main loop; torch's block-wise kernel: nvjet 128x128,
     # cooperative, 2x1)
-    "blk_coop128_c1x2": (128, 128, 1, 2, 0, 1),  # CUTLASS's example 67 configuration
-    "blk_coop128_c2x1": (128, 128, 2, 1, 0, 1),
-    "blk_pp128_c1x2": (128, 128, 1, 2, 1, 1),
+    "blk_coop128_c1x2": (128, 128, 1, 2, 0, 1, 0, 0),  # CUTLASS's example 67 configuration
+    "blk_coop128_c2x1": (128, 128, 2, 1, 0, 1, 0, 0),
+    "blk_pp128_c1x2": (128, 128, 1, 2, 1, 1, 0, 0),
 }
 SOURCE = ROOT / "kernels" / "cutlass_fp8_ref.cu"
 
@@ -68,12 +73,12 @@ def build(names, jobs: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     def one(name):
-        tm, tn, cm, cn, pp, blk = CONFIGS[name]
+        tm, tn, cm, cn, pp, blk, epi_n, scalar = CONFIGS[name]
         flags = ["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
                  "--expt-relaxed-constexpr", "-DNDEBUG", "-Xcompiler", "-fPIC", "-shared",
                  "--cudart=static", f"-DREF_NAME={name}", f"-DREF_TM={tm}", f"-DREF_TN={tn}",
                  f"-DREF_CM={cm}", f"-DREF_CN={cn}", f"-DREF_PINGPONG={pp}",
-                 f"-DREF_BLOCKWISE={blk}"]
+                 f"-DREF_BLOCKWISE={blk}", f"-DREF_EPI_N={epi_n}", f"-DREF_SCALAR={scalar}"]
         # named by the source and flags, so that a carried object is used wherever it matches
         digest = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
         so = out / f"{name}-{digest}.so"
@@ -209,10 +214,15 @@ def main(argv=None) -> int:
             info[name] = {"stages": g.stages, "smem_bytes": g.smem, "tile": CONFIGS[name][:2],
                           "cluster": CONFIGS[name][2:4],
                           "schedule": "pingpong" if CONFIGS[name][4] else "cooperative",
+                          "epilogue_tile_n": CONFIGS[name][6] or "auto",
+                          "scalar_scales": bool(CONFIGS[name][7]),
                           "scaling": args.scaling}
             g()
             torch.cuda.synchronize()
-            errs[name] = round(rel_err_rows(out, a, w, sa, sb, rows_idx, args.scaling), 6)
+            # a scalar build scales by scale_a[0] * scale_b[0]: its reference does the same
+            esa, esb = ((ref_sa[0].expand_as(sa), ref_sb[0].expand_as(sb)) if CONFIGS[name][7]
+                        else (sa, sb))
+            errs[name] = round(rel_err_rows(out, a, w, esa, esb, rows_idx, args.scaling), 6)
             fns[name] = g
         base = fns["scaled_mm"]()
         errs["scaled_mm"] = round(rel_err_rows(base, a, w, sa, sb, rows_idx, args.scaling), 6)

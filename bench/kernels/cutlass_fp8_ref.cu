@@ -17,6 +17,10 @@
 //   REF_CM, REF_CN   cluster shape
 //   REF_PINGPONG     1: pingpong kernel schedule, 0: cooperative
 //   REF_BLOCKWISE    1: block-wise scales in the main loop (default 0: row-wise, epilogue)
+//   REF_EPI_N        the epilogue tile's width (default 0: CUTLASS's EpilogueTileAuto; a
+//                    pingpong epilogue tile is 64 rows, a cooperative one 128)
+//   REF_SCALAR       1: scale_a[0] and scale_b[0] as scalars (Sm90ScalarBroadcast), the same
+//                    main loop with a tensor-wise epilogue, to price the row-wise one
 //   REF_NAME         suffix of the exported symbols
 // C ABI (ctypes): fo_ref_<name>_prepare(...) -> handle (nullptr on failure, message in
 // fo_ref_<name>_error()), fo_ref_<name>_run(handle, stream) -> cudaError_t,
@@ -45,6 +49,12 @@ using namespace cute;
 
 #ifndef REF_BLOCKWISE
 #define REF_BLOCKWISE 0
+#endif
+#ifndef REF_EPI_N
+#define REF_EPI_N 0
+#endif
+#ifndef REF_SCALAR
+#define REF_SCALAR 0
 #endif
 
 namespace {
@@ -75,8 +85,13 @@ constexpr int kAlignAB = 16;
 namespace fusion = cutlass::epilogue::fusion;
 constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 // scale_a: one value per row m (a column vector), scale_b: one per column n (a row vector)
+#if REF_SCALAR
+using ScaleA = fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>>;
+using ScaleB = fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>>;
+#else
 using ScaleA = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, int64_t>>;
 using ScaleB = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, int64_t>>;
+#endif
 using TimesB = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,
                                ScaleB, fusion::Sm90AccFetch>;
 using TimesA = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>,
@@ -95,9 +110,14 @@ using LayoutB = cutlass::layout::ColumnMajor;
 using MainA = cute::conditional_t<REF_BLOCKWISE, cute::tuple<LayoutA, LayoutSFA>, LayoutA>;
 using MainB = cute::conditional_t<REF_BLOCKWISE, cute::tuple<LayoutB, LayoutSFB>, LayoutB>;
 
+#if REF_EPI_N
+using EpilogueTile = Shape<Int<REF_PINGPONG ? 64 : 128>, Int<REF_EPI_N>>;
+#else
+using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+#endif
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    EpilogueTile, float, float,
     void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -170,7 +190,12 @@ void* FO_SYM(_prepare)(const void* a, const void* b, const float* scale_a, const
       {static_cast<ElementAB const*>(a), sa, static_cast<ElementAB const*>(b), sb},
       {{}, nullptr, sc, static_cast<ElementD*>(d), sd}};
   // TimesA's arguments: {scale_a's, TimesB's, multiply's}; TimesB's: {scale_b's, acc's, multiply's}
+#if REF_SCALAR
+  // the scalars' pointers: {scalars, scalar_ptrs, strides}
+  args.epilogue.thread = {{{0.f}, {scale_a}, {}}, {{{0.f}, {scale_b}, {}}, {}, {}}, {}};
+#else
   args.epilogue.thread = {{scale_a, 0.f, {}}, {{scale_b, 0.f, {}}, {}, {}}, {}};
+#endif
 #endif
   args.hw_info.device_id = 0;
   args.hw_info.sm_count = sm_count;
