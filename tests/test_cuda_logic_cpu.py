@@ -509,6 +509,20 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
                                        dtype="float8_e4m3fn", out_dtype="bfloat16")) == fits
     assert not kernels.stock_call(spec(op="allgather", world_size=2, dtype="float8_e4m3fn",
                                        out_dtype="bfloat16", scaling="blockwise"))
+    # reduce_scatter: the same rule as stock_fits for its destinations' shards, every scaling
+    for m, world, fits in ((1000, 1, True), (2048, 2, True), (8192, 4, True), (2000, 2, False),
+                           (1152, 3, True), (1000, 2, False)):
+        for scaling in (None, "rowwise", "blockwise"):
+            assert kernels.stock_call(spec(m=m, n=1024, k=1024, op="reduce_scatter",
+                                           world_size=world, dtype="float8_e4m3fn",
+                                           out_dtype="bfloat16", scaling=scaling)) == fits
+            if fits:
+                tiles = world * -(-(m // world) // 128) * 8
+                rs = Plan(m=m, n=1024, k=1024, op="reduce_scatter", world_size=world,
+                          dtype="float8_e4m3fn", tile=(128, 128), wave_size=128,
+                          schedule=Schedule("n", 2), group_sizes=(tiles,),
+                          out_dtype="bfloat16", layout="rows", scaling=scaling)
+                assert kernels.stock_fits(rs), (m, world, scaling)
 
 
 def test_stock_plans_take_chunks_of_four_bands(monkeypatch):

@@ -247,13 +247,16 @@ def schedule_bands(spec, tile) -> int:
 
 def stock_call(spec) -> bool:
     """Whether a call (an OverlapSpec) may run the stock fp8 builds, as stock_fits expects of
-    it before its plan and scales: fp8 a and b, an op that takes them (stock_op); an
-    allgather's shards of whole row tiles of the stock builds (128 rows) where there are several."""
+    it before its plan and scales: fp8 a and b, an op that takes them (stock_op); where the
+    result's blocks are the ranks' (reduce_scatter's destinations, allgather's sources) and
+    there are several, equal shards of whole row tiles of the stock builds (128 rows)."""
     if not (spec.dtype in FP8_DTYPES and stock_op(spec.op, spec.scaling)):
         return False
-    shard = spec.m // spec.world_size
-    return not (of(spec.op).gathers and spec.world_size > 1
-                and any(shard % tile[0] for tile in STOCK_FP8_CONFIGS[90][None]))
+    if of(spec.op).blocks != "ranks" or spec.world_size == 1:
+        return True
+    tiles = STOCK_FP8_CONFIGS[90]["blockwise" if spec.scaling == "blockwise" else None]
+    shard, rest = divmod(spec.m, spec.world_size)
+    return not rest and not any(shard % tile[0] for tile in tiles)
 
 
 def stock_op(op: str, scaling: str | None = None) -> bool:
