@@ -36,7 +36,9 @@ K tile's promotion with the next one's wgmmas (GemmConfig.block_pipe), "-swN" pl
 raster "n", N bands at a time (e.g. pp-tma-c2x2-sw2: a 2x2 cluster needs pairs of bands),
 "-tMxN" (product variants) plans every shape with an M x N tile instead of default_tile's pick
 and runs the backend's build of it (fp8: the stock kernel where it fits; e.g. product-t128x128
-against product-t128x256 measures the tile costs kernels.default_tile weighs); a
+against product-t128x256 measures the tile costs kernels.default_tile weighs), "-enN" (fp8
+product variants) builds the stock kernel with an epilogue tile N columns wide instead of
+CUTLASS's pick (GemmConfig.stock_epi_n; e.g. product-en64); a
 plan whose order does not fit the cluster runs 1x1, as the backend does (each row's "configs"
 names the build that ran).
 
@@ -132,6 +134,8 @@ class Variant:
     pipe: bool = False  # a "-pipe" name (blk128): the K loop over two partial fragments
     plan_tile: tuple[int, int] | None = None  # product only: a "-tMxN" name plans every shape
     # with that tile (the backend's build of it: stock where it fits), not default_tile's pick
+    stock_epi_n: int = 0  # fp8 product only: an "-enN" name builds the stock kernel with an
+    # epilogue tile N columns wide (GemmConfig.stock_epi_n)
 
     @property
     def planned_tile(self):
@@ -150,7 +154,7 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     base, scale_tma = (base[:-4], False) if base.endswith("-cpa") else (base, True)
     tile_k, cluster, swizzle, stages, scale_warp, prefetch, defer = 0, None, 0, 0, False, False, False
     lockstep = pipe = False
-    plan_tile = None
+    plan_tile, epi_n = None, 0
     while True:  # suffixes, in any order: -k64 (the K tile), -c4x1 (cluster), -sw2 (swizzle),
         head, _, last = base.rpartition("-")  # -s6 (mainloop stages)
         if not head:
@@ -169,6 +173,8 @@ def parse_variant(name: str, product_arch: int) -> Variant:
             base, lockstep = head, True
         elif last == "pipe":
             base, pipe = head, True
+        elif last[:2] == "en" and last[2:].isdigit():
+            base, epi_n = head, int(last[2:])
         elif last[:2] == "sw" and last[2:].isdigit() and int(last[2:]) >= 1:
             base, swizzle = head, int(last[2:])
         elif last[:1] == "c" and _dims(last[1:]):
@@ -183,10 +189,11 @@ def parse_variant(name: str, product_arch: int) -> Variant:
     if base == "product":
         return Variant(name, product_arch, None, signal=signal, cluster=cluster, swizzle=swizzle,
                        stages=stages, scale_warp=scale_warp, item_prefetch=prefetch,
-                       signal_defer=defer, plan_tile=plan_tile)
-    if plan_tile is not None:
-        raise ValueError(f"variant {name!r}: -tMxN (the plans' tile) is for product variants; "
-                         "the other kinds name their tile")
+                       signal_defer=defer, plan_tile=plan_tile, stock_epi_n=epi_n)
+    if plan_tile is not None or epi_n:
+        raise ValueError(f"variant {name!r}: -tMxN (the plans' tile) and -enN (the stock "
+                         "epilogue tile) are for product variants; the other kinds name their "
+                         "tile and epilogue")
     kind, _, epi = base.partition("-")
     if kind not in TILES or not epi:
         raise ValueError(f"variant {name!r}: expected product[-plain] or "
@@ -223,8 +230,9 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         fits = (kernels.stock_fits(plan, scales) if plan is not None
                 else t in kernels.STOCK_FP8_CONFIGS.get(v.arch, {}).get(scaling, {}))
         if fits:
-            return kernels.gemm_config(v.arch, t, dtype, True, cluster, out_dtype=FP8_OUT,
-                                       scaling=scaling, stock=True)
+            cfg = kernels.gemm_config(v.arch, t, dtype, True, cluster, out_dtype=FP8_OUT,
+                                      scaling=scaling, stock=True)
+            return replace(cfg, stock_epi_n=v.stock_epi_n) if v.stock_epi_n else cfg
     cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster,
                               out_dtype=FP8_OUT if fp8 else None, scaling=scaling)
     if v.epilogue is not None:

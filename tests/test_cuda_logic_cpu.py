@@ -5,6 +5,8 @@ cluster build can run (``kernels.cluster_fits``), which GEMM configurations are 
 ``FLASHOVERLAP_CUDA_ARCH``, so nothing asks a device."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -455,6 +457,19 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
         build.GemmConfig(dtype="bf16", stock=True)
     with pytest.raises(ValueError, match="stock"):
         build.GemmConfig(tile_k=128, dtype="e4m3", epilogue="tma", stock=True, scale_warp=True)
+    # the epilogue tile width of a stock build (bench/gemm.py's product-enN): its own name and
+    # macro; refused on other builds and where it does not divide the tile
+    base = kernels.stock_configs(90)[0]
+    wide = replace(base, stock_epi_n=64)
+    assert build.config_name(wide) == build.config_name(base) + "_en64"
+    assert "-DFO_STOCK_EPI_N=64" in build._gemm_job(wide).flags
+    assert not any("FO_STOCK_EPI_N" in f for f in build._gemm_job(base).flags)
+    for bad in (dict(stock_epi_n=48), dict(stock_epi_n=24)):
+        with pytest.raises(ValueError, match="stock_epi_n"):
+            replace(base, **bad)
+    for other in (dict(), dict(dtype="e4m3", tile_k=128, epilogue="tma")):
+        with pytest.raises(ValueError, match="stock_epi_n"):
+            build.GemmConfig(stock_epi_n=64, **other)
 
     def plan(op="allreduce", m=1024, world=1, layout="rows", scaling=None, tile=(128, 128)):
         blocks = world if op == "reduce_scatter" else 1

@@ -96,6 +96,8 @@ class GemmConfig:
     stock: bool = False  # e4m3 (sm90): CUTLASS's own persistent kernel with FlashOverlap's item
     # scheduler and signaling epilogue (gemm_sm90_stock.cu, name suffix _stock): in-place "rows"
     # results only, no unequal blocks; tile_k 128; the epilogue fields do not apply
+    stock_epi_n: int = 0  # stock: the width of CUTLASS's epilogue tile (FO_STOCK_EPI_N, name
+    # suffix _enN; 64 rows pingpong, 128 cooperative); 0: its EpilogueTileAuto (64x32, 128x32)
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu, stock:
     # gemm_sm90_stock_ex_scaled.cu) adds fo_gemm_run_ex_scaled, the GEMM whose items wait for
     # their rows, with scales (no -D macro: the source alone tells it apart, so every other
@@ -170,8 +172,9 @@ class GemmConfig:
             out = [] if self.fast_accum else ["fast_accum applies to e4m3 builds"]
             if self.block_scaled or not self.scale_tma or self.scale_warp:
                 out.append("block_scaled, scale_tma and scale_warp apply to e4m3 builds")
-            if self.stock:
-                out.append("stock (CUTLASS's kernel, gemm_sm90_stock.cu) is for e4m3 builds")
+            if self.stock or self.stock_epi_n:
+                out.append("stock (CUTLASS's kernel, gemm_sm90_stock.cu) and its stock_epi_n are "
+                           "for e4m3 builds")
             if self.gather:
                 out.append("gather applies to e4m3 builds (a 16-bit allgather runs "
                            "fo_gemm_run_ex, which every build has)")
@@ -216,6 +219,11 @@ class GemmConfig:
             if self.block_scaled and self.tile_n % 128:
                 out.append(f"stock block_scaled needs whole 128-column blocks of b per tile, got "
                            f"tile_n {self.tile_n}")
+        if self.stock_epi_n and not (self.stock and self.stock_epi_n % 16 == 0
+                                     and self.tile_n % self.stock_epi_n == 0):
+            out.append(f"stock_epi_n (the stock build's epilogue tile width) needs stock=True, a "
+                       f"multiple of 16 that divides tile_n, got {self.stock_epi_n} with "
+                       f"stock={self.stock}, tile_n={self.tile_n}")
         return out
 
     @property
@@ -272,7 +280,7 @@ def config_name(config: GemmConfig) -> str:
     if config.gather:
         name += "_gather"
     if config.stock:
-        name += "_stock"
+        name += "_stock" + (f"_en{config.stock_epi_n}" if config.stock_epi_n else "")
     return name
 
 
@@ -412,7 +420,8 @@ def gemm_defines(config: GemmConfig) -> list[str]:
         ["-DFO_ITEM_PREFETCH=1"] if config.item_prefetch else []) + (
         ["-DFO_WG_DEFER=1"] if config.signal_defer else []) + (
         ["-DFO_BLOCK_LOCKSTEP=1"] if config.block_lockstep else []) + (
-        ["-DFO_BLOCK_PIPE=1"] if config.block_pipe else [])
+        ["-DFO_BLOCK_PIPE=1"] if config.block_pipe else []) + (
+        [f"-DFO_STOCK_EPI_N={config.stock_epi_n}"] if config.stock_epi_n else [])
 
 
 @dataclass(frozen=True)

@@ -484,9 +484,16 @@ using KernelSchedule = cute::conditional_t<kPingpong,
 using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
                                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
+// The epilogue's tile: CUTLASS's choice (64x32 pingpong, 128x32 cooperative for 16-bit D), or
+// FO_STOCK_EPI_N columns wide (GemmConfig.stock_epi_n): fewer, larger TMA stores per tile.
+#ifdef FO_STOCK_EPI_N
+using EpilogueTile = Shape<Int<kPingpong ? 64 : 128>, Int<FO_STOCK_EPI_N>>;
+#else
+using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+#endif
 using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlignD,
+    EpilogueTile, float, float, void, LayoutD, kAlignD,
     ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 using Epilogue = SignalEpilogue<StockEpilogue>;
 
