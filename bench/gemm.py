@@ -220,7 +220,7 @@ def product_build(v: Variant) -> bool:
 
 
 def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=None, plan=None,
-                   scales=None):
+                   scales=None, k=None):
     """The build of variant ``v``; an fp8 product's is CUTLASS's kernel (GemmConfig.stock)
     where the backend would run it (kernels.stock_fits of ``plan`` and the kernel's
     ``scales``; without a plan, wherever its tile has a stock build)."""
@@ -229,9 +229,10 @@ def variant_config(kernels, v: Variant, dtype: str, cluster, tile=None, scaling=
         t = tuple(tile or v.tile)
         fits = (kernels.stock_fits(plan, scales) if plan is not None
                 else t in kernels.STOCK_FP8_CONFIGS.get(v.arch, {}).get(scaling, {}))
-        if fits:
+        if fits:  # (the backend's epilogue tile for the plan's K, or the variant's -enN)
             cfg = kernels.gemm_config(v.arch, t, dtype, True, cluster, out_dtype=FP8_OUT,
-                                      scaling=scaling, stock=True)
+                                      scaling=scaling, stock=True,
+                                      k=plan.k if plan is not None else k)
             return replace(cfg, stock_epi_n=v.stock_epi_n) if v.stock_epi_n else cfg
     cfg = kernels.gemm_config(v.arch, tile or v.tile, dtype, True, cluster,
                               out_dtype=FP8_OUT if fp8 else None, scaling=scaling)
@@ -296,7 +297,8 @@ def needed_configs(kernels, variants, dtypes, shapes, scaling=None):
                      else sorted(kernels.supported_tiles(v.arch, scaling, dtype)))
             picks = {(t, c) for t in tiles
                      for c in (v.cluster or kernels.preferred_cluster(v.arch, t), (1, 1))}
-            out += [variant_config(kernels, v, dtype, c, t, scaling) for t, c in sorted(picks)]
+            out += [variant_config(kernels, v, dtype, c, t, scaling, k=k)
+                    for t, c in sorted(picks) for k in sorted({shape[2] for shape in shapes})]
     return list(dict.fromkeys(out))
 
 

@@ -445,10 +445,23 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
 
     monkeypatch.setenv(ENV_ARCH, "90")
     stock = {build.config_name(c) for c in kernels.all_configs([90]) if c.stock}
-    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma{gather}_stock"
+    # (tensor-/row-wise also with the short-K epilogue tile: kernels.stock_epi_n)
+    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma{gather}_stock{wide}"
                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
-                     for kind, gather in (("pingpong", ""), ("cooperative_block128", ""),
-                                          ("pingpong", "_gather"))}
+                     for kind, gather, wide in (("pingpong", "", ""), ("pingpong", "", "_en64"),
+                                                ("cooperative_block128", "", ""),
+                                                ("pingpong", "_gather", ""),
+                                                ("pingpong", "_gather", "_en64"))}
+    # which epilogue tile a plan's K gets: 64 columns below STOCK_WIDE_EPILOGUE_K, tensor- and
+    # row-wise only
+    for k, scaling, want in ((1024, None, 64), (1536, "rowwise", 64), (2047, None, 64),
+                             (2048, None, 0), (8192, "rowwise", 0), (1024, "blockwise", 0),
+                             (None, None, 0)):
+        cfg = kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1),
+                                  out_dtype="bfloat16", scaling=scaling, stock=True, k=k)
+        assert cfg.stock_epi_n == want == kernels.stock_epi_n(k, scaling == "blockwise"), k
+    assert kernels.gemm_config(90, (128, 128), "float8_e4m3fn", True, (2, 1), k=1024,
+                               out_dtype="bfloat16").stock_epi_n == 0  # gemm_sm90.cu's build
     for c in kernels.stock_configs(90):
         source = "gemm_sm90_stock_ex_scaled.cu" if c.gather else "gemm_sm90_stock.cu"
         assert build.gemm_source(c) == source and not c.problems()
@@ -764,3 +777,27 @@ def test_reserved_sms_and_nccl_ctas_defaults(monkeypatch):
         with pytest.raises(ValueError, match=name):
             ds.overlap_nccl_ctas(2)
         monkeypatch.delenv(name)
+
+
+def test_stock_plans_take_the_epilogue_tile_of_their_k(monkeypatch):
+    """gemm_for (what every call path launches) asks for the stock build with the epilogue
+    tile of the plan's K (kernels.stock_epi_n): 64 columns below STOCK_WIDE_EPILOGUE_K
+    (allgather's waiting build too), CUTLASS's own from there on and for block-wise plans."""
+    from flashoverlap_backends.cuda.device_state import PlanTables
+    from flashoverlap_backends.cuda.gemm import Gemms
+    from flashoverlap_core.plan import Plan
+    from flashoverlap_core.tiles import Schedule
+
+    monkeypatch.setenv(ENV_ARCH, "90")
+    monkeypatch.setattr(kernels, "gemm_library", lambda config: config)
+    for k, scaling, gather, want in ((1024, None, False, 64), (1536, "rowwise", True, 64),
+                                     (4096, "rowwise", False, 0), (1024, "blockwise", False, 0)):
+        plan = Plan(m=1024, n=1024, k=k, op="allreduce", world_size=1, dtype="float8_e4m3fn",
+                    tile=(128, 128), wave_size=128, schedule=Schedule("n", 4),
+                    group_sizes=(64,), out_dtype="bfloat16", layout="rows", scaling=scaling)
+        items, groups = plan.item_table()
+        tables = PlanTables(items, items, groups, torch.zeros(1, dtype=torch.int32))
+        b = torch.empty(1024, k, dtype=torch.float8_e4m3fn).t()
+        config, col, gpu = Gemms.gemm_for(plan, tables, b, gather=gather)
+        assert config.stock and col and gpu == 90, (k, scaling)
+        assert config.stock_epi_n == want and config.gather == gather, (k, scaling)

@@ -178,7 +178,7 @@ class Gemms:
         stock = gpu == 90 and col and aligned and kernels.stock_fits(plan, scales)
         config = kernels.gemm_config(gpu, plan.tile, plan.dtype, col, cluster,
                                      out_dtype=plan.out_dtype, scaling=plan.scaling,
-                                     gather=gather, stock=stock)
+                                     gather=gather, stock=stock, k=plan.k)
         return kernels.gemm_library(config), col, gpu
 
     def launch_gemm(self, plan, a: torch.Tensor, b: torch.Tensor, packed: torch.Tensor, *,

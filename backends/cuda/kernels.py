@@ -92,6 +92,18 @@ STOCK_FP8_CONFIGS = {
     90: {None: {(128, 128): Kernel(128, (2, 1), "pingpong", "tma")},
          "blockwise": {(128, 128): Kernel(128, (2, 1), "cooperative", "tma")}},
 }
+# The stock tensor-/row-wise (pingpong) builds' epilogue tile where K is short: 64 columns wide
+# (GemmConfig.stock_epi_n) below STOCK_WIDE_EPILOGUE_K, CUTLASS's own 64x32 from there on. At
+# K = 1024 a tile's main loop takes about as long as its epilogue, which the other warpgroup's
+# main loop then no longer hides; the wider tile halves the epilogue's rounds (stmatrix, named
+# barrier, TMA store). One H100, the full default `bench/gemm.py --fp8 --variants
+# product-en64` (bench/results/gemm-fp8-h100-20261206-165441.json): row-wise 0.951 -> 0.981,
+# 0.958 -> 0.987, 0.979 -> 1.002 at K = 1024 and 0.994 -> 1.027 at K = 1536, tensor-wise 1.5-3.5%
+# faster there; at K >= 2048 from 0.9% slower to 0.4% faster (median of those rows lower).
+# Block-wise (cooperative) moved by at most 0.01 either way at K <= 1536 and keeps CUTLASS's
+# tile (csrc/cuda/NOTES.md, "The stock build's epilogue tile").
+STOCK_WIDE_EPILOGUE = 64
+STOCK_WIDE_EPILOGUE_K = 2048
 DEFAULT_TILE = {90: (128, 256), 80: (128, 128)}
 DEFAULT_BANDS = 8  # row bands per chunk of a plan's order (schedule_bands)
 # The stock builds' plans (fp8 128x128): 4 bands. The full row-wise set on an H100
@@ -327,13 +339,14 @@ def cluster_fits(items, cluster: tuple[int, int]) -> bool:
 def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                 blocks: bool = False, out_dtype: str | None = None,
                 scaling: str | None = None, gather: bool = False,
-                stock: bool = False) -> build.GemmConfig:
+                stock: bool = False, k: int | None = None) -> build.GemmConfig:
     """The build of ``tile`` on ``arch`` for a and b in ``dtype``; fp8 (FP8_DTYPES) with the
     result in ``out_dtype``, block-scaled for ``scaling`` "blockwise". ``blocks``: one that
     also takes destination blocks of unequal rows (all_to_all's per-call layout; other calls
     keep the plain build, whose producer warps do not pay for that branch). ``gather``:
     allgather's; fp8 then has a build of its own (fo_gemm_run_ex_scaled: the waiting GEMM with
-    scales), 16-bit dtypes the plain one (fo_gemm_run_ex)."""
+    scales), 16-bit dtypes the plain one (fo_gemm_run_ex). ``stock``: CUTLASS's kernel, with
+    the epilogue tile stock_epi_n gives for the plan's ``k`` (None: CUTLASS's own)."""
     block_scaled = dtype in FP8_DTYPES and scaling == "blockwise"
     if stock:  # CUTLASS's kernel (STOCK_FP8_CONFIGS): its own epilogue and stages
         kernel = STOCK_FP8_CONFIGS[arch]["blockwise" if block_scaled else None][tuple(tile)]
@@ -341,7 +354,8 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                                 cluster_m=cluster[0], cluster_n=cluster[1], dtype=dtype,
                                 b_col_major=b_col_major, schedule=kernel.schedule,
                                 epilogue="tma", out_dtype=out_dtype or "",
-                                block_scaled=block_scaled, gather=gather, stock=True)
+                                block_scaled=block_scaled, gather=gather, stock=True,
+                                stock_epi_n=stock_epi_n(k, block_scaled))
     table = FP8_BLOCK_CONFIGS if block_scaled else FP8_CONFIGS if dtype in FP8_DTYPES else CONFIGS
     kernel = table[arch][tuple(tile)]
     epilogue = epilogue_override(arch) or kernel.epilogue
@@ -354,6 +368,14 @@ def gemm_config(arch: int, tile, dtype: str, b_col_major: bool, cluster=(1, 1),
                             gather=gather and dtype in FP8_DTYPES,
                             scale_warp=kernel.scale_warp,
                             block_lockstep=kernel.block_lockstep and block_scaled)
+
+
+def stock_epi_n(k: int | None, block_scaled: bool = False) -> int:
+    """The epilogue tile width of the stock build for a plan of ``k`` (GemmConfig.stock_epi_n):
+    STOCK_WIDE_EPILOGUE for tensor-/row-wise K below STOCK_WIDE_EPILOGUE_K, else 0 (CUTLASS's)."""
+    if block_scaled or k is None or k >= STOCK_WIDE_EPILOGUE_K:
+        return 0
+    return STOCK_WIDE_EPILOGUE
 
 
 def all_configs(archs) -> list[build.GemmConfig]:
@@ -388,16 +410,19 @@ def all_configs(archs) -> list[build.GemmConfig]:
 
 def stock_configs(arch: int) -> list[build.GemmConfig]:
     """The stock fp8 builds (STOCK_FP8_CONFIGS): either result dtype, each scaling's tiles, the
-    preferred and the 1x1 cluster; tensor- and row-wise also allgather's (stock_op)."""
+    preferred and the 1x1 cluster; tensor- and row-wise also allgather's (stock_op), and each
+    of those with the short-K epilogue tile too (stock_epi_n)."""
     out = []
     for scaling, tiles in STOCK_FP8_CONFIGS.get(arch, {}).items():
         for tile, kernel in tiles.items():
             for dtype in FP8_DTYPES:
                 for result in DTYPES:
                     for gather in (False, True) if stock_op("allgather", scaling) else (False,):
-                        out += [gemm_config(arch, tile, dtype, True, c, out_dtype=result,
-                                            scaling=scaling, gather=gather, stock=True)
-                                for c in dict.fromkeys([kernel.cluster, (1, 1)])]
+                        # k: the long-K and the short-K epilogue tile (one build if the same)
+                        out += dict.fromkeys(
+                            gemm_config(arch, tile, dtype, True, c, out_dtype=result,
+                                        scaling=scaling, gather=gather, stock=True, k=k)
+                            for k in (None, 1) for c in dict.fromkeys([kernel.cluster, (1, 1)]))
     return out
 
 
