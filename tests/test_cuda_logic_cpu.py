@@ -446,7 +446,7 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
     monkeypatch.setenv(ENV_ARCH, "90")
     stock = {build.config_name(c) for c in kernels.all_configs([90]) if c.stock}
     # (tensor-/row-wise also with the short-K epilogue tile: kernels.stock_epi_n)
-    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma{gather}_stock{wide}"
+    assert stock == {f"sm90_e4m3_{o}_bcol_128x128x128_{c}_{kind}_etma{wide}{gather}_stock"
                      for o in ("bf16", "fp16") for c in ("c2x1", "c1x1")
                      for kind, gather, wide in (("pingpong", "", ""), ("pingpong", "", "_en64"),
                                                 ("cooperative_block128", "", ""),
@@ -474,7 +474,14 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
     # macro; refused on other builds and where it does not divide the tile
     base = kernels.stock_configs(90)[0]
     wide = replace(base, stock_epi_n=64)
-    assert build.config_name(wide) == build.config_name(base) + "_en64"
+    # (the names still end in "_stock": kernels.is_stock reads a loaded object's name)
+    assert build.config_name(wide) == build.config_name(base).replace("_stock", "_en64_stock")
+    from types import SimpleNamespace
+
+    for c in kernels.all_configs([90]):
+        job = build._gemm_job(c)
+        loaded = SimpleNamespace(path=f"/cache/cuda/{job.name}-{build._digest(job)}-c3e76baf.so")
+        assert kernels.is_stock(loaded) == c.stock, job.name
     assert "-DFO_STOCK_EPI_N=64" in build._gemm_job(wide).flags
     assert not any("FO_STOCK_EPI_N" in f for f in build._gemm_job(base).flags)
     for bad in (dict(stock_epi_n=48), dict(stock_epi_n=24)):

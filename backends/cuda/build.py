@@ -96,8 +96,9 @@ class GemmConfig:
     stock: bool = False  # e4m3 (sm90): CUTLASS's own persistent kernel with FlashOverlap's item
     # scheduler and signaling epilogue (gemm_sm90_stock.cu, name suffix _stock): in-place "rows"
     # results only, no unequal blocks; tile_k 128; the epilogue fields do not apply
-    stock_epi_n: int = 0  # stock: the width of CUTLASS's epilogue tile (FO_STOCK_EPI_N, name
-    # suffix _enN; 64 rows pingpong, 128 cooperative); 0: its EpilogueTileAuto (64x32, 128x32)
+    stock_epi_n: int = 0  # stock: the width of CUTLASS's epilogue tile (FO_STOCK_EPI_N, "_enN"
+    # in the name before "_stock"; 64 rows pingpong, 128 cooperative); 0: its EpilogueTileAuto
+    # (64x32, 128x32)
     gather: bool = False  # e4m3 for allgather: its source (gemm_sm90_ex_scaled.cu, stock:
     # gemm_sm90_stock_ex_scaled.cu) adds fo_gemm_run_ex_scaled, the GEMM whose items wait for
     # their rows, with scales (no -D macro: the source alone tells it apart, so every other
@@ -275,12 +276,14 @@ def config_name(config: GemmConfig) -> str:
         name += "_dsig"
     if config.epilogue != "direct":
         name += f"_e{config.epilogue}{config.epi_slots or ''}"
+    if config.stock_epi_n:  # (before _gather and _stock: names end in "_stock", "_gather_stock")
+        name += f"_en{config.stock_epi_n}"
     if config.blocks:
         name += "_blocks"
     if config.gather:
         name += "_gather"
     if config.stock:
-        name += "_stock" + (f"_en{config.stock_epi_n}" if config.stock_epi_n else "")
+        name += "_stock"
     return name
 
 
