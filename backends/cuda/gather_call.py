@@ -62,7 +62,7 @@ from . import kernels, nccl
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, SCALE_BLOCKS, PlanTables, _current_device,
                            gemm_scales, kernel_scale, reserved_sms, scale_modes)
-from .gemm import Gemms, a_operand, b_operand, padded_k, stock_aligned, workspace
+from .gemm import Gemms, a_operand, b_operand, into_aligned, padded_k, stock_aligned, workspace
 
 ENV_LOOPBACK = "FLASHOVERLAP_CUDA_GATHER_LOOPBACK"
 ENV_DELAY = "FLASHOVERLAP_CUDA_GATHER_DELAY_US"
@@ -333,10 +333,8 @@ class CudaGatherCall(NativeCall, PreparedCall):
         if _current_device() != self.index:
             with torch.cuda.device(self.device):
                 return self._run(a, b, out, scales)
-        if self.stock and not stock_aligned(out, None, False):  # on an aligned copy, then out
-            result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            self._run(a, b, result, scales)
-            return out.copy_(result)
+        if self.stock and not stock_aligned(out, None, False):
+            return into_aligned(out, lambda target: self._run(a, b, target, scales))
         stream = self.current_stream(self.index)
         if not self.gathers:
             return self.run_plain(a, b, out, stream, scales)

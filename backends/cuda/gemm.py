@@ -64,6 +64,18 @@ def stock_aligned(out: torch.Tensor, scale_a: torch.Tensor | None, blockwise: bo
         not blockwise or scale_a is None or scale_a.data_ptr() % ALIGN_BYTES == 0)
 
 
+def into_aligned(out: torch.Tensor, run):
+    """``run(target)`` into a 16-byte aligned target, as a stock build's TMA map of the result
+    needs: ``out`` itself where its base is aligned, else a fresh tensor copied into ``out``
+    after. Returns ``out``."""
+    if out.data_ptr() % ALIGN_BYTES == 0:
+        run(out)
+        return out
+    result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    run(result)
+    return out.copy_(result)
+
+
 def a_operand(a: torch.Tensor, k: int) -> torch.Tensor:
     """a as the kernel reads it: rows of ``k`` elements, zero-padded beyond a's K (zeros add
     nothing to the products), 16-byte aligned (a copy when needed)."""

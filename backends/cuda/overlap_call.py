@@ -21,7 +21,7 @@ from .add_rmsnorm import DTYPE_CODES, band_table, residual_operand, weight_opera
 from .call_base import CallState, NativeCall, WarmUps, new_description
 from .device_state import (ALIGN_BYTES, NCCL_DTYPES, _current_device, kernel_scale,
                            overlap_nccl_ctas, replay_graphs, scale_modes, wait_mode)
-from .gemm import Gemms, Operands, bases_aligned, stock_aligned, workspace
+from .gemm import Gemms, Operands, bases_aligned, into_aligned, stock_aligned, workspace
 from .runtime import WAIT_MODES
 
 # What an op's collective (flashoverlap_core.ops) is to the native call: fo_call_desc.collective
@@ -272,11 +272,7 @@ class CudaCall(NativeCall, PreparedCall):
         if self.blockwise and scale_a.data_ptr() % ALIGN_BYTES:
             scale_a = torch.empty_strided(scale_a.shape, scale_a.stride(), dtype=scale_a.dtype,
                                           device=scale_a.device).copy_(scale_a)
-        if out.data_ptr() % ALIGN_BYTES == 0:
-            return self._run(a, b, out, op, (scale_a, scale_b))
-        result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        self._run(a, b, result, op, (scale_a, scale_b))
-        return out.copy_(result)
+        return into_aligned(out, lambda target: self._run(a, b, target, op, (scale_a, scale_b)))
 
     def _run(self, a, b, out, op, scales=None):
         """Every other case: another device current, a first call, copied operands, the
