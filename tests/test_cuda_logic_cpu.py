@@ -474,14 +474,27 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
     # macro; refused on other builds and where it does not divide the tile
     base = kernels.stock_configs(90)[0]
     wide = replace(base, stock_epi_n=64)
-    # (the names still end in "_stock": kernels.is_stock reads a loaded object's name)
     assert build.config_name(wide) == build.config_name(base).replace("_stock", "_en64_stock")
+    # kernels.is_stock asks the configuration a library was loaded from, not its name
     from types import SimpleNamespace
 
-    for c in kernels.all_configs([90]):
-        job = build._gemm_job(c)
-        loaded = SimpleNamespace(path=f"/cache/cuda/{job.name}-{build._digest(job)}-c3e76baf.so")
-        assert kernels.is_stock(loaded) == c.stock, job.name
+    class FakeLibrary:
+        def __init__(self, path):
+            self.path = path
+
+        def load_kernels(self):
+            pass
+
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(kernels, "_configs", {})
+    monkeypatch.setattr(kernels, "runtime_library", lambda: SimpleNamespace(GemmLibrary=FakeLibrary))
+    monkeypatch.setattr(build, "build_gemm", lambda c: f"/cache/cuda/{build.config_name(c)}.so")
+    for c in kernels.all_configs([90]) + [wide]:
+        lib = kernels.gemm_library(c)
+        assert kernels.gemm_library(c) is lib and kernels.config_of(lib) == c
+        assert kernels.is_stock(lib) == c.stock, build.config_name(c)
+    with pytest.raises(ValueError, match="gemm_library"):
+        kernels.is_stock(FakeLibrary("/elsewhere/sm90_e4m3_stock-0.so"))
     assert "-DFO_STOCK_EPI_N=64" in build._gemm_job(wide).flags
     assert not any("FO_STOCK_EPI_N" in f for f in build._gemm_job(base).flags)
     for bad in (dict(stock_epi_n=48), dict(stock_epi_n=24)):

@@ -115,6 +115,7 @@ CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either clust
 
 _lock = threading.Lock()
 _loaded: dict = {}
+_configs: dict = {}  # id of a GemmLibrary in _loaded (kept for the process) -> its GemmConfig
 
 __all__ = ["WAIT_MODES", "DTYPES", "gemm_library", "runtime_library", "toolchain_problem"]
 
@@ -316,9 +317,17 @@ def stock_fits(plan, scales=None) -> bool:
     return a_ok and b_ok
 
 
+def config_of(gemm) -> build.GemmConfig:
+    """The configuration a GemmLibrary was loaded from (by gemm_library)."""
+    config = _configs.get(id(gemm))
+    if config is None:
+        raise ValueError(f"{gemm!r} was not loaded by kernels.gemm_library")
+    return config
+
+
 def is_stock(gemm) -> bool:
-    """Whether a loaded GemmLibrary is a stock build (its object's name: build.config_name)."""
-    return "_stock-" in os.path.basename(gemm.path)
+    """Whether a loaded GemmLibrary is a stock build (GemmConfig.stock)."""
+    return config_of(gemm).stock
 
 
 def cluster_fits(items, cluster: tuple[int, int]) -> bool:
@@ -460,7 +469,13 @@ def _load(key, make):
 def gemm_library(config: build.GemmConfig):
     """The runtime's ``GemmLibrary`` of ``config`` (csrc/cuda/runtime_binding.cpp)."""
     native = runtime_library()
-    return _load(config, lambda: native.GemmLibrary(str(build.build_gemm(config))))
+
+    def make():
+        lib = native.GemmLibrary(str(build.build_gemm(config)))
+        _configs[id(lib)] = config
+        return lib
+
+    return _load(config, make)
 
 
 def runtime_library() -> ModuleType:
