@@ -469,13 +469,9 @@ def _load(key, make):
 def gemm_library(config: build.GemmConfig):
     """The runtime's ``GemmLibrary`` of ``config`` (csrc/cuda/runtime_binding.cpp)."""
     native = runtime_library()
-
-    def make():
-        lib = native.GemmLibrary(str(build.build_gemm(config)))
-        _configs[id(lib)] = config
-        return lib
-
-    return _load(config, make)
+    lib = _load(config, lambda: native.GemmLibrary(str(build.build_gemm(config))))
+    _configs[id(lib)] = config  # (once loaded: _loaded keeps it, so its id stays its own)
+    return lib
 
 
 def runtime_library() -> ModuleType:
