@@ -486,8 +486,8 @@ def test_fp8_stock_builds_and_where_they_run(monkeypatch):
             pass
 
     monkeypatch.setattr(kernels, "_loaded", {})
-    monkeypatch.setattr(kernels, "_configs", {})
-    monkeypatch.setattr(kernels, "runtime_library", lambda: SimpleNamespace(GemmLibrary=FakeLibrary))
+    fake_runtime = SimpleNamespace(GemmLibrary=FakeLibrary)
+    monkeypatch.setattr(kernels, "runtime_library", lambda: fake_runtime)
     monkeypatch.setattr(build, "build_gemm", lambda c: f"/cache/cuda/{build.config_name(c)}.so")
     for c in kernels.all_configs([90]) + [wide]:
         lib = kernels.gemm_library(c)

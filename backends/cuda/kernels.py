@@ -114,8 +114,7 @@ STOCK_BANDS = 4
 CTA_MULTIPLE = 2  # grids stay even so that a plan's wave size fits either cluster build
 
 _lock = threading.Lock()
-_loaded: dict = {}
-_configs: dict = {}  # id of a GemmLibrary in _loaded (kept for the process) -> its GemmConfig
+_loaded: dict = {}  # GemmConfig -> its GemmLibrary, "runtime" -> the runtime module
 
 __all__ = ["WAIT_MODES", "DTYPES", "gemm_library", "runtime_library", "toolchain_problem"]
 
@@ -318,9 +317,10 @@ def stock_fits(plan, scales=None) -> bool:
 
 
 def config_of(gemm) -> build.GemmConfig:
-    """The configuration a GemmLibrary was loaded from (by gemm_library)."""
-    config = _configs.get(id(gemm))
-    if config is None:
+    """The configuration a GemmLibrary was loaded from (by gemm_library: its key in _loaded)."""
+    with _lock:
+        config = next((key for key, lib in _loaded.items() if lib is gemm), None)
+    if not isinstance(config, build.GemmConfig):
         raise ValueError(f"{gemm!r} was not loaded by kernels.gemm_library")
     return config
 
@@ -469,9 +469,7 @@ def _load(key, make):
 def gemm_library(config: build.GemmConfig):
     """The runtime's ``GemmLibrary`` of ``config`` (csrc/cuda/runtime_binding.cpp)."""
     native = runtime_library()
-    lib = _load(config, lambda: native.GemmLibrary(str(build.build_gemm(config))))
-    _configs[id(lib)] = config  # (once loaded: _loaded keeps it, so its id stays its own)
-    return lib
+    return _load(config, lambda: native.GemmLibrary(str(build.build_gemm(config))))
 
 
 def runtime_library() -> ModuleType:

@@ -20,13 +20,13 @@ from .plugin import settings
 
 OUT = ("bfloat16", "float16")
 RTOL = {"bfloat16": 2e-2, "float16": 4e-3}  # of the largest |reference| (or term of a sum)
-# fp8 products on accelerators accumulate fast (torch._scaled_mm's use_fast_accum, the native
-# kernels' tensor-/row-wise builds; block-wise ones promote every 128 along K and the
-# reference and decomposition dequantize): Hopper's fp8 MMA adds each 32 products into the
-# running sum keeping about 14 bits of it, so the error grows with K, relative to the partial
-# sums' size. Allowed per MMA of 32 along K, tensor- and row-wise: 2^-13 of the largest term. (One H100, W = 4 reduce_scatter,
-# fp16 out, 8x127x4097: 3.1 off a sum of 322 whose terms reach 444, 1.0% of it, beyond
-# RTOL's 4e-3 alone.)
+# fp8 products on accelerators accumulate fast (torch._scaled_mm's use_fast_accum, a
+# backend's tensor-/row-wise kernels; block-wise ones promote every 128 along K, and the
+# reference and decomposition dequantize): an fp8 MMA that adds each 32 products into the
+# running sum keeps about 14 bits of it, so the error grows with K, relative to the partial
+# sums' size. Allowed per MMA of 32 along K, tensor- and row-wise: 2^-13 of the largest term.
+# (Seen: W = 4 reduce_scatter, fp16 out, 8x127x4097: 3.1 off a sum of 322 whose terms reach
+# 444, 1.0% of it, beyond RTOL's 4e-3 alone; docs/results.md, "fp8 e4m3 with scales".)
 FAST_ACCUM_ULP = 2.0 ** -13
 FP8_DTYPE_NAME = FP8_DTYPE_NAMES[0] if FP8_DTYPE_NAMES else None
 
